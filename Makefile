@@ -1,0 +1,21 @@
+# Set-up is part of each target: the first run installs lmlab and its pinned dependencies.
+PYTHON ?= python
+
+
+.PHONY: install train test test-all bench
+
+install:
+	@$(PYTHON) -c "import lmlab, lightning, hydra, pytest, transformers" 2>/dev/null || \
+		$(PYTHON) -m pip install -q -e '.[dev]'
+
+train: install
+	$(PYTHON) train.py $(ARGS)
+
+test: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(ARGS)
+
+test-all: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" $(ARGS)
+
+bench: install
+	$(PYTHON) -m lmlab.bench $(ARGS)

@@ -1,0 +1,40 @@
+"""python eval.py run=<run dir> | compare=<multirun dir> — evaluate a run, or compare the runs of a sweep."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+# `rope_scaling=none,linear` reads as a Hydra sweep; for eval it is one list of methods to compare.
+sys.argv = [f"{a.split('=', 1)[0]}=[{a.split('=', 1)[1]}]"
+            if a.split("=", 1)[0] in ("rope_scaling", "lengths") and "," in a and "[" not in a else a
+            for a in sys.argv]
+
+
+@hydra.main(config_path="conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+    if cfg.compare:
+        from lmlab.compare import compare
+
+        _, md = compare(cfg.compare)
+        print(md + f"\n-> {Path(cfg.compare) / 'compare.md'}, {Path(cfg.compare) / 'plots'}/")
+        return
+    if not cfg.run:
+        raise SystemExit("eval.py needs run=<run dir> or compare=<multirun dir>")
+    from lmlab.evaluate import evaluate
+
+    listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
+    out = Path(cfg.out or Path(cfg.run) / "eval")
+    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.rope_scaling),
+                      allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out)
+    print((out / "eval.md").read_text() + f"\n-> {out}/")
+
+
+if __name__ == "__main__":
+    main()

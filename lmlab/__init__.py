@@ -1,0 +1,53 @@
+"""lmlab: a config-driven laboratory for GPT-style architecture ablations.
+
+    from lmlab import compose, build_model
+    cfg = compose(["norm=rms", "ffn=swiglu", "position=rope"])
+    model = build_model(cfg)          # model(idx) -> logits (B, T, vocab)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from torch import nn
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
+    """The config `train.py` would see for these command-line overrides (no Hydra CLI, no run dir)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
+    """The GPT `train.py` would build for `cfg`. The vocabulary size comes from `vocab_size`, else
+    `cfg.model.vocab_size`, else the configured tokenizer (which loads the corpus, cached after the first time)."""
+    from lmlab.config import arch_config
+    from lmlab.model.gpt import GPT
+
+    if vocab_size is None and cfg.model.get("vocab_size") is None:
+        from omegaconf import OmegaConf
+
+        from lmlab.data.datamodule import TextDataModule
+        from lmlab.training import setup_env
+
+        setup_env(cfg)
+        data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                              seed=cfg.seed)
+        data.prepare_data()
+        data.setup("fit")
+        vocab_size = data.vocab_size
+    return GPT(arch_config(cfg, vocab_size=vocab_size).validate())
+
+
+__all__ = ["compose", "build_model"]

@@ -1,0 +1,103 @@
+"""GPTConfig: the sizes and one spec per architecture axis, with every derived size worked out once.
+
+`arch_config(cfg)` gathers the flat Hydra groups (`cfg.model`, `cfg.norm`, `cfg.placement`, ...) into one
+GPTConfig; that plain dict is what checkpoints and summaries store, so a run can be rebuilt without `conf/`.
+`validate()` resolves every name and key and builds the model on the meta device, so bad input fails before
+any data is loaded or any step is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCH_GROUPS = ("norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    n_kv_head: int | None = None  # key/value heads for attention=gqa
+    max_seq_len: int = 128  # the length the model runs at (its learned table size, the RoPE scaling target)
+    train_len: int | None = None  # the length it was trained at (None: max_seq_len); differs after extension
+    dropout: float = 0.0
+    bias: bool = False  # biases in every Linear (GPT-2: True)
+    tie_embeddings: bool = True
+    norm: dict = field(default_factory=lambda: {"name": "rms"})
+    placement: dict = field(default_factory=lambda: {"name": "pre"})
+    activation: dict = field(default_factory=lambda: {"name": "gelu"})
+    ffn: dict = field(default_factory=lambda: {"name": "mlp", "hidden_mult": 4, "multiple_of": 64})
+    position: dict = field(default_factory=lambda: {"name": "rope"})
+    rope_scaling: dict = field(default_factory=lambda: {"name": "none"})
+    attention: dict = field(default_factory=lambda: {"name": "mha"})
+    init: dict = field(default_factory=lambda: {"name": "gpt2"})
+
+    def __post_init__(self) -> None:
+        from lmlab.model.attention import ATTENTIONS
+        from lmlab.model.ffn import FFNS
+        from lmlab.registry import option_params
+
+        for group in ARCH_GROUPS:  # plain dicts, whatever mapping type came in (OmegaConf, a dataclass field, ...)
+            setattr(self, group, dict(getattr(self, group)))
+        if self.train_len is None:
+            self.train_len = self.max_seq_len
+        for key in ("n_layer", "d_model", "n_head", "max_seq_len", "vocab_size"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be a positive integer (got {getattr(self, key)!r})")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                             f"choose n_head among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}")
+        self.head_dim = self.d_model // self.n_head
+
+        attn_name, _ = option_params("attention", ATTENTIONS, self.attention)
+        self.kv_heads = ATTENTIONS[attn_name].kv_heads(self.n_head, self.n_kv_head)
+        if self.kv_heads < 1 or self.n_head % self.kv_heads:
+            raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head} (attention="
+                             f"{attn_name}); choose among {[h for h in range(1, self.n_head + 1) if self.n_head % h == 0]}")
+
+        # The FFN's hidden size: hidden_mult · d_model, times the option's parameter-matching ratio, rounded.
+        self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in ("hidden_mult", "multiple_of")}
+        ffn_name, _ = option_params("ffn", FFNS, self.ffn_spec)
+        multiple_of = self.ffn.get("multiple_of", 64)
+        raw = FFNS[ffn_name].hidden_ratio * self.ffn.get("hidden_mult", 4) * self.d_model
+        self.ffn_hidden = max(multiple_of, multiple_of * round(raw / multiple_of))
+
+    def validate(self) -> GPTConfig:
+        """Resolve every option and build the model on the meta device; raise ValueError naming the bad key."""
+        import torch
+
+        from lmlab.model.gpt import GPT
+        from lmlab.model.position import POSITIONS
+        from lmlab.registry import option_params
+
+        pos_name, _ = option_params("position", POSITIONS, self.position)
+        if self.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
+            raise ValueError(f"rope_scaling={self.rope_scaling['name']!r} needs position=rope (got position="
+                             f"{pos_name!r}); use rope_scaling=none with this scheme")
+        with torch.device("meta"):
+            GPT(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None) -> GPTConfig:
+    """The GPTConfig of a composed config: `cfg.model` sizes plus the architecture groups."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    sizes = dict(plain["model"])
+    if vocab_size is not None:
+        sizes["vocab_size"] = vocab_size
+    if sizes.get("vocab_size") is None:
+        raise ValueError("model.vocab_size is unknown: it comes from the tokenizer (pass vocab_size=...)")
+    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS)
+    if unknown := sorted(sizes.keys() - known):
+        raise ValueError(f"model does not take {unknown}; it takes {sorted(known)}")
+    return GPTConfig(**sizes, **{g: plain[g] for g in ARCH_GROUPS if g in plain})

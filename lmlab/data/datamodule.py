@@ -1,0 +1,316 @@
+"""`TextDataModule`: corpus -> tokenizer -> one flat token array -> fixed blocks of `seq_len + 1` tokens.
+
+Why it looks the way it does:
+- The token stream is cached as `.npy` under `<cache_dir>/tokens/`, keyed by the corpus content hash
+  and the tokenizer's serialization, so only the first run of a sweep tokenizes; later runs memory-map it.
+- The split is at token `int(n * (1 - val_fraction))` of the stream (documents in sorted path order)
+  and each side is packed on its own, so no block straddles train and validation.
+- Training order is a pure function of (seed, global sample index): item i is block perm_e[i mod n],
+  e = i // n, perm_e seeded by (seed, e). The sampler starts at the index the trainer has reached, so a
+  resumed run reads exactly the batches the uninterrupted run would have read, on any number of ranks.
+- Validation reads the same first `val_batches` batches of the validation blocks in every run, so
+  val losses of different runs are computed on identical windows.
+
+The module takes plain values (no Hydra) and can be set up before `trainer.fit`, so the model can be
+built with `vocab_size`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lmlab.data.corpus import CORPORA, fingerprint, import_datasets
+from lmlab.data.tokenizer import build_tokenizer, check_kind, save_tokenizer
+from lmlab.registry import option_params
+
+log = logging.getLogger(__name__)
+
+# The keys every conf/data/*.yaml shares; the remaining keys belong to the corpus loader.
+_DEFAULTS: dict[str, Any] = {
+    "tokenizer": "char",
+    "vocab_size": 4096,
+    "val_fraction": 0.05,
+    "batch_size": 32,
+    "val_batches": 20,
+    "num_workers": 0,
+    "cache_dir": os.environ.get("LMLAB_CACHE", "~/.cache/lmlab"),
+}
+
+
+def train_text(texts: list[str], val_fraction: float) -> list[str]:
+    """The documents up to the character where validation starts: all the tokenizer may learn from.
+
+    For `char` this is exactly the training token split; for `bpe` the token split lands within a few
+    characters of it, which only affects which merges are learned.
+    """
+    cut = int(sum(map(len, texts)) * (1 - val_fraction))
+    head = []
+    for text in texts:
+        if cut <= 0:
+            break
+        head.append(text[:cut])
+        cut -= len(text)
+    return head
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def pack(tokens: np.ndarray, block: int) -> np.ndarray:
+    """Non-overlapping blocks, shape (n, block); the last `len % block` tokens are dropped."""
+    n = len(tokens) // block
+    return tokens[: n * block].reshape(n, block)
+
+
+def _pair(block: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.from_numpy(block.astype(np.int64))
+    return t[:-1], t[1:]  # input, target: (seq_len,) each
+
+
+class TrainBlocks(Dataset):
+    """Map-style and infinite: item i is block perm_e[i % n], e = i // n, perm_e seeded by (seed, e)."""
+
+    def __init__(self, blocks: np.ndarray, seed: int) -> None:
+        self.blocks, self.seed = blocks, seed
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:  # items are read in index order, so one cached epoch is enough
+            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            self._epoch, self._order = epoch, rng.permutation(len(self.blocks))
+        return self._order
+
+    def block_index(self, i: int) -> int:
+        n = len(self.blocks)
+        return int(self.order(i // n)[i % n])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _pair(self.blocks[self.block_index(i)])
+
+
+class Blocks(Dataset):
+    """Fixed blocks in order (validation)."""
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _pair(self.blocks[i])
+
+
+class StepSampler(Sampler[int]):
+    """Global sample indices start, start+1, ... forever; rank r of w takes slice r of every global batch.
+
+    Global batch b covers indices start + b*w*bs ... start + (b+1)*w*bs - 1; rank r reads
+    start + b*w*bs + r*bs ... + bs - 1, so ranks see disjoint data and together see every index.
+    """
+
+    def __init__(self, *, start: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.start, self.batch_size, self.rank, self.world_size = start, batch_size, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        first = self.start + self.rank * self.batch_size
+        while True:
+            yield from range(first, first + self.batch_size)
+            first += self.world_size * self.batch_size
+
+
+class TextDataModule(pl.LightningDataModule):
+    """`data` is the composed `data` config group as a plain dict; `seq_len` is `model.max_seq_len`."""
+
+    def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int, out_dir: str | Path | None = None) -> None:
+        super().__init__()
+        spec = {**_DEFAULTS, **dict(data)}
+        self.tokenizer_kind = str(spec.pop("tokenizer"))
+        self.bpe_vocab_size = int(spec.pop("vocab_size"))
+        self.val_fraction = float(spec.pop("val_fraction"))
+        self.batch_size = int(spec.pop("batch_size"))
+        self.val_batches = spec.pop("val_batches")
+        self.num_workers = int(spec.pop("num_workers"))
+        self.cache_dir = Path(str(spec.pop("cache_dir"))).expanduser()
+        self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self._check()
+        self.tokenizer = None
+
+    def _check(self) -> None:
+        """Everything that can be checked without reading the corpus, so bad values fail at construction."""
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
+        for key, value in {"data.batch_size": self.batch_size, "model.max_seq_len": self.seq_len}.items():
+            if value < 1:
+                raise ValueError(f"{key}={value} must be at least 1")
+        if self.val_batches is not None and int(self.val_batches) < 1:
+            raise ValueError(f"data.val_batches={self.val_batches} must be at least 1, or null for the whole split")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
+        check_kind(self.tokenizer_kind)
+
+    # --- building (idempotent; every step after the first run is a cache hit) ---
+
+    def prepare_data(self) -> None:
+        """Lightning calls this on one process per node first: the fetch and the tokenization happen there."""
+        self._build()
+
+    def setup(self, stage: str | None = None) -> None:
+        self._build()
+
+    def _build(self) -> None:
+        if self.tokenizer is not None:
+            return
+        docs = CORPORA[self.corpus](**self.corpus_kwargs, cache_dir=self.cache_dir)
+        texts = docs.with_format("arrow")[:]["text"].to_pylist()
+        self.corpus_sha256 = fingerprint(texts)
+        tok = build_tokenizer(
+            self.tokenizer_kind,
+            train_text(texts, self.val_fraction),
+            vocab_size=self.bpe_vocab_size,
+            cache_dir=self.cache_dir,
+        )
+        self.tokenizer_sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
+        tokens = self._tokens(docs, tok, f"{self.corpus_sha256[:20]}-{self.tokenizer_sha256[:20]}")
+        if len(tokens) == 0:
+            raise ValueError(f"data={self.corpus}: the corpus is empty (no tokens)")
+
+        self.train_tokens, self.val_tokens = split_tokens(tokens, self.val_fraction)
+        train_blocks, val_blocks = pack(self.train_tokens, self.seq_len + 1), pack(self.val_tokens, self.seq_len + 1)
+        for side, side_tokens in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if len(side_tokens) < self.seq_len + 1:
+                raise ValueError(
+                    f"data.val_fraction={self.val_fraction} leaves {len(side_tokens)} {side} tokens, fewer than one "
+                    f"block of model.max_seq_len + 1 = {self.seq_len + 1}; change data.val_fraction, lower "
+                    f"model.max_seq_len or use a larger corpus ({len(tokens)} tokens)"
+                )
+        self.train_dataset = TrainBlocks(train_blocks, self.seed)
+        self.val_blocks = val_blocks[: self._max_val_blocks]
+        self.vocab_size: int = tok.get_vocab_size()
+        self.tokenizer = tok
+        if self.out_dir is not None:
+            self.save_tokenizer(self.out_dir / "tokenizer.json")
+        blocks = f"{len(train_blocks)} / {len(self.val_blocks)} blocks of {self.seq_len + 1}"
+        log.info(
+            f"data={self.corpus}: {len(self.train_tokens)} / {len(self.val_tokens)} train / val tokens, {blocks}, "
+            f"vocab {self.vocab_size}"
+        )
+
+    def _tokens(self, docs: Any, tok: Any, key: str) -> np.ndarray:
+        """The whole corpus as one flat array (uint16 when the vocab fits), tokenized once and memory-mapped."""
+        path = self.cache_dir / "tokens" / f"{key}.npy"
+        if not path.is_file():
+            datasets = import_datasets()
+            dtype = "uint16" if tok.get_vocab_size() < 2**16 else "int32"
+            ids = docs.map(
+                lambda batch: {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]},
+                batched=True,
+                remove_columns=docs.column_names,
+                features=datasets.Features({"ids": datasets.List(datasets.Value(dtype))}),
+                new_fingerprint=key,  # the tokenizer object itself is not a reliable hash input
+            )
+            flat = ids.with_format("arrow")[:]["ids"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npy")
+            np.save(tmp, flat.astype(dtype, copy=False))
+            os.replace(tmp, path)
+        return np.load(path, mmap_mode="r")
+
+    # --- what the training loop reads ---
+
+    @property
+    def _max_val_blocks(self) -> int | None:
+        return None if self.val_batches is None else int(self.val_batches) * self.batch_size
+
+    def _require_setup(self) -> None:
+        if self.tokenizer is None:
+            raise RuntimeError("TextDataModule: call setup() (or trainer.fit) before reading data")
+
+    def _progress(self) -> tuple[int, int, int, int]:
+        """(optimizer steps done, accumulation, world size, rank); a restored trainer reports the resumed step."""
+        t = self.trainer
+        if t is None:
+            return 0, 1, 1, 0
+        return t.global_step, t.accumulate_grad_batches, t.world_size, t.global_rank
+
+    def train_dataloader(self) -> DataLoader:
+        self._require_setup()
+        step, accumulate, world_size, rank = self._progress()
+        start = step * accumulate * self.batch_size * world_size  # global samples consumed so far
+        sampler = StepSampler(start=start, batch_size=self.batch_size, rank=rank, world_size=world_size)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Every rank evaluates the same fixed windows: exact and identical for any world size."""
+        self._require_setup()
+        return DataLoader(
+            Blocks(self.val_blocks),
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_windows(self, length: int) -> torch.Tensor:
+        """Fixed non-overlapping windows of `length + 1` validation tokens, (n, length + 1), for extrapolation."""
+        self._require_setup()
+        windows = pack(self.val_tokens, length + 1)[: self._max_val_blocks]
+        if len(windows) == 0:
+            raise ValueError(
+                f"the validation split has {len(self.val_tokens)} tokens, fewer than length + 1 = "
+                f"{length + 1}; raise data.val_fraction or evaluate a shorter length"
+            )
+        return torch.from_numpy(windows.astype(np.int64))
+
+    def unigram_entropy(self, split: str = "val") -> float:
+        """Entropy (nats) of the target tokens the split's loader yields: the loss of the best unigram model."""
+        self._require_setup()
+        blocks = {"train": self.train_dataset.blocks, "val": self.val_blocks}[split]
+        counts = np.bincount(np.asarray(blocks[:, 1:]).ravel(), minlength=self.vocab_size)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def save_tokenizer(self, path: str | Path) -> None:
+        self._require_setup()
+        save_tokenizer(self.tokenizer, path)
+
+    # --- checkpoint: refuse to resume with another tokenizer ---
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.tokenizer is None:
+            return {}
+        keys = ("tokenizer_sha256", "corpus_sha256", "seed", "seq_len")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tokenizer is None or not state:
+            return
+        if state["tokenizer_sha256"] != self.tokenizer_sha256:
+            raise ValueError(
+                f"the checkpoint was trained with another tokenizer than data.tokenizer={self.tokenizer_kind!r} "
+                "builds now (different corpus, data.val_fraction or data.vocab_size?); resume with the run's config"
+            )
+        changed = [k for k in ("corpus_sha256", "seed", "seq_len") if state[k] != getattr(self, k)]
+        if changed:
+            rank_zero_warn(f"resuming with a different {changed} than the checkpoint: the data order will not match")

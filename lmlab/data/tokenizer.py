@@ -1,0 +1,103 @@
+"""Tokenizers: every one is a `tokenizers.Tokenizer`, so a run directory always holds one `tokenizer.json`.
+
+`data.tokenizer` is `char`, `bpe` or a path to an existing `tokenizer.json`. Trained tokenizers are
+cached under `<cache_dir>/tokenizers/` by (content hash of the training text, kind, vocab size), so a
+sweep trains each one once and every run of it sees byte-identical files.
+
+Both trained kinds decode exactly: `decode(encode(s).ids) == s` for any `s` made of characters seen in
+training (char) or for any string at all (bpe, which works on bytes). No normalizer and no special
+tokens are used, because either would break that.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from lmlab.data.corpus import fingerprint
+
+UNK = "<unk>"
+
+
+def train_char(texts: list[str], *, vocab_size: int) -> Tokenizer:
+    """One token per Unicode character; vocab = the sorted characters of the training text, then `<unk>`.
+
+    `vocab_size` is ignored: the text decides it. Characters first seen in validation map to `<unk>`.
+    `<unk>` is a plain vocab entry, not an added token, so a literal "<unk>" in the text still
+    encodes character by character.
+    """
+    chars = sorted(set().union(*map(set, texts)))
+    vocab = {c: i for i, c in enumerate(chars)} | {UNK: len(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # Oniguruma has no (?s) flag; [\s\S] is "any code point, newline included" in every regex dialect.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def train_bpe(texts: list[str], *, vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): never produces `<unk>`, so any text round-trips exactly."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def _tokenizer_path(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data.tokenizer: {str(path)!r} does not exist (expected a tokenizer.json)")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A saved `tokenizer.json` (from `data.tokenizer=path`, a run directory, or the cache)."""
+    return Tokenizer.from_file(str(_tokenizer_path(path)))
+
+
+def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
+    """Write atomically: ranks and sweep jobs may write the same file at once, and none may read half of it."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+
+
+def check_kind(kind: str) -> None:
+    """Fail early on a `data.tokenizer` that is neither a known kind nor an existing tokenizer.json."""
+    if kind in TOKENIZERS:
+        return
+    if not (kind.endswith(".json") or os.sep in kind):
+        raise ValueError(
+            f"data.tokenizer={kind!r} is not an option; choose one of {sorted(TOKENIZERS)} or a tokenizer.json path"
+        )
+    _tokenizer_path(kind)
+
+
+def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: str | Path) -> Tokenizer:
+    """Train `kind` on `texts` (or load it from the cache), or load `kind` itself if it is a tokenizer.json path.
+
+    The returned tokenizer is always the one read back from disk, so its serialization (and hence
+    every hash taken of it downstream) is the same on the first and on every later run.
+    """
+    check_kind(kind)
+    if kind not in TOKENIZERS:
+        return load_tokenizer(kind)
+    if kind == "char":
+        vocab_size = 0  # not a parameter of char: keep it out of the cache key
+    elif vocab_size <= 256:
+        raise ValueError(f"data.vocab_size={vocab_size} must exceed 256 (the bytes) for data.tokenizer=bpe")
+    path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}-{fingerprint(texts)[:20]}.json"
+    if not path.is_file():
+        save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size), path)
+    return Tokenizer.from_file(str(path))
+
+
+TOKENIZERS: dict[str, Callable[..., Tokenizer]] = {"char": train_char, "bpe": train_bpe}

@@ -1,0 +1,152 @@
+"""Evaluate trained runs: loss / PPL at the trained length, and zero-shot length extension across RoPE scalings.
+
+A run is rebuilt from what it saved (the GPTConfig in its checkpoint, its tokenizer.json, its data config),
+never from the current `conf/`; eval-time changes are explicit: a longer `max_seq_len` and a `rope_scaling`.
+Every method is scored on the same validation windows (a paired comparison), and the per-position loss is
+split into positions inside the trained length and beyond it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lmlab.config import GPTConfig
+from lmlab.model.gpt import GPT
+from lmlab.model.position import POSITIONS
+from lmlab.model.rope_scaling import ROPE_SCALINGS
+
+
+class RunRefused(ValueError):
+    """An evaluation that would be meaningless (beyond a scheme's reach), refused with the reason."""
+
+
+def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(model config dict, state dict, composed run config) of a run directory."""
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    if not ckpt.exists():
+        raise FileNotFoundError(f"run={run_dir}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    model_cfg = dict(state["hyper_parameters"]["model"])
+    weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    from omegaconf import OmegaConf
+
+    run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
+    return model_cfg, weights, run_cfg
+
+
+def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
+    """The run's validation data, tokenized with the run's own tokenizer.json."""
+    from omegaconf import OmegaConf
+
+    from lmlab.data.datamodule import TextDataModule
+
+    data = OmegaConf.to_container(OmegaConf.create({"data": run_cfg["data"]}), resolve=True)["data"]
+    data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")
+    dm = TextDataModule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
+    dm.setup("validate")
+    return dm
+
+
+def extension_model(model_cfg: dict[str, Any], weights: dict[str, torch.Tensor], length: int,
+                    scaling: dict[str, Any] | None) -> GPT:
+    """The run's model set to run at `length`, trained length kept as `train_len`, with `scaling` applied."""
+    cfg = dict(model_cfg)
+    cfg["train_len"] = cfg.get("train_len") or cfg["max_seq_len"]
+    if scaling is not None:
+        cfg["rope_scaling"] = dict(scaling)
+    if not POSITIONS[cfg["position"]["name"]].table_bound:  # a learned table keeps its size
+        cfg["max_seq_len"] = length
+    model = GPT(GPTConfig(**cfg).validate())
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+@torch.no_grad()
+def position_losses(model: GPT, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """Mean next-token loss at each position over the windows, (length,)."""
+    total = torch.zeros(windows.size(1) - 1, dtype=torch.float64)
+    for chunk in windows.split(batch_size):
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        logits = model(x).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
+        total += loss.sum(0).double()
+    return total / windows.size(0)
+
+
+def default_scalings(position: str) -> list[str]:
+    return sorted(ROPE_SCALINGS) if POSITIONS[position].accepts_scaling else ["none"]
+
+
+def check_reach(position: str, scaling: str, length: int, trained: int, allow_extrapolation: bool) -> None:
+    cls = POSITIONS[position]
+    if length <= trained:
+        return
+    if cls.table_bound:
+        raise RunRefused(f"position=learned has {trained} positions; it cannot evaluate length {length}")
+    if scaling == "none" and not cls.extrapolates and not allow_extrapolation:
+        raise RunRefused(f"length {length} > trained length {trained} with position={position} and no "
+                         f"rope_scaling: refused, as serving engines refuse past max context. Pick a rope_scaling "
+                         f"method or pass allow_extrapolation=true")
+
+
+def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings: Sequence[str] | None = None,
+             allow_extrapolation: bool = False, batch_size: int = 8, out_dir: str | Path | None = None
+             ) -> dict[str, Any]:
+    """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir."""
+    run_dir = Path(run_dir)
+    model_cfg, weights, run_cfg = load_run(run_dir)
+    trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]
+    position = model_cfg["position"]["name"]
+    lengths = sorted(set(lengths or [trained]))
+    scalings = list(scalings or default_scalings(position))
+    for s in scalings:
+        if s not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling={s!r} is not an option; choose among {sorted(ROPE_SCALINGS)}")
+        if s != "none" and not POSITIONS[position].accepts_scaling:
+            raise ValueError(f"rope_scaling={s!r} needs position=rope (the run has position={position!r})")
+    for length in lengths:  # refuse before computing anything
+        for s in scalings:
+            check_reach(position, s, length, trained, allow_extrapolation)
+
+    dm = run_data(run_dir, run_cfg, seq_len=trained)
+    rows = []
+    curves: dict[str, dict[int, list[float]]] = {}
+    for length in lengths:
+        windows = dm.val_windows(length)  # the same windows for every method: a paired comparison
+        for s in scalings:
+            model = extension_model(model_cfg, weights, length, {"name": s})
+            per_pos = position_losses(model, windows, batch_size)
+            inside, beyond = per_pos[:trained], per_pos[trained:]
+            rows.append({
+                "length": length, "rope_scaling": s, "windows": int(windows.size(0)),
+                "loss": float(per_pos.mean()), "ppl": math.exp(min(float(per_pos.mean()), 50)),
+                "loss_inside": float(inside.mean()),
+                "loss_beyond": float(beyond.mean()) if beyond.numel() else None,
+            })
+            curves.setdefault(s, {})[length] = per_pos.tolist()
+    result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows}
+    if out_dir is not None:
+        write_eval(result, curves, Path(out_dir))
+    return result
+
+
+def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]], out: Path) -> None:
+    from lmlab.compare import write_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps({**result, "per_position": curves}, indent=1) + "\n")
+    cols = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]
+    write_table(result["rows"], cols, out / "eval")
+    lengths = sorted({r["length"] for r in result["rows"]})
+    if len(lengths) > 1 or lengths[0] > result["trained_len"]:
+        from lmlab.plots import plot_extension
+
+        plot_extension(curves, result["trained_len"], out / "plots" / "length_extension.png")

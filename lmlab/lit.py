@@ -1,0 +1,103 @@
+"""LitGPT: the Lightning side of training. Thin: it builds the GPT from plain dicts, computes the loss,
+sets up the optimizer and schedule, and logs. Stability instrumentation lives in `lmlab.monitor`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+
+from lmlab.config import GPTConfig
+from lmlab.model.gpt import GPT
+from lmlab.monitor import Divergence
+from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
+from lmlab.registry import build, option_params
+
+OPTIM_LOOP_KEYS = ("weight_decay", "grad_clip")  # read here, not by the optimizer constructor
+
+
+def optimizer_spec(optim: dict) -> dict:
+    return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
+
+
+def validate_optim(optim: dict, schedule: dict) -> None:
+    option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    option_params("schedule", SCHEDULES, schedule)
+    if schedule.get("warmup_steps", 0) < 0:
+        raise ValueError(f"schedule.warmup_steps must be >= 0 (got {schedule['warmup_steps']})")
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
+                 compile: bool = False, divergence: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(GPTConfig(**model))
+        self.divergence = Divergence(**(divergence or {}))
+        self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
+        self.peak_grad_norm = 0.0
+        # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
+        object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
+        self.tokens_seen = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.forward_fn(idx)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, T) each
+        logits = self(x)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        if self.divergence.check(self.global_step, loss.item()):
+            self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
+            return None
+        self.tokens_seen += batch[0].numel() * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("tokens", float(self.tokens_seen))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
+
+    def on_validation_epoch_end(self) -> None:
+        if (loss := self.trainer.callback_metrics.get("val/loss")) is not None and not self.trainer.sanity_checking:
+            self.log("val/ppl", math.exp(min(float(loss), 50.0)))
+            self.val_history.append((self.global_step, float(loss)))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # The global gradient norm before clipping (Lightning clips after this hook).
+        norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        self.peak_grad_norm = max(self.peak_grad_norm, float(norm))
+        self.log("grad/norm", norm)
+
+    def configure_optimizers(self) -> dict:
+        optim, schedule = dict(self.hparams.optim), dict(self.hparams.schedule)
+        groups = param_groups(self.model, optim.get("weight_decay", 0.0))
+        optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
+        name, params = option_params("schedule", SCHEDULES, schedule)
+        fn, max_steps = SCHEDULES[name], self.hparams.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if clip := self.hparams.optim.get("grad_clip", 0.0):
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
+                                "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lmlab", {})
+        self.tokens_seen = state.get("tokens_seen", 0)
+        self.val_history = [tuple(v) for v in state.get("val_history", [])]
+        self.peak_grad_norm = state.get("peak_grad_norm", 0.0)
+        self.divergence.load_state_dict(state.get("divergence", {}))

@@ -1,0 +1,1 @@
+"""The GPT and its swappable parts, one file per axis. Plain PyTorch: nothing here knows Lightning or Hydra."""

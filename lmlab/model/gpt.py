@@ -1,0 +1,47 @@
+"""The GPT: token embeddings -> position scheme -> blocks -> (final norm) -> LM head.
+
+Every part comes from its axis's registry through `build`; this file never asks which option it has.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmlab.config import GPTConfig
+from lmlab.model.init import INITS
+from lmlab.model.norm import NORMS, NoNorm
+from lmlab.model.placement import PLACEMENTS
+from lmlab.model.position import POSITIONS
+from lmlab.registry import build
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.head_dim, cfg.n_head,
+                         cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
+        block = type(self.h[0])
+        self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one matrix for reading and writing tokens (Press & Wolf, 2017)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        build("init", INITS, self.cfg.init, self)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab)."""
+        x = self.drop(self.pos.embed(self.wte(idx)))  # (B, T, C)
+        for block in self.h:
+            x = block(x, self.pos)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if exclude_embeddings else n

@@ -1,0 +1,85 @@
+"""Weight initialisation schemes.
+
+Contract: `init(model, *, <own params>)` re-initialises every weight of a GPT in place. Schemes read what
+they need from the modules: `is_residual_proj` on the projections that write into the residual stream, and
+the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1 otherwise).
+Norm weights keep their constructors' values (ones; ScaleNorm's sqrt(d)); biases are zeroed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _linears_and_embeddings(model: nn.Module):
+    """Each weight matrix once: a head tied to the embedding keeps the embedding's init."""
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            yield module
+
+
+def _zero_biases(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+@torch.no_grad()
+def gpt2(model: nn.Module, *, std: float = 0.02) -> None:
+    """GPT-2 (Radford et al., 2019): N(0, std) everywhere, residual projections scaled by 1/sqrt(2L)."""
+    n_layer = len(model.h)
+    for module in _linears_and_embeddings(model):
+        scale = 1 / math.sqrt(2 * n_layer) if getattr(module, "is_residual_proj", False) else 1.0
+        nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+    _zero_biases(model)
+
+
+@torch.no_grad()
+def small(model: nn.Module) -> None:
+    """'Small init' (Nguyen & Salazar, 2019; GPT-NeoX): N(0, sqrt(2 / (5d))), and the residual projections
+    N(0, 2 / (L·sqrt(d))) ('wang_init' in GPT-NeoX)."""
+    n_layer, d = len(model.h), model.wte.embedding_dim
+    for module in _linears_and_embeddings(model):
+        std = 2 / (n_layer * math.sqrt(d)) if getattr(module, "is_residual_proj", False) else math.sqrt(2 / (5 * d))
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    _zero_biases(model)
+
+
+@torch.no_grad()
+def xavier(model: nn.Module, *, gain: float = 1.0) -> None:
+    """Xavier/Glorot normal (Glorot & Bengio, 2010) for every matrix, the setting of Xiong et al. (2020).
+
+    Embeddings get N(0, d^-1/2): unit-norm token vectors, like Xavier on a (V, d) matrix read one row at a time.
+    """
+    for module in _linears_and_embeddings(model):
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim ** -0.5)
+        else:
+            nn.init.xavier_normal_(module.weight, gain=gain)
+    _zero_biases(model)
+
+
+@torch.no_grad()
+def deepnet(model: nn.Module) -> None:
+    """DeepNet (Wang et al., 2022): Xavier normal, with gain β = block.init_gain(L) on the value, output and
+    FFN weights (q and k keep gain 1). β = (8L)^(-1/4) under placement=deepnorm, 1 elsewhere."""
+    xavier(model)
+    n_layer = len(model.h)
+    for block in model.h:
+        beta = block.init_gain(n_layer)
+        attn = block.attn
+        d, kv = attn.n_head * attn.head_dim, attn.n_kv_head * attn.head_dim
+        v = attn.c_attn.weight[d + kv:]  # (kv, C): the value rows of the fused QKV matrix
+        nn.init.xavier_normal_(v, gain=beta)
+        nn.init.xavier_normal_(attn.c_proj.weight, gain=beta)
+        for module in block.mlp.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_normal_(module.weight, gain=beta)
+
+
+INITS = {"gpt2": gpt2, "deepnet": deepnet, "small": small, "xavier": xavier}

@@ -1,0 +1,218 @@
+"""Stability instrumentation: the figures that show why one architecture trains and another doesn't.
+
+`Divergence` decides when a run has failed (a result, not a crash). `StabilityMonitor` logs, with names that
+group into W&B panels: per-layer gradient norms before clipping (split attn / ffn, plus embeddings and head),
+parameter norms, update ratios ‖Δθ‖/‖θ‖, residual-stream RMS after each block, attention entropy and max
+logit on a sampled batch, the loss above the unigram plateau, and the gradient-norm profile at init
+(Xiong et al., 2020, Fig. 3). Under DDP the gradients are already all-reduced; under FSDP each rank holds a
+shard, so squared norms are summed across ranks: either way the logged figures are the global ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+
+class Divergence:
+    """Decides when a run has failed.
+
+    - diverged: a non-finite loss, or a loss above `spike_factor` × its running minimum after `min_steps`
+      (0 disables the spike rule);
+    - collapsed: at step `collapse_after` (null: off) the mean loss of the last `window` steps is still within
+      `collapse_margin` nats of the unigram entropy — the model learnt token frequencies and nothing else.
+    """
+
+    def __init__(self, *, spike_factor: float = 3.0, min_steps: int = 20, collapse_after: int | None = None,
+                 collapse_margin: float = 0.1, window: int = 20, unigram: float | None = None) -> None:
+        self.spike_factor, self.min_steps = spike_factor, min_steps
+        self.collapse_after, self.collapse_margin, self.unigram = collapse_after, collapse_margin, unigram
+        self.recent: deque[float] = deque(maxlen=window)
+        self.best = math.inf
+        self.step: int | None = None  # the step at which the run failed
+        self.status: str | None = None  # "diverged" or "collapsed"
+        self.reason: str | None = None
+
+    def check(self, step: int, loss: float) -> bool:
+        if not math.isfinite(loss):
+            self._fail(step, "diverged", f"non-finite loss ({loss})")
+        elif self.spike_factor and step >= self.min_steps and loss > self.spike_factor * self.best:
+            self._fail(step, "diverged", f"loss {loss:.4g} > {self.spike_factor} x running min {self.best:.4g}")
+        else:
+            self.best = min(self.best, loss)
+            self.recent.append(loss)
+            mean = sum(self.recent) / len(self.recent)
+            if (self.collapse_after is not None and self.unigram is not None and step == self.collapse_after
+                    and mean > self.unigram - self.collapse_margin):
+                self._fail(step, "collapsed", f"mean loss {mean:.4g} at step {step} is on the unigram plateau "
+                                              f"({self.unigram:.4g} nats)")
+        return self.step is not None
+
+    def _fail(self, step: int, status: str, reason: str) -> None:
+        self.step, self.status, self.reason = step, status, reason
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state.get("best", math.inf)
+        self.recent.extend(state.get("recent", []))
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Parameter groups named as the metrics are: layer_XX/attn, layer_XX/ffn, layer_XX/norm, embed, head."""
+    groups: dict[str, list[nn.Parameter]] = {"embed": list(model.wte.parameters()) + list(model.pos.parameters())}
+    for i, block in enumerate(model.h):
+        attn, ffn = set(block.attn.parameters()), set(block.mlp.parameters())
+        groups[f"layer_{i:02d}/attn"] = list(attn)
+        groups[f"layer_{i:02d}/ffn"] = list(ffn)
+        groups[f"layer_{i:02d}/norm"] = [p for p in block.parameters() if p not in attn and p not in ffn]
+    embed = {id(p) for p in groups["embed"]}
+    groups["head"] = [p for p in list(model.ln_f.parameters()) + list(model.lm_head.parameters())
+                      if id(p) not in embed]  # a tied head is counted once, with the embeddings
+    return groups
+
+
+def _sq(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return sum((t.detach().float().pow(2).sum() for t in tensors), torch.zeros(()))
+
+
+class StabilityMonitor(Callback):
+    def __init__(self, *, every_n_steps: int = 10, attn_every_n_steps: int = 100, attn_samples: int = 4,
+                 init_profile: bool = True, unigram: float | None = None, plot_dir: str | None = None) -> None:
+        self.every, self.attn_every, self.attn_samples = every_n_steps, attn_every_n_steps, attn_samples
+        self.init_profile, self.unigram, self.plot_dir = init_profile, unigram, plot_dir
+        self.profile: dict[str, float] | None = None  # layer -> grad norm at step 0
+        self._act: dict[int, torch.Tensor] = {}
+        self._attn_in: dict[int, torch.Tensor] = {}
+        self._before: dict[str, list[torch.Tensor]] | None = None
+        self._hooks: list = []
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _due(self, step: int, every: int) -> bool:
+        return every > 0 and step % every == 0
+
+    def _reduce_sq(self, trainer, values: torch.Tensor) -> torch.Tensor:
+        """Sum squared norms across ranks when each rank holds a shard (FSDP); DDP grads are already global."""
+        if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:
+            values = trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op="sum")
+        return values.cpu()
+
+    def _norms(self, trainer, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        sq = self._reduce_sq(trainer, torch.stack([_sq(ts) for ts in groups.values()]))
+        return dict(zip(groups, sq.sqrt().tolist()))
+
+    # -- hooks -------------------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module) -> None:
+        model = pl_module.model
+        self.groups = layer_groups(model)
+        for i, block in enumerate(model.h):
+            self._hooks.append(block.register_forward_hook(self._act_hook(i)))
+            self._hooks.append(block.attn.register_forward_pre_hook(self._attn_hook(i)))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _act_hook(self, i: int):
+        def hook(module, args, out):
+            if self._recording:
+                self._act[i] = out.detach().float().pow(2).mean()
+        return hook
+
+    def _attn_hook(self, i: int):
+        def hook(module, args):
+            if self._recording:
+                self._attn_in[i] = args[0].detach()[: self.attn_samples]
+        return hook
+
+    _recording = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._recording = self._due(trainer.global_step, self.every) or self._due(trainer.global_step, self.attn_every)
+        self._act, self._attn_in = {}, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        step = trainer.global_step
+        first = step == 0 and self.init_profile and self.profile is None
+        if not (self._due(step, self.every) or first):
+            return
+        grads = {k: [p.grad for p in ps if p.grad is not None] for k, ps in self.groups.items()}
+        norms = self._norms(trainer, grads)
+        layers = sorted({k.split("/")[0] for k in norms if k.startswith("layer_")})
+        per_layer = {layer: math.sqrt(sum(norms[k] ** 2 for k in norms if k.startswith(layer + "/")))
+                     for layer in layers}
+        metrics = {f"grad/norm/{k}": v for k, v in norms.items() if not k.endswith("/norm")}
+        metrics.update({f"grad/norm/{k}": v for k, v in per_layer.items()})
+        if first:
+            self.profile = {"embed": norms["embed"], **per_layer, "head": norms["head"]}
+            self._log_profile(trainer)
+        if self._due(step, self.every):
+            params = {k: [p for p in ps] for k, ps in self.groups.items()}
+            pnorms = self._norms(trainer, params)
+            for layer in layers:
+                metrics[f"param/norm/{layer}"] = math.sqrt(sum(pnorms[k] ** 2 for k in pnorms
+                                                               if k.startswith(layer + "/")))
+            self._before = {layer: [p.detach().clone() for k in self.groups if k.startswith(layer + "/")
+                                    for p in self.groups[k]] for layer in layers}
+            pl_module.log_dict(metrics)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step - 1  # the step just taken
+        metrics: dict[str, float] = {}
+        if self._before is not None:
+            layers = list(self._before)
+            num, den = [], []
+            for layer in layers:
+                now = [p for k in self.groups if k.startswith(layer + "/") for p in self.groups[k]]
+                num.append(_sq([a.detach() - b for a, b in zip(now, self._before[layer])]))
+                den.append(_sq(self._before[layer]))
+            sq = self._reduce_sq(trainer, torch.stack(num + den))
+            for j, layer in enumerate(layers):
+                metrics[f"update/ratio/{layer}"] = math.sqrt(sq[j] / max(float(sq[len(layers) + j]), 1e-30))
+            self._before = None
+        if self._act:
+            ms = torch.stack([self._act[i] for i in sorted(self._act)])
+            ms = trainer.strategy.reduce(ms, reduce_op="mean") if trainer.world_size > 1 else ms
+            metrics.update({f"act/rms/layer_{i:02d}": v for i, v in enumerate(ms.sqrt().tolist())})
+        if self._attn_in and self._due(step, self.attn_every):
+            metrics.update(self._attention_stats(trainer, pl_module))
+        if self.unigram is not None and outputs is not None and self._due(step, self.every):
+            metrics["train/loss_vs_unigram"] = float(outputs["loss"]) - self.unigram
+        self._recording, self._act, self._attn_in = False, {}, {}
+        if metrics:
+            pl_module.log_dict(metrics)
+
+    @torch.no_grad()
+    def _attention_stats(self, trainer, pl_module) -> dict[str, float]:
+        model, out = pl_module.model, {}
+        stats = []
+        for i in sorted(self._attn_in):
+            p, max_logit = model.h[i].attn.probs(self._attn_in[i], model.pos)  # (B, nh, T, T), (B, nh)
+            entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()
+            stats.append(torch.stack([entropy.float(), max_logit.max().float()]))
+        s = torch.stack(stats)  # (L, 2)
+        if trainer.world_size > 1:
+            s = trainer.strategy.reduce(s, reduce_op="mean")
+        for i, (ent, mx) in enumerate(s.tolist()):
+            out[f"attn/entropy/layer_{i:02d}"], out[f"attn/max_logit/layer_{i:02d}"] = ent, mx
+        return out
+
+    def _log_profile(self, trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        names, values = list(self.profile), list(self.profile.values())
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_table"):  # W&B
+                logger.log_table("grad_norm_at_init", columns=["part", "grad_norm"], data=list(zip(names, values)))
+        if self.plot_dir:
+            from lmlab.plots import plot_init_profile
+
+            plot_init_profile({"this run": self.profile}, Path(self.plot_dir) / "grad_norm_at_init.png")

@@ -1,0 +1,94 @@
+"""PNG plots from runs: loss and grad-norm curves, the gradient-norm profile at init. Matplotlib, Agg backend."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.csv -> {metric: [(step, value), ...]} (Lightning's CSV: one row per logging call, blanks elsewhere)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in ("", None):
+                    continue
+                series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "") -> Path:
+    """Gradient norm per part at initialisation (embed, layer_00 .. layer_NN, head), one line per run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, profile in profiles.items():
+        layers = [k for k in profile if k.startswith("layer_")]
+        ax.plot(range(len(layers)), [profile[k] for k in layers], marker="o", label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("gradient norm at init")
+    ax.set_yscale("log")
+    ax.set_title(title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_curves(runs: Mapping[str, Mapping[str, list[tuple[int, float]]]], metric: str, path: str | Path,
+                log: bool = False, title: str = "") -> Path:
+    """One line per run for `metric` (e.g. train/loss), from each run's metrics.csv series."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, series in runs.items():
+        points = [(s, v) for s, v in series.get(metric, []) if math.isfinite(v)]
+        if points:
+            ax.plot(*zip(*points), label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title or metric)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def plot_extension(curves: Mapping[str, Mapping[int, list[float]]], trained_len: int, path: str | Path) -> Path:
+    """Loss vs position at the longest evaluated length, one line per RoPE scaling method (smoothed over 1/64 of
+    the length), with the trained length marked."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, by_len in curves.items():
+        longest = max(by_len)
+        y = by_len[longest]
+        k = max(1, len(y) // 64)
+        smooth = [sum(y[i:i + k]) / len(y[i:i + k]) for i in range(0, len(y), k)]
+        ax.plot([i + k / 2 for i in range(0, len(y), k)], smooth, label=name, linewidth=1)
+    ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
+    ax.set_xlabel("position")
+    ax.set_ylabel("loss")
+    ax.set_title("Zero-shot length extension")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -1,0 +1,136 @@
+"""One training run, from a composed config to a run directory.
+
+Order matters: every check that can fail on bad input runs before data is loaded or a step is taken; once
+training starts, whatever happens (completion, divergence, Ctrl-C, an exception) ends with a summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.config import arch_config
+from lmlab.summary import write_summary
+
+
+def setup_env(cfg: DictConfig) -> None:
+    """Offline by default: W&B logs to the run dir unless the user opted in; the HF hub is never reached."""
+    if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the GPU/TPU/tips banner and INFO chatter
+    warnings.filterwarnings("ignore", message=".*(LeafSpec|litlogger|weights_only|does not have many workers).*")
+    if cfg.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule."""
+    from lmlab.lit import validate_optim
+
+    arch_config(cfg, vocab_size=cfg.model.vocab_size or 256).validate()
+    validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
+    if cfg.trainer.max_steps is None or cfg.trainer.max_steps < 1:
+        raise ValueError(f"trainer.max_steps must be a positive integer (got {cfg.trainer.max_steps})")
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, resume_step: int | None) -> list:
+    from hydra.utils import instantiate
+
+    from lmlab.metrics_csv import MetricsCSV
+
+    loggers = [MetricsCSV(run_dir, resume_step)]  # run_dir/metrics.csv, always
+    for key, spec in (cfg.logger or {}).items():
+        extra: dict[str, Any] = {}
+        if spec._target_.endswith("WandbLogger"):
+            extra = {"save_dir": str(run_dir), "name": run_name, "group": group,
+                     "offline": os.environ.get("WANDB_MODE", "offline") != "online"}
+        elif spec._target_.endswith("TensorBoardLogger"):
+            extra = {"save_dir": str(run_dir), "name": "tensorboard", "version": ""}
+        loggers.append(instantiate(spec, **{k: v for k, v in extra.items() if spec.get(k) is None}))
+    return loggers
+
+
+def _checkpoint_step(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+
+
+def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default"
+          ) -> dict[str, Any]:
+    """Train as `cfg` says, writing everything into `run_dir`; return the summary."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_env(cfg)
+    check_config(cfg)
+
+    import lightning.pytorch as L
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lmlab.data.datamodule import TextDataModule
+    from lmlab.lit import LitGPT
+    from lmlab.monitor import StabilityMonitor
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                          seed=cfg.seed, out_dir=str(run_dir))
+    data.prepare_data()
+    data.setup("fit")
+    gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
+    unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
+    lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
+                 schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
+                 compile=cfg.compile,
+                 divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram})
+    monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
+                               plot_dir=str(run_dir / "plots"))
+
+    overrides = list(overrides or [])
+    run_name = ",".join(o for o in overrides if not o.startswith("hydra")) or "default"
+    ckpt_dir = run_dir / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
+                                 save_last=True, auto_insert_metric_name=False)
+    last = ckpt_dir / "last.ckpt"
+    ckpt_path = str(last) if cfg.resume and last.exists() else None
+    if cfg.resume and ckpt_path is None:
+        print(f"resume=true but {last} does not exist: starting from scratch")
+    resume_step = _checkpoint_step(last) if ckpt_path else None
+    loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
+    trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run_dir), use_distributed_sampler=False,
+                                     logger=loggers, callbacks=[checkpoint, monitor])
+
+    start, status, error = time.time(), "completed", None
+    try:
+        trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+        if lit.divergence.status is not None:
+            status = lit.divergence.status
+        elif trainer.interrupted:
+            status = "interrupted"
+        if lit.val_history and lit.val_history[-1][0] != trainer.global_step and lit.divergence.status is None:
+            trainer.validate(lit, datamodule=data, verbose=False)  # a final val loss at the final step
+        if trainer.is_global_zero:
+            trainer.save_checkpoint(last)
+    except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        wall = time.time() - start
+        for logger in trainer.loggers:
+            logger.finalize("success" if status == "completed" else status)
+        summary = write_summary(run_dir, status=status, lit=lit, trainer=trainer, data=data, monitor=monitor,
+                                wall_time=wall,
+                                overrides=overrides, config=OmegaConf.to_container(cfg, resolve=True), error=error)
+    return summary

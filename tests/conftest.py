@@ -1,0 +1,27 @@
+"""Shared fixtures: one CPU thread and a fixed seed for every test, and a tiny GPTConfig factory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmlab.config import GPTConfig
+
+TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_seeded() -> None:
+    """Deterministic and cheap: one intra-op thread (the test machines have two cores) and seed 0."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_cfg():
+    """`tiny_cfg(**overrides) -> GPTConfig`: vocab 50, 2 layers, d_model 32, 4 heads, max_seq_len 16."""
+
+    def make(**overrides) -> GPTConfig:
+        return GPTConfig(**{**TINY, **overrides})
+
+    return make

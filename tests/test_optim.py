@@ -1,0 +1,223 @@
+"""Optimizers and schedules: weight-decay groups (matrices of Linear layers only), the zero-gradient step that
+every optimizer must turn into exactly p·(1 − lr·wd) on the decay group, Lion's sign update, and every schedule's
+warmup and end values."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lmlab.config import GPTConfig
+from lmlab.model.gpt import GPT
+from lmlab.model.norm import NORMS
+from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
+from lmlab.registry import build
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _model(**kw) -> GPT:
+    base = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
+    return GPT(GPTConfig(**{**base, **kw}))
+
+
+def _yaml(group: str, name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"), resolve=True)
+
+
+# ---- weight-decay groups ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_param_groups_decay_only_linear_matrices(norm: str, tie: bool) -> None:
+    model = _model(norm={"name": norm}, bias=True, tie_embeddings=tie, position={"name": "learned"},
+                   attention={"name": "mha", "qk_norm": True})
+    decay, rest = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    expected_decay = linear_weights - embeddings  # a tied head is the embedding: not decayed
+    assert {id(p) for p in decay["params"]} == expected_decay
+    everything = {id(p) for p in model.parameters()}
+    assert {id(p) for p in rest["params"]} == everything - expected_decay
+    assert len(decay["params"]) + len(rest["params"]) == len(everything)  # each parameter exactly once
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in rest["params"]:
+        n = names[id(p)]
+        assert n.endswith("bias") or "ln_" in n or n.startswith(("wte", "pos.wpe")) or "_norm" in n, n
+    assert id(model.wte.weight) not in {id(p) for p in decay["params"]}
+    assert (id(model.lm_head.weight) in {id(p) for p in decay["params"]}) == (not tie)
+    # every matrix in the decay group is 2-D, and every 2-D Linear weight is in it
+    assert all(p.dim() == 2 for p in decay["params"])
+
+
+def test_param_groups_skip_frozen() -> None:
+    model = _model()
+    model.h[0].attn.c_attn.weight.requires_grad_(False)
+    decay, rest = param_groups(model, 0.1)
+    assert id(model.h[0].attn.c_attn.weight) not in {id(p) for p in decay["params"] + rest["params"]}
+
+
+# ---- optimizers ---------------------------------------------------------------------------------------------
+
+
+def _optimizer(name: str, groups: list[dict]):
+    from lmlab.lit import optimizer_spec
+
+    return build("optim", OPTIMIZERS, optimizer_spec(_yaml("optim", name)), groups)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_zero_gradient_step_is_pure_decoupled_decay(name: str) -> None:
+    """With zero gradients, one step shrinks the decay group by exactly (1 − lr·wd) and leaves the rest alone."""
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    wd = 0.5
+    opt = _optimizer(name, [{"params": [w], "weight_decay": wd}, {"params": [b], "weight_decay": 0.0}])
+    lr = opt.param_groups[0]["lr"]
+    assert lr == _yaml("optim", name)["lr"]
+    w.grad, b.grad = torch.zeros_like(w), torch.zeros_like(b)
+    opt.step()
+    torch.testing.assert_close(w.detach(), w0 * (1 - lr * wd), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.detach(), b0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_descends(name: str) -> None:
+    """A few steps on f(p) = ½‖p − 3‖² from p = 0 reduce f (no weight decay)."""
+    p = torch.nn.Parameter(torch.zeros(5))
+    opt = _optimizer(name, [{"params": [p], "weight_decay": 0.0}])
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = 0.5 * (p - 3).pow(2).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    final = 0.5 * (p.detach() - 3).pow(2).sum().item()
+    assert final < losses[0]
+
+
+def test_lion_first_step_is_minus_lr_sign_grad() -> None:
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    p0 = p.detach().clone()
+    g = torch.randn(6, 4)
+    opt = OPTIMIZERS["lion"]([{"params": [p], "weight_decay": 0.0}], lr=0.01)
+    p.grad = g.clone()
+    opt.step()
+    torch.testing.assert_close(p.detach() - p0, -0.01 * torch.sign(g), rtol=0, atol=1e-7)
+
+
+def test_lion_second_step_uses_interpolated_momentum() -> None:
+    """update_2 = sign(β1·m + (1 − β1)·g2) with m = (1 − β2)·g1 after the first step."""
+    p = torch.nn.Parameter(torch.zeros(200))
+    b1, b2, lr = 0.9, 0.99, 0.1
+    opt = OPTIMIZERS["lion"]([{"params": [p], "weight_decay": 0.0}], lr=lr, betas=(b1, b2))
+    g1, g2 = torch.randn(200), torch.randn(200)
+    p.grad = g1.clone()
+    opt.step()
+    after1 = p.detach().clone()
+    p.grad = g2.clone()
+    opt.step()
+    expected = -lr * torch.sign(b1 * (1 - b2) * g1 + (1 - b1) * g2)
+    torch.testing.assert_close(p.detach() - after1, expected, rtol=0, atol=1e-7)
+    assert not torch.equal(torch.sign(expected), -torch.sign(g2))  # momentum matters somewhere
+
+
+def test_lion_decoupled_weight_decay() -> None:
+    p = torch.nn.Parameter(torch.randn(8))
+    p0, g = p.detach().clone(), torch.randn(8)
+    opt = OPTIMIZERS["lion"]([{"params": [p], "weight_decay": 0.1}], lr=0.01)
+    p.grad = g
+    opt.step()
+    torch.testing.assert_close(p.detach(), p0 * (1 - 0.01 * 0.1) - 0.01 * torch.sign(g), rtol=0, atol=1e-7)
+
+
+# ---- schedules ----------------------------------------------------------------------------------------------
+
+
+END_VALUE = {"cosine": "min_lr_ratio", "linear": "min_lr_ratio", "wsd": "min_lr_ratio", "constant": 1.0}
+
+
+@pytest.mark.parametrize("warmup", [1, 10, 100])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_warmup_is_linear_from_one_over_warmup(name: str, warmup: int) -> None:
+    fn = SCHEDULES[name]
+    values = [fn(s, 1000, warmup_steps=warmup) for s in range(warmup)]
+    assert values == pytest.approx([(s + 1) / warmup for s in range(warmup)], rel=1e-12)
+    assert values[0] == pytest.approx(1 / warmup) and values[-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_no_warmup_starts_at_full_lr(name: str) -> None:
+    assert SCHEDULES[name](0, 1000, warmup_steps=0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_yaml_schedule_values(name: str) -> None:
+    spec = _yaml("schedule", name)
+    params = {k: v for k, v in spec.items() if k != "name"}
+    fn, warmup, max_steps = SCHEDULES[name], spec["warmup_steps"], 1000
+    assert fn(0, max_steps, **params) == pytest.approx(1 / warmup)
+    assert fn(warmup, max_steps, **params) == pytest.approx(1.0)  # right after warmup: the full rate
+    values = [fn(s, max_steps, **params) for s in range(max_steps + 1)]
+    assert all(0 <= v <= 1 + 1e-12 for v in values)
+    assert all(a >= b - 1e-12 for a, b in zip(values[warmup:], values[warmup + 1:]))  # never rises after warmup
+    end = END_VALUE.get(name)
+    if end is not None:
+        expected = params[end] if isinstance(end, str) else end
+        assert values[-1] == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("min_ratio", [0.0, 0.1])
+def test_cosine_shape(min_ratio: float) -> None:
+    cos = SCHEDULES["cosine"]
+    kw = dict(warmup_steps=10, min_lr_ratio=min_ratio)
+    assert cos(10, 110, **kw) == pytest.approx(1.0)
+    assert cos(60, 110, **kw) == pytest.approx(min_ratio + (1 - min_ratio) * 0.5)  # half way
+    assert cos(35, 110, **kw) == pytest.approx(min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert cos(110, 110, **kw) == pytest.approx(min_ratio)
+    assert cos(500, 110, **kw) == pytest.approx(min_ratio)  # past the end it stays at the floor
+
+
+def test_linear_shape() -> None:
+    lin = SCHEDULES["linear"]
+    kw = dict(warmup_steps=10, min_lr_ratio=0.2)
+    assert lin(10, 110, **kw) == pytest.approx(1.0)
+    assert lin(60, 110, **kw) == pytest.approx(0.6)
+    assert lin(110, 110, **kw) == pytest.approx(0.2)
+    assert lin(200, 110, **kw) == pytest.approx(0.2)
+
+
+def test_wsd_shape() -> None:
+    wsd = SCHEDULES["wsd"]
+    kw = dict(warmup_steps=10, decay_frac=0.2, min_lr_ratio=0.0)
+    assert [wsd(s, 100, **kw) for s in (10, 50, 79, 80)] == pytest.approx([1.0, 1.0, 1.0, 1.0])  # stable
+    assert wsd(90, 100, **kw) == pytest.approx(0.5)  # linear cool-down over the last 20 steps
+    assert wsd(95, 100, **kw) == pytest.approx(0.25)
+    assert wsd(100, 100, **kw) == pytest.approx(0.0)
+    assert wsd(90, 100, warmup_steps=10, decay_frac=0.2, min_lr_ratio=0.1) == pytest.approx(0.55)
+
+
+def test_constant_after_warmup() -> None:
+    assert [SCHEDULES["constant"](s, 100, warmup_steps=4) for s in (3, 4, 50, 100)] == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_schedule_drives_lambda_lr(name: str) -> None:
+    """As LitGPT wires it: LambdaLR(step -> fn(step, max_steps, **params)) sets lr = base · multiplier."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: SCHEDULES[name](s, 20, warmup_steps=4))
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.125, 0.25, 0.375, 0.5])

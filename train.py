@@ -1,0 +1,21 @@
+"""python train.py [group=option ...] [key=value ...] — train one GPT variant (see README)."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from lmlab.training import train
+
+    hc = HydraConfig.get()
+    group = hc.job.name if hc.mode.name == "RUN" else hc.sweep.dir.replace("/", "_")
+    summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group)
+    print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
+          f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
