@@ -3,6 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
+import lmlab  # noqa: F401  (registers the config resolvers)
+
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:

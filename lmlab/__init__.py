@@ -17,6 +17,24 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+def _job_dirname(overrides: str) -> str:
+    """A sweep job's directory name from its overrides: one path component, at most ~150 characters."""
+    import hashlib
+
+    name = overrides.replace("/", "_") or "default"
+    return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("lmlab.dirname"):
+        OmegaConf.register_new_resolver("lmlab.dirname", _job_dirname)
+
+
+_register_resolvers()
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """The config `train.py` would see for these command-line overrides (no Hydra CLI, no run dir)."""
     from hydra import compose as hydra_compose

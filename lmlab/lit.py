@@ -92,6 +92,12 @@ class LitGPT(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning adds one to its logging step when it restarts, because its own mid-epoch checkpoints are
+        # written before that counter moves. Checkpoints written after fit() returns or on Ctrl-C are written
+        # after it moved; store every checkpoint in the mid-epoch form so a resumed run logs the next step.
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+        if "_batches_that_stepped" in loop:
+            loop["_batches_that_stepped"] = self.global_step - 1
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict()}
 

@@ -7,6 +7,7 @@ training starts, whatever happens (completion, divergence, Ctrl-C, an exception)
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,10 @@ def _checkpoint_step(path: Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
 
 
-def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default"
-          ) -> dict[str, Any]:
-    """Train as `cfg` says, writing everything into `run_dir`; return the summary."""
+def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default",
+          callbacks: list | None = None) -> dict[str, Any]:
+    """Train as `cfg` says, writing everything into `run_dir`; return the summary. `callbacks`: extra Lightning
+    callbacks (library use)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_env(cfg)
@@ -110,7 +112,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     resume_step = _checkpoint_step(last) if ckpt_path else None
     loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run_dir), use_distributed_sampler=False,
-                                     logger=loggers, callbacks=[checkpoint, monitor])
+                                     logger=loggers, callbacks=[checkpoint, monitor, *(callbacks or [])])
 
     start, status, error = time.time(), "completed", None
     try:
@@ -123,6 +125,12 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
             trainer.validate(lit, datamodule=data, verbose=False)  # a final val loss at the final step
         if trainer.is_global_zero:
             trainer.save_checkpoint(last)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Lightning turns it into SystemExit after its shutdown)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left SIGINT ignored
+        status = "interrupted"
+        if trainer.is_global_zero:
+            trainer.save_checkpoint(last)  # resume=true continues from here
+        raise
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         raise

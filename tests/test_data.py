@@ -115,6 +115,8 @@ def test_bad_tokenizer_names_the_key(tmp_path: Path, corpus: list[Path]) -> None
         build_tokenizer("wordpiece", ["x"], vocab_size=300, cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"data\.tokenizer='wordpiece'"):  # at construction, before any work
         TextDataModule({"name": "text_files", "paths": [str(tmp_path)], "tokenizer": "wordpiece"}, seq_len=8, seed=0)
+    with pytest.raises(ValueError, match=r"data\.vocab_size=100"):
+        TextDataModule({"name": "shakespeare", "tokenizer": "bpe", "vocab_size": 100}, seq_len=8, seed=0)
     with pytest.raises(FileNotFoundError, match=r"data\.tokenizer.*nope\.json"):
         TextDataModule({"name": "text_files", "paths": [str(tmp_path)], "tokenizer": "nope.json"}, seq_len=8, seed=0)
 
@@ -325,7 +327,11 @@ def test_hf_reads_a_local_dataset_like_text_files(tmp_path: Path, corpus: list[P
     hf = make_dm(tmp_path, name="hf", dataset=str(tmp_path / "corpus"), paths=None)
     files = make_dm(tmp_path)
     assert np.array_equal(hf.train_tokens, files.train_tokens)  # lines + newline == the files
-    assert set(CORPORA) == {p.stem for p in Path("conf/data").glob("*.yaml")} == {"shakespeare", "text_files", "hf"}
+    assert (
+        set(CORPORA)
+        == {p.stem for p in (Path(__file__).parents[1] / "conf" / "data").glob("*.yaml")}
+        == {"shakespeare", "text_files", "hf"}
+    )
 
 
 def test_hf_offline_error_is_clear(tmp_path: Path) -> None:

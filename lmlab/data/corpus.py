@@ -117,10 +117,9 @@ def text_files(paths: str | Path | Iterable[str | Path] | None) -> list[Path]:
     """Validate `data.paths`: files and directories (expanded to their *.txt), returned sorted and unique."""
     if paths is None or paths == "???":  # "???": OmegaConf's unset mandatory value, left as is by to_container
         raise ValueError(f"data.paths is required for data=text_files. {_OWN_TEXT_HINT}")
-    if isinstance(paths, str | Path):
-        paths = [paths]
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
     files: set[Path] = set()
-    for p in map(lambda p: Path(p).expanduser(), paths):
+    for p in [Path(p).expanduser() for p in paths]:
         if p.is_dir():
             files.update(f.resolve() for f in p.glob("*.txt") if f.is_file())
         elif p.is_file():

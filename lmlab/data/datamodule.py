@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lmlab.data.corpus import CORPORA, fingerprint, import_datasets
-from lmlab.data.tokenizer import build_tokenizer, check_kind, save_tokenizer
+from lmlab.data.tokenizer import build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.registry import option_params
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _DEFAULTS: dict[str, Any] = {
     "batch_size": 32,
     "val_batches": 20,
     "num_workers": 0,
-    "cache_dir": os.environ.get("LMLAB_CACHE", "~/.cache/lmlab"),
+    "cache_dir": None,  # None: $LMLAB_CACHE, else ~/.cache/lmlab (as in conf/data/*.yaml)
 }
 
 
@@ -143,7 +143,7 @@ class TextDataModule(pl.LightningDataModule):
         self.batch_size = int(spec.pop("batch_size"))
         self.val_batches = spec.pop("val_batches")
         self.num_workers = int(spec.pop("num_workers"))
-        self.cache_dir = Path(str(spec.pop("cache_dir"))).expanduser()
+        self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.out_dir = None if out_dir is None else Path(out_dir)
@@ -161,7 +161,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.val_batches={self.val_batches} must be at least 1, or null for the whole split")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
-        check_kind(self.tokenizer_kind)
+        check_tokenizer(self.tokenizer_kind, vocab_size=self.bpe_vocab_size)
 
     # --- building (idempotent; every step after the first run is a cache hit) ---
 
@@ -286,7 +286,9 @@ class TextDataModule(pl.LightningDataModule):
     def unigram_entropy(self, split: str = "val") -> float:
         """Entropy (nats) of the target tokens the split's loader yields: the loss of the best unigram model."""
         self._require_setup()
-        blocks = {"train": self.train_dataset.blocks, "val": self.val_blocks}[split]
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r}; choose 'train' or 'val'")
+        blocks = self.train_dataset.blocks if split == "train" else self.val_blocks
         counts = np.bincount(np.asarray(blocks[:, 1:]).ravel(), minlength=self.vocab_size)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())

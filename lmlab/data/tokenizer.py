@@ -70,8 +70,10 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def check_kind(kind: str) -> None:
+def check_tokenizer(kind: str, *, vocab_size: int) -> None:
     """Fail early on a `data.tokenizer` that is neither a known kind nor an existing tokenizer.json."""
+    if kind == "bpe" and vocab_size <= 256:
+        raise ValueError(f"data.vocab_size={vocab_size} must exceed 256 (the bytes) for data.tokenizer=bpe")
     if kind in TOKENIZERS:
         return
     if not (kind.endswith(".json") or os.sep in kind):
@@ -87,13 +89,11 @@ def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: 
     The returned tokenizer is always the one read back from disk, so its serialization (and hence
     every hash taken of it downstream) is the same on the first and on every later run.
     """
-    check_kind(kind)
+    check_tokenizer(kind, vocab_size=vocab_size)
     if kind not in TOKENIZERS:
         return load_tokenizer(kind)
     if kind == "char":
         vocab_size = 0  # not a parameter of char: keep it out of the cache key
-    elif vocab_size <= 256:
-        raise ValueError(f"data.vocab_size={vocab_size} must exceed 256 (the bytes) for data.tokenizer=bpe")
     path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}-{fingerprint(texts)[:20]}.json"
     if not path.is_file():
         save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size), path)

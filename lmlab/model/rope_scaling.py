@@ -33,8 +33,11 @@ def rotary_dim(head_dim: int, rotary_pct: float = 1.0) -> int:
     """d = int(head_dim * rotary_pct), rounded down to even: RoPE rotates pairs, so an odd d cannot be rotated."""
     if not 0 < rotary_pct <= 1:
         raise ValueError(f"position.rotary_pct must be in (0, 1] (got {rotary_pct})")
+    if rotary_pct == 1 and head_dim % 2:
+        raise ValueError(f"position=rope rotates pairs of dims, but the head dim model.d_model / model.n_head = "
+                         f"{head_dim} is odd; choose d_model and n_head giving an even head dim")
     d = int(head_dim * rotary_pct)
-    d -= d % 2
+    d -= d % 2  # a partial rotary width rounds down; the remaining dims pass through unrotated
     if d < 2:
         raise ValueError(
             f"position.rotary_pct={rotary_pct} with head_dim={head_dim} leaves {d} rotary dims; need an even d >= 2"

@@ -1,0 +1,136 @@
+"""End to end on CPU: train.py -> run directory -> eval.py; resume continues the curve; divergence is a result."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lmlab import compose
+from lmlab.training import train
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the king queen lord lady sword crown night day love death speak hear thou thee shall will not".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~60 kB of text with structure to learn (a small grammar over a few words), two files."""
+    rng = random.Random(0)
+    d = tmp_path_factory.mktemp("corpus")
+    for name in ("a.txt", "b.txt"):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "." for _ in range(900)]
+        (d / name).write_text("\n".join(lines) + "\n")
+    return d
+
+
+def tiny(corpus: Path, cache: Path, *extra: str) -> list[str]:
+    return ["data=text_files", f"data.paths=[{corpus}]", f"data.cache_dir={cache}", "data.batch_size=8",
+            "data.val_batches=4", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.max_seq_len=32",
+            "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
+            "trainer.enable_progress_bar=false", "monitor.every_n_steps=5", "monitor.attn_every_n_steps=10",
+            "schedule.warmup_steps=5", "logger=none", "threads=1", *extra]
+
+
+def metric(run: Path, name: str) -> dict[int, float]:
+    with open(run / "metrics.csv") as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train(compose(tiny(corpus, tmp_path / "cache")), run, overrides=["model.n_layer=2"])
+    for path in ("metrics.csv", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "tokenizer.json",
+                 "summary.json", "plots/grad_norm_at_init.png"):
+        assert (run / path).exists(), path
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk["status"] == summary["status"] == "completed"
+    assert on_disk["steps"] == 30 and on_disk["tokens"] == 30 * 8 * 32
+    assert on_disk["final_val_loss"] < on_disk["unigram_val_loss"]  # learnt more than token frequencies
+    assert set(on_disk["grad_norm_at_init"]) == {"embed", "layer_00", "layer_01", "head"}
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    for name in ("train/loss", "val/loss", "val/ppl", "lr", "grad/norm", "grad/norm/layer_00/attn",
+                 "grad/norm/layer_01/ffn", "grad/norm/embed", "param/norm/layer_00", "update/ratio/layer_01",
+                 "act/rms/layer_01", "attn/entropy/layer_00", "attn/max_logit/layer_01", "train/loss_vs_unigram"):
+        assert name in header, name
+
+
+class _CtrlC(Callback):
+    """Presses Ctrl-C before the step `at` starts."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    straight = tmp_path / "straight"
+    train(compose(tiny(corpus, cache)), straight)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(SystemExit):
+        train(compose(tiny(corpus, cache)), resumed, callbacks=[_CtrlC(at=17)])  # between two checkpoints
+    interrupted = json.loads((resumed / "summary.json").read_text())
+    assert interrupted["status"] == "interrupted" and interrupted["steps"] == 17
+    summary = train(compose(tiny(corpus, cache, "resume=true")), resumed)
+    assert summary["steps"] == 30 and summary["tokens"] == 30 * 8 * 32
+    a, b = metric(straight, "train/loss"), metric(resumed, "train/loss")
+    assert sorted(a) == sorted(b)  # no step lost or logged twice
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step  # same data order, same LR
+    assert metric(resumed, "lr") == pytest.approx(metric(straight, "lr"))
+
+
+def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train(compose(tiny(corpus, tmp_path / "cache", "optim.lr=1e3", "optim.grad_clip=0")), run)
+    assert summary["status"] == "diverged"
+    assert summary["diverged_at_step"] is not None and summary["diverged_at_step"] < 30
+    assert json.loads((run / "summary.json").read_text())["status"] == "diverged"
+    assert len(metric(run, "train/loss")) >= 1  # what was logged is kept
+    assert (run / "checkpoints" / "last.ckpt").exists()
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_cli_train_then_eval(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "cli_run"
+    res = _cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / ".hydra" / "config.yaml").exists() and (run / ".hydra" / "overrides.yaml").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    res = _cli(str(ROOT / "eval.py"), f"run={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((run / "eval" / "eval.json").read_text())["rows"]
+    assert rows[0]["length"] == 32 and rows[0]["loss"] == pytest.approx(summary["final_val_loss"], abs=1e-3)
+
+
+def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith("trainer.max_steps")]
+    res = _cli(str(ROOT / "train.py"), "-m", *args, "trainer.max_steps=20", "optim.grad_clip=0",
+               "optim.lr=1e3,3e-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    statuses = {json.loads(p.read_text())["overrides"][-1]: json.loads(p.read_text())["status"]
+                for p in sweep.rglob("summary.json")}
+    assert statuses == {"optim.lr=1000.0": "diverged", "optim.lr=0.003": "completed"}
+    res = _cli(str(ROOT / "eval.py"), f"compare={sweep}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = (sweep / "compare.md").read_text()
+    assert "diverged" in table and "completed" in table and "optim.lr" in table
+    for png in ("train_loss.png", "val_loss.png", "grad_norm.png", "grad_norm_at_init.png"):
+        assert (sweep / "plots" / png).stat().st_size > 1000, png
