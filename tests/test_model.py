@@ -191,9 +191,7 @@ BAD = [
     pytest.param({"rope_scaling": {"name": "yarn", "factor": 2.0}, "position": {"name": "alibi"}},
                  r"rope_scaling='yarn' needs position=rope.*position='alibi'", id="scaling-without-rope"),
     pytest.param({"rope_scaling": {"name": "linera"}}, r"rope_scaling='linera' is not an option.*'linear'",
-                 id="scaling-name",
-                 marks=pytest.mark.xfail(strict=True, raises=KeyError, reason="BUG: RoPE.__init__ indexes "
-                                         "ROPE_SCALINGS[name] before option_params checks the name: a bare KeyError")),
+                 id="scaling-name"),
     pytest.param({"rope_scaling": {"name": "linear", "fator": 2.0}}, r"rope_scaling='linear' does not take \['fator'\]",
                  id="scaling-key"),
 ]

@@ -174,8 +174,6 @@ def test_rope_dynamic_scaling_recomputed_per_length() -> None:
     assert not torch.allclose(long[:L], long_plain[:L])  # past L the frequencies change, also for early positions
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: RoPE caches cos/sin tables created under torch.inference_mode "
-                   "(Lightning's validation), then reuses them in training, where autograd refuses them")
 def test_rope_tables_from_inference_mode_are_usable_in_training() -> None:
     pos = _pos("rope")
     q = torch.randn(1, NH, 6, HS, requires_grad=True)

@@ -42,6 +42,7 @@ class MHA(nn.Module):
         self.scale = 1.0 / (math.sqrt(self.head_dim) * temperature)
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
+        self.c_attn.fused = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None

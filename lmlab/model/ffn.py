@@ -27,6 +27,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(dim, hidden, bias=bias)
         self.act = Activation(activation)
         self.c_proj = nn.Linear(hidden, dim, bias=bias)
+        self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -45,8 +46,10 @@ class GLU(nn.Module):
     def __init__(self, dim: int, hidden: int, *, activation: Mapping[str, Any], bias: bool = False) -> None:
         super().__init__()
         self.c_fc = nn.Linear(dim, 2 * hidden, bias=bias)  # [gate; up]
+        self.c_fc.fused = (hidden, hidden)  # fan-based inits treat the two matrices separately
         self.act = Activation({"name": self.gate} if self.gate else activation)
         self.c_proj = nn.Linear(hidden, dim, bias=bias)
+        self.c_proj.is_residual_proj = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.c_fc(x).chunk(2, dim=-1)  # (..., hidden) each

@@ -50,6 +50,14 @@ def small(model: nn.Module) -> None:
     _zero_biases(model)
 
 
+def _xavier(weight: torch.Tensor, module: nn.Module, gain: float) -> None:
+    """Xavier normal per matrix: a fused projection (QKV, GLU gate+up) is initialised as its separate parts."""
+    start = 0
+    for rows in getattr(module, "fused", (weight.size(0),)):
+        nn.init.xavier_normal_(weight[start:start + rows], gain=gain)
+        start += rows
+
+
 @torch.no_grad()
 def xavier(model: nn.Module, *, gain: float = 1.0) -> None:
     """Xavier/Glorot normal (Glorot & Bengio, 2010) for every matrix, the setting of Xiong et al. (2020).
@@ -60,7 +68,7 @@ def xavier(model: nn.Module, *, gain: float = 1.0) -> None:
         if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim ** -0.5)
         else:
-            nn.init.xavier_normal_(module.weight, gain=gain)
+            _xavier(module.weight, module, gain)
     _zero_biases(model)
 
 
@@ -79,7 +87,7 @@ def deepnet(model: nn.Module) -> None:
         nn.init.xavier_normal_(attn.c_proj.weight, gain=beta)
         for module in block.mlp.modules():
             if isinstance(module, nn.Linear):
-                nn.init.xavier_normal_(module.weight, gain=beta)
+                _xavier(module.weight, module, beta)
 
 
 INITS = {"gpt2": gpt2, "deepnet": deepnet, "small": small, "xavier": xavier}

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies  # noqa: F401  (rope_frequencies: public)
+from lmlab.registry import option_params
 
 
 class Position(nn.Module):
@@ -103,6 +104,7 @@ class RoPE(Position):
                  scaling: Mapping[str, Any], *, theta: float = 10000.0, rotary_pct: float = 1.0) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.head_dim, self.theta, self.rotary_pct = head_dim, theta, rotary_pct
+        option_params("rope_scaling", ROPE_SCALINGS, scaling)  # an unknown name lists the choices
         self.scaling = dict(scaling)
         if self.scaling["name"] != "none" and self.scaling.get("original_max_len") is None:
             self.scaling["original_max_len"] = train_len  # scale relative to the length the model was trained at
@@ -117,7 +119,7 @@ class RoPE(Position):
                                 rotary_pct=self.rotary_pct)
 
     def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (T, device, dtype)
+        key = (T, device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
         if key not in self._cache:
             if self.dynamic:
                 inv_freq, factor = self.frequencies(T)
