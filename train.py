@@ -13,8 +13,17 @@ def main(cfg: DictConfig) -> None:
     from lmlab.training import train
 
     hc = HydraConfig.get()
-    group = hc.job.name if hc.mode.name == "RUN" else hc.sweep.dir.replace("/", "_")
-    summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group)
+    sweeping = hc.mode.name == "MULTIRUN"
+    group = hc.sweep.dir.replace("/", "_") if sweeping else hc.job.name
+    try:
+        summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group)
+    except Exception:
+        if not sweeping:
+            raise
+        import traceback  # a failed job is recorded in its summary.json; the sweep goes on with the next one
+
+        traceback.print_exc()
+        return
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
 

@@ -184,7 +184,7 @@ class StabilityMonitor(Callback):
             metrics.update({f"act/rms/layer_{i:02d}": v for i, v in enumerate(ms.sqrt().tolist())})
         if self._attn_in and self._due(step, self.attn_every):
             metrics.update(self._attention_stats(trainer, pl_module))
-        if self.unigram is not None and outputs is not None and self._due(step, self.every):
+        if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
             metrics["train/loss_vs_unigram"] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
         if metrics:

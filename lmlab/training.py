@@ -6,6 +6,7 @@ training starts, whatever happens (completion, divergence, Ctrl-C, an exception)
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -25,10 +26,8 @@ def setup_env(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import logging
     import warnings
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the GPU/TPU/tips banner and INFO chatter
     warnings.filterwarnings("ignore", message=".*(LeafSpec|litlogger|weights_only|does not have many workers).*")
     if cfg.get("threads"):
         import torch
@@ -80,6 +79,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
 
     import lightning.pytorch as L
     from hydra.utils import instantiate
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lmlab.data.datamodule import TextDataModule
