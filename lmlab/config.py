@@ -28,6 +28,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in every Linear (GPT-2: True)
     tie_embeddings: bool = True
+    checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
     activation: dict = field(default_factory=lambda: {"name": "gelu"})

@@ -36,9 +36,13 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     model_cfg = dict(state["hyper_parameters"]["model"])
     weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    from omegaconf import OmegaConf
+    summary = run_dir / "summary.json"
+    if summary.exists():  # the resolved config, written by every run (CLI or library)
+        run_cfg = json.loads(summary.read_text())["config"]
+    else:  # a run that is still going, or was killed
+        from omegaconf import OmegaConf
 
-    run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
+        run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
     return model_cfg, weights, run_cfg
 
 
@@ -71,7 +75,7 @@ def extension_model(model_cfg: dict[str, Any], weights: dict[str, torch.Tensor],
 
 @torch.no_grad()
 def position_losses(model: GPT, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
-    """Mean next-token loss at each position over the windows, (length,)."""
+    """Mean next-token loss at each position over the windows, (length,), from one full-length forward each."""
     total = torch.zeros(windows.size(1) - 1, dtype=torch.float64)
     for chunk in windows.split(batch_size):
         x, y = chunk[:, :-1], chunk[:, 1:]
@@ -79,6 +83,24 @@ def position_losses(model: GPT, windows: torch.Tensor, batch_size: int = 8) -> t
         loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
         total += loss.sum(0).double()
     return total / windows.size(0)
+
+
+@torch.no_grad()
+def dynamic_position_losses(model: GPT, windows: torch.Tensor, trained: int, step: int, batch_size: int = 8
+                            ) -> torch.Tensor:
+    """Per-position loss as a dynamic scaling sees the text while it grows: positions < trained from one forward
+    of length `trained` (s = 1, exactly the unscaled model), then each block of `step` positions from a forward of
+    the prefix that ends with it (s = prefix / trained). One full-length forward would apply the final s to
+    every position, which is static scaling, not dynamic."""
+    T = windows.size(1) - 1
+    out = torch.empty(T, dtype=torch.float64)
+    ends = [min(trained, T)] + list(range(min(trained, T) + step, T + step, step))
+    start = 0
+    for end in ends:
+        end = min(end, T)
+        out[start:end] = position_losses(model, windows[:, : end + 1], batch_size)[start:end]
+        start = end
+    return out
 
 
 def default_scalings(position: str) -> list[str]:
@@ -98,8 +120,8 @@ def check_reach(position: str, scaling: str, length: int, trained: int, allow_ex
 
 
 def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings: Sequence[str] | None = None,
-             allow_extrapolation: bool = False, batch_size: int = 8, out_dir: str | Path | None = None
-             ) -> dict[str, Any]:
+             allow_extrapolation: bool = False, batch_size: int = 8, out_dir: str | Path | None = None,
+             max_windows: int | None = 64, dynamic_step: int | None = None) -> dict[str, Any]:
     """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir."""
     run_dir = Path(run_dir)
     model_cfg, weights, run_cfg = load_run(run_dir)
@@ -119,11 +141,17 @@ def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings
     dm = run_data(run_dir, run_cfg, seq_len=trained)
     rows = []
     curves: dict[str, dict[int, list[float]]] = {}
+    own = model_cfg.get("rope_scaling") or {"name": "none"}
+    step = dynamic_step or max(1, trained // 4)
     for length in lengths:
-        windows = dm.val_windows(length)  # the same windows for every method: a paired comparison
+        windows = dm.val_windows(length)[:max_windows]  # the same windows for every method: a paired comparison
         for s in scalings:
-            model = extension_model(model_cfg, weights, length, {"name": s})
-            per_pos = position_losses(model, windows, batch_size)
+            spec = own if s == own["name"] else {"name": s}  # a run fine-tuned with a scaling keeps its settings
+            model = extension_model(model_cfg, weights, length, spec)
+            if getattr(ROPE_SCALINGS[s], "dynamic", False) and length > trained:
+                per_pos = dynamic_position_losses(model, windows, trained, step, batch_size)
+            else:
+                per_pos = position_losses(model, windows, batch_size)
             inside, beyond = per_pos[:trained], per_pos[trained:]
             rows.append({
                 "length": length, "rope_scaling": s, "windows": int(windows.size(0)),

@@ -62,6 +62,40 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, res
     return loggers
 
 
+# Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
+EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention")
+
+
+def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
+    """For `init_from=<run dir>`: use the source run's tokenizer, and scale RoPE relative to the length the
+    source was trained at. Returns the source's model config and weights (None without init_from)."""
+    if not cfg.get("init_from"):
+        return None
+    from lmlab.evaluate import load_run
+
+    source = Path(cfg.init_from)
+    model_cfg, weights, _ = load_run(source)
+    if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
+        cfg.data.tokenizer = str(source / "tokenizer.json")
+    if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
+        cfg.rope_scaling.original_max_len = model_cfg.get("train_len") or model_cfg["max_seq_len"]
+    return {"model": model_cfg, "weights": weights, "path": str(source)}
+
+
+def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
+    """Copy the source run's weights into `model`, refusing when the architectures differ."""
+    differ = sorted(k for k in new if k not in EXTENSIBLE and new[k] != source["model"].get(k))
+    if differ:
+        detail = ", ".join(f"model/{k}: run has {source['model'].get(k)!r}, config has {new[k]!r}" for k in differ)
+        raise ValueError(f"init_from={source['path']}: the checkpoint's architecture doesn't match the config "
+                         f"({detail})")
+    try:
+        model.load_state_dict(source["weights"])
+    except RuntimeError as err:  # a learned position table of another length, typically
+        raise ValueError(f"init_from={source['path']}: weights don't fit the config ({str(err).splitlines()[-1]}); "
+                         f"position=learned cannot change model.max_seq_len") from None
+
+
 def _checkpoint_step(path: Path) -> int:
     import torch
 
@@ -87,6 +121,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
 
+    source = prepare_init_from(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
                           seed=cfg.seed, out_dir=str(run_dir))
@@ -98,6 +133,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
                  compile=cfg.compile,
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram})
+    if source is not None:
+        load_init_from(lit.model, gcfg.to_dict(), source)
     monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
                                plot_dir=str(run_dir / "plots"))
 

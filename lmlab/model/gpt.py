@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
 from lmlab.model.init import INITS
@@ -38,8 +39,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab)."""
         x = self.drop(self.pos.embed(self.wte(idx)))  # (B, T, C)
+        recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.h:
-            x = block(x, self.pos)
+            # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
+            # dropout draws the same mask): L saved inputs instead of every block's intermediates.
+            x = checkpoint(block, x, self.pos, use_reentrant=False) if recompute else block(x, self.pos)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
