@@ -18,13 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
+import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +66,16 @@ def hf_peer(kind: str, gcfg) -> nn.Module:
         hf = transformers.GPT2Config(n_embd=gcfg.d_model, n_inner=gcfg.ffn_hidden, n_layer=gcfg.n_layer,
                                      n_head=gcfg.n_head, n_positions=gcfg.max_seq_len, activation_function="gelu_new",
                                      layer_norm_epsilon=gcfg.norm.get("eps", 1e-5), resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, **common)
+                                     attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, **common)
         model = transformers.GPT2LMHeadModel._from_config(hf, attn_implementation="sdpa")
     return model.train()
+
+
+def describe(gcfg) -> str:
+    ffn = gcfg.ffn_spec["name"] + (f"({gcfg.activation['name']})" if gcfg.ffn_spec["name"] in ("mlp", "glu") else "")
+    return (f"{gcfg.placement['name']}/{gcfg.norm['name']}/{ffn}/{gcfg.position['name']}, {gcfg.n_layer} layers x "
+            f"d {gcfg.d_model} x {gcfg.n_head} heads ({gcfg.kv_heads} kv), ffn {gcfg.ffn_hidden}, bias "
+            f"{str(gcfg.bias).lower()}, tied {str(gcfg.tie_embeddings).lower()}")
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -127,7 +138,7 @@ def peak_step_bytes(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
     c.train_step(batch)  # the optimizer state exists from here on: count it as live, not as the step's peak
     live = c.live_bytes()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         c.train_step(batch)
     peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -136,6 +147,20 @@ def peak_step_bytes(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor]) -> 
             peak = max(peak, node.extra_fields.total_allocated)
         stack.extend(node.children)
     return live + peak
+
+
+@contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side prints start/stop lines on fd 2 that no setting turns off."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def matmul_gflops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable, tries: int = 3) -> float:
@@ -228,12 +253,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
     from lmlab.registry import build, option_params
 
+    from lmlab.training import setup_env
+
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peer_kind, overrides = CONFIGS[args.config]
     cfg = compose(overrides + list(args.set or []))
+    setup_env(cfg)  # offline, as train.py
+    warnings.filterwarnings("ignore", message=".*(no `val_dataloader`|smaller than the logging interval).*")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the per-fit GPU/TPU banner and tips
     gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size).validate()
     optim, schedule = (dict(cfg[k]) for k in ("optim", "schedule"))
     steps_total = args.warmup + args.repeats * args.steps
@@ -321,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "transformers": __import__("transformers").__version__, "device": device.type,
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
            "precision": args.precision, "compile": args.compile, "config": args.config,
-           "overrides": overrides + list(args.set or []), "batch": B, "seq_len": T, "vocab": V,
+           "overrides": overrides + list(args.set or []), "arch": describe(gcfg), "batch": B, "seq_len": T, "vocab": V,
            "repeats": args.repeats, "steps_per_block": args.steps, "eval_steps_per_block": args.eval_steps,
            "flops_formula": FLOPS_FORMULA, "matmul_params": n_matmul, "flops_per_token": flops,
            "ceiling": {"op": f"torch.mm {mm_n}^3 {mm_dtype}", "gflops": spread(ceilings)},
@@ -368,7 +398,7 @@ def render(out: dict[str, Any]) -> str:
     lines = [f"lmlab.bench  {out['date']}  torch {out['torch']}  transformers {out['transformers']}  "
              f"{out['device']} ({out['cpu']}), {out['threads']} thread(s), {out['precision']}"
              f"{', compiled' if out['compile'] else ''}",
-             f"config {out['config']}: {' '.join(out['overrides'])}",
+             f"config {out['config']}: {out['arch']}",
              f"batch {out['batch']} x seq {out['seq_len']}, vocab {out['vocab']}; {out['repeats']} repeats of "
              f"{out['steps_per_block']} train / {out['eval_steps_per_block']} eval steps per block, order alternating",
              f"FLOPs: {out['flops_formula']}; N = {out['matmul_params']:,}",
@@ -377,7 +407,7 @@ def render(out: dict[str, Any]) -> str:
              f"{'model':<24}{'params':>12}{'train tok/s':>13}{'train MFU':>11}{'eval tok/s':>12}{'eval MFU':>10}"
              f"{'peak MiB':>10}"]
     for name, r in out["results"].items():
-        mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
+        mem = f"{r['peak_mem_mb']:.1f}" if r["peak_mem_mb"] is not None else "-"
         lines.append(f"{name:<24}{r['params']:>12,}{r['train_tok_s']:>13.0f}{r['train_mfu']:>11.1%}"
                      f"{r['eval_tok_s']:>12.0f}{r['eval_mfu']:>10.1%}{mem:>10}")
     lines += ["", "paired ratios (lmlab speed-up; > 1 = lmlab faster / smaller), median (min-max):"]

@@ -163,7 +163,28 @@ def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings
     result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
+        if (run_cfg.get("logger") or {}).get("wandb"):
+            log_wandb(result, Path(out_dir), run_dir, run_cfg["logger"]["wandb"])
     return result
+
+
+def log_wandb(result: dict[str, Any], out: Path, run_dir: Path, spec: dict[str, Any]) -> None:
+    """The eval table (and plot) as a W&B run of the training run's project, offline unless the user opted in."""
+    import os
+
+    import wandb
+
+    if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    name = ",".join(summary.get("overrides", [])) or run_dir.name
+    run = wandb.init(project=spec.get("project", "lmlab"), dir=str(run_dir), job_type="eval", name=f"eval:{name}",
+                     config={"run": str(run_dir), "trained_len": result["trained_len"]}, reinit="finish_previous")
+    cols = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]
+    run.log({"eval/extension": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in result["rows"]])})
+    if (png := out / "plots" / "length_extension.png").exists():
+        run.log({"eval/length_extension": wandb.Image(str(png))})
+    run.finish()
 
 
 def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]], out: Path) -> None:

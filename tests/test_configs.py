@@ -81,3 +81,19 @@ def test_missing_data_path_and_empty_corpus_fail_before_training(tmp_path: Path)
     with pytest.raises(ValueError, match="data.paths"):
         train(compose(["data=text_files", f"data.paths=[{empty}]", "logger=none"]), tmp_path / "r2")
     assert not (tmp_path / "r1" / "checkpoints").exists()  # nothing was trained
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_submitit_launchers_compose(launcher: str) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[f"hydra/launcher={launcher}", "trainer.devices=4"],
+                            return_hydra_config=True)
+    launch = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launch["_target_"].startswith("hydra_plugins.hydra_submitit_launcher")
+    if launcher == "slurm":  # one task per device: Lightning's SLURMEnvironment reads the ranks from it
+        assert launch["tasks_per_node"] == 4 and launch["gpus_per_node"] == 4 and launch["max_num_timeout"] == 3
