@@ -58,7 +58,7 @@ class LitGPT(L.LightningModule):
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("tokens", float(self.tokens_seen))
         return loss
@@ -68,7 +68,7 @@ class LitGPT(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         if (loss := self.trainer.callback_metrics.get("val/loss")) is not None and not self.trainer.sanity_checking:
-            self.log("val/ppl", math.exp(min(float(loss), 50.0)))
+            self.log("val/ppl", math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
             self.val_history.append((self.global_step, float(loss)))
 
     def on_before_optimizer_step(self, optimizer) -> None:

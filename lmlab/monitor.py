@@ -130,13 +130,17 @@ class StabilityMonitor(Callback):
     def _attn_hook(self, i: int):
         def hook(module, args):
             if self._recording:
-                self._attn_in[i] = args[0].detach()[: self.attn_samples]
+                self._attn_in[i] = args[0].detach()[: self._attn_k]
         return hook
 
     _recording = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._recording = self._due(trainer.global_step, self.every) or self._due(trainer.global_step, self.attn_every)
+        # The attention figures use the first attn_samples sequences of the *global* batch (rank r holds global
+        # rows r*B .. r*B+B-1), so a DDP run reports what one process would on the same global batch.
+        local = batch[0].size(0)
+        self._attn_k = max(0, min(local, self.attn_samples - trainer.global_rank * local))
         self._act, self._attn_in = {}, {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -192,17 +196,26 @@ class StabilityMonitor(Callback):
 
     @torch.no_grad()
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:
+        """Mean attention entropy (nats, over heads, queries and sampled sequences) and max logit per layer."""
         model, out = pl_module.model, {}
-        stats = []
+        sums, counts, maxes = [], [], []
         for i in sorted(self._attn_in):
-            p, max_logit = model.h[i].attn.probs(self._attn_in[i], model.pos)  # (B, nh, T, T), (B, nh)
-            entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()
-            stats.append(torch.stack([entropy.float(), max_logit.max().float()]))
-        s = torch.stack(stats)  # (L, 2)
+            x = self._attn_in[i]
+            if x.size(0):
+                p, max_logit = model.h[i].attn.probs(x, model.pos)  # (B, nh, T, T), (B, nh)
+                entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
+                sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
+                maxes.append(max_logit.max().float())
+            else:  # this rank holds none of the sampled sequences
+                sums.append(torch.zeros(())), counts.append(0.0), maxes.append(torch.tensor(float("-inf")))
+        device = trainer.strategy.root_device
+        total, n, mx = torch.stack(sums).to(device), torch.tensor(counts, device=device), torch.stack(maxes).to(device)
         if trainer.world_size > 1:
-            s = trainer.strategy.reduce(s, reduce_op="mean")
-        for i, (ent, mx) in enumerate(s.tolist()):
-            out[f"attn/entropy/layer_{i:02d}"], out[f"attn/max_logit/layer_{i:02d}"] = ent, mx
+            total = trainer.strategy.reduce(total, reduce_op="sum")
+            n = trainer.strategy.reduce(n, reduce_op="sum")
+            mx = trainer.strategy.reduce(mx, reduce_op="max")
+        for i, (ent, m) in enumerate(zip((total / n).tolist(), mx.tolist())):
+            out[f"attn/entropy/layer_{i:02d}"], out[f"attn/max_logit/layer_{i:02d}"] = ent, m
         return out
 
     def _log_profile(self, trainer) -> None:

@@ -161,13 +161,11 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
             status = "interrupted"
         if lit.val_history and lit.val_history[-1][0] != trainer.global_step and lit.divergence.status is None:
             trainer.validate(lit, datamodule=data, verbose=False)  # a final val loss at the final step
-        if trainer.is_global_zero:
-            trainer.save_checkpoint(last)
+        trainer.save_checkpoint(last)  # a collective call: every rank, rank 0 writes
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Lightning turns it into SystemExit after its shutdown)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left SIGINT ignored
         status = "interrupted"
-        if trainer.is_global_zero:
-            trainer.save_checkpoint(last)  # resume=true continues from here
+        trainer.save_checkpoint(last)  # resume=true continues from here
         raise
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
         status, error = "failed", f"{type(exc).__name__}: {exc}"

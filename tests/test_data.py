@@ -31,7 +31,7 @@ def make_dm(
         "paths": [str(p) for p in dirs or [tmp_path / "corpus"]],
         "cache_dir": str(tmp_path / "cache"),
         "batch_size": 4,
-        "val_batches": None,
+        "val_windows": None,
         "val_fraction": 0.2,
         **data,
     }
@@ -255,7 +255,7 @@ def test_lightning_resume_reads_the_uninterrupted_batches(tmp_path: Path) -> Non
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def fit(max_steps: int, ckpt: Path | None = None) -> tuple[Recorder, pl.Trainer]:
-        model, dm = Recorder(), make_dm(tmp_path, [tmp_path / "pos"], seq_len=9, tokenizer=tok, val_batches=2)
+        model, dm = Recorder(), make_dm(tmp_path, [tmp_path / "pos"], seq_len=9, tokenizer=tok, val_windows=8)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
@@ -295,7 +295,7 @@ def test_resume_with_another_tokenizer_is_refused(tmp_path: Path, corpus: list[P
 
 def test_validation_windows_are_fixed(tmp_path: Path) -> None:
     text, tok = positional(tmp_path, 1000)
-    dm = make_dm(tmp_path, [tmp_path / "pos"], seq_len=9, val_fraction=0.5, tokenizer=tok, val_batches=3)
+    dm = make_dm(tmp_path, [tmp_path / "pos"], seq_len=9, val_fraction=0.5, tokenizer=tok, val_windows=12)
     assert dm.val_blocks.shape == (12, 10)  # 3 batches of 4, out of 50 available
     xs = batches(dm.val_dataloader(), 3)
     assert len(dm.val_dataloader()) == 3
@@ -303,7 +303,7 @@ def test_validation_windows_are_fixed(tmp_path: Path) -> None:
     windows = dm.val_windows(99)
     assert windows.shape == (5, 100)  # 500 val tokens hold 5 windows of 100; cap 12
     assert torch.equal(windows, torch.arange(500, 1000).view(5, 100))
-    assert dm.val_windows(9).shape == (12, 10)  # capped at val_batches * batch_size
+    assert dm.val_windows(9).shape == (12, 10)  # capped at val_windows
     with pytest.raises(ValueError, match="fewer than"):
         dm.val_windows(1000)
 

@@ -33,7 +33,7 @@ def corpus(tmp_path_factory) -> Path:
 
 def tiny(corpus: Path, cache: Path, *extra: str) -> list[str]:
     return ["data=text_files", f"data.paths=[{corpus}]", f"data.cache_dir={cache}", "data.batch_size=8",
-            "data.val_batches=4", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.max_seq_len=32",
+            "data.val_windows=32", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.max_seq_len=32",
             "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
             "trainer.enable_progress_bar=false", "monitor.every_n_steps=5", "monitor.attn_every_n_steps=10",
             "schedule.warmup_steps=5", "logger=none", "threads=1", *extra]
@@ -134,3 +134,24 @@ def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) ->
     assert "diverged" in table and "completed" in table and "optim.lr" in table
     for png in ("train_loss.png", "val_loss.png", "grad_norm.png", "grad_norm_at_init.png"):
         assert (sweep / "plots" / png).stat().st_size > 1000, png
+
+
+def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tmp_path: Path) -> None:
+    """2 CPU ranks x batch 4 (gloo) against 1 process x batch 8: the same global batch, the same figures."""
+    common = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "data.batch"))]
+    common += ["trainer.max_steps=3", "trainer.val_check_interval=3", "monitor.every_n_steps=1",
+               "monitor.attn_every_n_steps=1", "optim.grad_clip=0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = _cli(str(ROOT / "train.py"), *common, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
+               "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((two / "summary.json").read_text())["world_size"] == 2
+    for name in ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/layer_01/ffn", "grad/norm/embed",
+                 "param/norm/layer_01", "update/ratio/layer_00", "act/rms/layer_01", "attn/entropy/layer_00",
+                 "attn/max_logit/layer_01", "val/loss"):
+        a, b = metric(one, name), metric(two, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), (name, step)

@@ -8,7 +8,7 @@ Why it looks the way it does:
 - Training order is a pure function of (seed, global sample index): item i is block perm_e[i mod n],
   e = i // n, perm_e seeded by (seed, e). The sampler starts at the index the trainer has reached, so a
   resumed run reads exactly the batches the uninterrupted run would have read, on any number of ranks.
-- Validation reads the same first `val_batches` batches of the validation blocks in every run, so
+- Validation reads the same first `val_windows` blocks of the validation split in every run, so
   val losses of different runs are computed on identical windows.
 
 The module takes plain values (no Hydra) and can be set up before `trainer.fit`, so the model can be
@@ -42,7 +42,7 @@ _DEFAULTS: dict[str, Any] = {
     "vocab_size": 4096,
     "val_fraction": 0.05,
     "batch_size": 32,
-    "val_batches": 20,
+    "val_windows": 640,
     "num_workers": 0,
     "cache_dir": None,  # None: $LMLAB_CACHE, else ~/.cache/lmlab (as in conf/data/*.yaml)
 }
@@ -141,7 +141,7 @@ class TextDataModule(pl.LightningDataModule):
         self.bpe_vocab_size = int(spec.pop("vocab_size"))
         self.val_fraction = float(spec.pop("val_fraction"))
         self.batch_size = int(spec.pop("batch_size"))
-        self.val_batches = spec.pop("val_batches")
+        self.val_windows_n = spec.pop("val_windows")
         self.num_workers = int(spec.pop("num_workers"))
         self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
@@ -157,8 +157,8 @@ class TextDataModule(pl.LightningDataModule):
         for key, value in {"data.batch_size": self.batch_size, "model.max_seq_len": self.seq_len}.items():
             if value < 1:
                 raise ValueError(f"{key}={value} must be at least 1")
-        if self.val_batches is not None and int(self.val_batches) < 1:
-            raise ValueError(f"data.val_batches={self.val_batches} must be at least 1, or null for the whole split")
+        if self.val_windows_n is not None and int(self.val_windows_n) < 1:
+            raise ValueError(f"data.val_windows={self.val_windows_n} must be at least 1, or null for the whole split")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
         check_tokenizer(self.tokenizer_kind, vocab_size=self.bpe_vocab_size)
@@ -234,7 +234,7 @@ class TextDataModule(pl.LightningDataModule):
 
     @property
     def _max_val_blocks(self) -> int | None:
-        return None if self.val_batches is None else int(self.val_batches) * self.batch_size
+        return None if self.val_windows_n is None else int(self.val_windows_n)
 
     def _require_setup(self) -> None:
         if self.tokenizer is None:
