@@ -82,24 +82,22 @@ def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
     return {"model": model_cfg, "weights": weights, "path": str(source)}
 
 
+def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_differ: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint whose architecture differs from the config, naming every differing key."""
+    differ = sorted(k for k in new if k not in may_differ and new[k] != saved.get(k))
+    if differ:
+        detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)
+        raise ValueError(f"{what}: the checkpoint's architecture doesn't match the config ({detail})")
+
+
 def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
     """Copy the source run's weights into `model`, refusing when the architectures differ."""
-    differ = sorted(k for k in new if k not in EXTENSIBLE and new[k] != source["model"].get(k))
-    if differ:
-        detail = ", ".join(f"model/{k}: run has {source['model'].get(k)!r}, config has {new[k]!r}" for k in differ)
-        raise ValueError(f"init_from={source['path']}: the checkpoint's architecture doesn't match the config "
-                         f"({detail})")
+    check_same_arch(f"init_from={source['path']}", new, source["model"], EXTENSIBLE)
     try:
         model.load_state_dict(source["weights"])
     except RuntimeError as err:  # a learned position table of another length, typically
         raise ValueError(f"init_from={source['path']}: weights don't fit the config ({str(err).splitlines()[-1]}); "
                          f"position=learned cannot change model.max_seq_len") from None
-
-
-def _checkpoint_step(path: Path) -> int:
-    import torch
-
-    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default",
@@ -112,6 +110,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     check_config(cfg)
 
     import lightning.pytorch as L
+    import torch
     from hydra.utils import instantiate
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
@@ -147,7 +146,11 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     ckpt_path = str(last) if cfg.resume and last.exists() else None
     if cfg.resume and ckpt_path is None:
         print(f"resume=true but {last} does not exist: starting from scratch")
-    resume_step = _checkpoint_step(last) if ckpt_path else None
+    resume_step = None
+    if ckpt_path:
+        saved = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
+        check_same_arch(f"resume=true ({last})", gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout",))
+        resume_step = int(saved["global_step"])
     loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run_dir), use_distributed_sampler=False,
                                      logger=loggers, callbacks=[checkpoint, monitor, *(callbacks or [])])
@@ -159,8 +162,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
             status = lit.divergence.status
         elif trainer.interrupted:
             status = "interrupted"
-        if lit.val_history and lit.val_history[-1][0] != trainer.global_step and lit.divergence.status is None:
-            trainer.validate(lit, datamodule=data, verbose=False)  # a final val loss at the final step
+        if status != "diverged" and (not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
+            trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
         trainer.save_checkpoint(last)  # a collective call: every rank, rank 0 writes
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Lightning turns it into SystemExit after its shutdown)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left SIGINT ignored

@@ -155,3 +155,10 @@ def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tm
         assert a.keys() == b.keys() and a, name
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), (name, step)
+
+
+def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2")), run)
+    with pytest.raises(ValueError, match=r"resume=true .*model/norm: checkpoint has .*'layer'.*config has .*'rms'"):
+        train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=4", "norm=rms", "resume=true")), run)
