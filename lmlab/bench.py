@@ -49,10 +49,21 @@ TARGETS = {"llama": {"train": (1.00, 0.95), "eval": (1.00, 0.95)},
 FLOPS_FORMULA = "train 6*N + 12*L*T*d FLOPs/token, eval 2*N + 4*L*T*d (N = matmul weights, tied head once)"
 
 
+# What each peer can express: overrides that leave these would compare two different architectures.
+PEER_ARCH = {"llama": {"placement": "pre", "norm": "rms", "ffn": "swiglu", "position": "rope", "rope_scaling": "none"},
+             "gpt2": {"placement": "pre", "norm": "layer", "ffn": "mlp", "activation": "gelu_tanh",
+                      "position": "learned"}}
+
+
 def hf_peer(kind: str, gcfg) -> nn.Module:
     """The transformers model with lmlab's sizes (same FFN width, eps, bias, tying), SDPA attention, no dropout."""
     import transformers
 
+    specs = {**{g: getattr(gcfg, g) for g in PEER_ARCH[kind]}, "ffn": gcfg.ffn_spec}
+    if wrong := {g: specs[g]["name"] for g, name in PEER_ARCH[kind].items() if specs[g]["name"] != name}:
+        raise ValueError(f"the {kind} peer needs {PEER_ARCH[kind]}; the overrides set {wrong}")
+    if any(gcfg.attention.get(k, d) != d for k, d in (("qk_norm", False), ("logn_scaling", False), ("temperature", 1))):
+        raise ValueError(f"the {kind} peer has plain attention; drop attention flags {gcfg.attention}")
     common = dict(vocab_size=gcfg.vocab_size, tie_word_embeddings=gcfg.tie_embeddings, use_cache=False)
     if kind == "llama":
         hf = transformers.LlamaConfig(hidden_size=gcfg.d_model, intermediate_size=gcfg.ffn_hidden,
@@ -166,12 +177,13 @@ def _quiet_stderr():
 
 def matmul_gflops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable, tries: int = 3) -> float:
     """The ceiling: the best of `tries` torch.mm (n×n)·(n×n), 2n³ FLOPs each."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
+    torch.mm(a, b, out=c)
     best = math.inf
     for _ in range(tries):
         sync()
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        torch.mm(a, b, out=c)  # into a warm buffer: the compute, not the first touch of fresh pages
         sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
@@ -194,9 +206,13 @@ def spread(xs: list[float]) -> dict[str, Any]:
 def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.device, sync: Callable,
                         repeats: int) -> dict[str, Any]:
     """Seconds per step of `trainer.fit` (LitGPT + StabilityMonitor at the configured frequency + metrics.csv
-    logger, as train.py sets them up) vs the same steps in the bare loop, each fit from a fresh optimizer, which
-    the bare block also gets. The window is the whole fit from step 0, so the once-per-run init profile and the
-    every-100-steps attention figures are in it: an upper bound on their share."""
+    logger, as train.py sets them up) vs the bare loop, both from a fresh optimizer.
+
+    A fit runs len(batches) steps; the window is steps 1 .. len-1 (one monitor cycle with the default 10, whose
+    step 10 is a monitor step) against the same steps of the bare loop. Step 0 also carries the once-per-run
+    init profile and the attention figures (every `attn_every_n_steps`); its extra time over a plain Lightning
+    step is reported and amortised over the attention period in `ratio_amortised`, the figure the target reads.
+    """
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import Callback
     from omegaconf import OmegaConf
@@ -205,46 +221,54 @@ def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.d
     from lmlab.monitor import StabilityMonitor
 
     class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == 0:
-                sync()
-                self.t0 = time.perf_counter()
+            sync()
+            self.marks.append(time.perf_counter())
 
         def on_train_end(self, trainer, pl_module) -> None:
             sync()
-            self.seconds = time.perf_counter() - self.t0
+            self.marks.append(time.perf_counter())
 
-    def fit(steps: int) -> float:
+    monitor_cfg = OmegaConf.to_container(cfg.monitor, resolve=True)
+
+    def fit() -> list[float]:
+        """Seconds of each step: its work, its hooks and logging, and the next batch's fetch."""
         timer = StepTimer()
-        monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True))
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = L.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=steps,
-                                logger=MetricsCSV(tmp), callbacks=[monitor, timer], enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                num_sanity_val_steps=0, log_every_n_steps=cfg.trainer.log_every_n_steps,
-                                default_root_dir=tmp)
-            trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(batches[:steps], batch_size=None))
-        return timer.seconds / steps
+            trainer = L.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=len(batches),
+                                logger=MetricsCSV(tmp), callbacks=[StabilityMonitor(**monitor_cfg), timer],
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp,
+                                log_every_n_steps=cfg.trainer.log_every_n_steps)
+            trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+        return [b - a for a, b in zip(timer.marks, timer.marks[1:])]
 
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16-mixed" else nullcontext
-    grad_clip = cfg.optim.get("grad_clip", 0.0)
 
-    def bare(steps: int) -> float:
-        c = Contestant("bare", lit.model, lit.loss, lit.configure_optimizers(), grad_clip, autocast)
-        return timed(c.train_step, batches[:steps], sync)
+    def bare() -> float:
+        c = Contestant("bare", lit.model, lit.loss, lit.configure_optimizers(), cfg.optim.get("grad_clip", 0.0),
+                       autocast)
+        c.train_step(batches[0])  # step 0 (optimizer state allocated), outside the window as in the fit
+        return timed(c.train_step, batches[1:], sync)
 
-    fit(2), bare(2)  # warm-up: Lightning's first fit imports and sets up more than later ones
-    loop, plain = [], []
+    fit(), bare()  # warm-up: Lightning's first fit imports and sets up more than later ones
+    loop, plain, first_extra = [], [], []
     for r in range(repeats):  # A B, then B A: a drift in machine speed hits both sides alike
-        if r % 2 == 0:
-            loop.append(fit(len(batches)))
-            plain.append(bare(len(batches)))
-        else:
-            plain.append(bare(len(batches)))
-            loop.append(fit(len(batches)))
+        each = fit() if r % 2 == 0 else None
+        plain.append(bare())
+        each = each or fit()
+        loop.append(statistics.mean(each[1:]))
+        first_extra.append(each[0] - statistics.median(each[1:]))
     ratios = [a / b for a, b in zip(loop, plain)]
-    return {"steps": len(batches), "lightning_step_s": statistics.median(loop), "bare_step_s": statistics.median(plain),
-            "ratio": spread(ratios), "monitor": OmegaConf.to_container(cfg.monitor, resolve=True)}
+    period = monitor_cfg.get("attn_every_n_steps") or len(batches)
+    amortised = [r + max(e, 0.0) / period / b for r, e, b in zip(ratios, first_extra, plain)]
+    return {"window_steps": len(batches) - 1, "lightning_step_s": statistics.median(loop),
+            "bare_step_s": statistics.median(plain), "ratio": spread(ratios),
+            "step0_extra_s": statistics.median(first_extra), "ratio_amortised": spread(amortised),
+            "lightning_each_step_s": each, "monitor": monitor_cfg}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -302,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     B, T, V = args.batch, gcfg.max_seq_len, gcfg.vocab_size
     batches = [(torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device))
-               for _ in range(max(args.steps, args.eval_steps, args.loop_steps))]
+               for _ in range(max(args.steps, args.eval_steps, args.loop_steps + 1))]
     compile_s = {}
     for c in contestants:
         t0 = time.perf_counter()
@@ -362,8 +386,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    / args.peak_tflops for c in contestants}
     if args.loop_repeats:
         precision = "bf16-mixed" if bf16 else "32-true"
-        out["lightning_loop"] = lightning_loop_cost(cfg, lit, batches[:args.loop_steps], precision, device, sync,
-                                                    args.loop_repeats)
+        out["lightning_loop"] = lightning_loop_cost(cfg, lit, batches[:args.loop_steps + 1], precision, device,
+                                                    sync, args.loop_repeats)
     out["targets"] = check_targets(out)
     return out
 
@@ -377,7 +401,7 @@ def check_targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         checks.append({"target": f"{kind} vs peer {goal}",
                        "value": f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})",
                        "met": r["median"] >= median and (floor is None or r["min"] >= floor)})
-    if out["config"] in ("gpt2", "small") and any(k.startswith("mem_vs") for k in ratios):
+    if out["config"] == "gpt2" and any(k.startswith("mem_vs") for k in ratios):
         mem = next(v for k, v in ratios.items() if k.startswith("mem_vs"))
         checks.append({"target": "peak memory <= 0.80x peer", "value": f"{mem:.3f}", "met": mem <= 0.80})
     if out["config"] == "llama" and out["precision"] == "fp32" and out["device"] == "cpu" and out["threads"] in (1, 2):
@@ -390,7 +414,7 @@ def check_targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         checks.append({"target": "bf16-mixed >= 1.50x own fp32", "value": f"{r['median']:.3f}",
                        "met": r["median"] >= 1.5})
     if loop := out.get("lightning_loop"):
-        r = loop["ratio"]["median"]
+        r = loop["ratio_amortised"]["median"]
         checks.append({"target": "Lightning loop + monitor <= 1.10x bare step", "value": f"{r:.3f}", "met": r <= 1.10})
     return checks
 
@@ -418,12 +442,15 @@ def render(out: dict[str, Any]) -> str:
         lines.append(f"  {key:<22}" + (f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if isinstance(r, dict)
                                        else f"{r:.3f} (lmlab peak / peer peak; < 1 = lmlab smaller)"))
     if loop := out.get("lightning_loop"):
-        r = loop["ratio"]
-        lines += ["", f"Lightning loop (LitGPT + StabilityMonitor every {loop['monitor']['every_n_steps']} / attention "
-                      f"every {loop['monitor']['attn_every_n_steps']} steps, metrics.csv; {loop['steps']} steps from "
-                      f"step 0) vs bare step:",
+        r, a, m = loop["ratio"], loop["ratio_amortised"], loop["monitor"]
+        lines += ["", f"Lightning loop (LitGPT + StabilityMonitor every {m['every_n_steps']} steps, attention figures "
+                      f"every {m['attn_every_n_steps']}, metrics.csv) vs bare step, steps 1-{loop['window_steps']} of "
+                      "each fit:",
                   f"  {loop['lightning_step_s'] * 1e3:.1f} ms vs {loop['bare_step_s'] * 1e3:.1f} ms per step, ratio "
-                  f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) over {len(r['all'])} repeats"]
+                  f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) over {len(r['all'])} repeats",
+                  f"  step 0 (init profile + attention figures) costs {loop['step0_extra_s'] * 1e3:.1f} ms more; "
+                  f"amortised over {m['attn_every_n_steps']} steps: ratio {a['median']:.3f} "
+                  f"({a['min']:.3f}-{a['max']:.3f})"]
     if out["targets"]:
         lines += ["", "issue targets:"] + [f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']}"
                                            for t in out["targets"]]
@@ -443,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=2, help="train steps per timed block")
     p.add_argument("--eval-steps", type=int, default=3, help="eval forwards per timed block")
     p.add_argument("--warmup", type=int, default=2, help="untimed train + eval steps per model first")
-    p.add_argument("--loop-steps", type=int, default=10, help="steps per Lightning fit (one monitor cycle)")
+    p.add_argument("--loop-steps", type=int, default=10, help="timed steps per Lightning fit (a monitor cycle)")
     p.add_argument("--loop-repeats", type=int, default=3, help="Lightning-vs-bare repeats (0: skip)")
     p.add_argument("--mm-size", type=int, default=None, help="ceiling matmul size (default 2048 CPU, 8192 GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="also report MFU against this spec peak")

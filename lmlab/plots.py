@@ -47,8 +47,11 @@ def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | P
 
 
 def plot_curves(runs: Mapping[str, Mapping[str, list[tuple[int, float]]]], metric: str, path: str | Path,
-                log: bool = False, title: str = "") -> Path:
-    """One line per run for `metric` (e.g. train/loss), from each run's metrics.csv series."""
+                log: bool = False, title: str = "") -> Path | None:
+    """One line per run for `metric` (e.g. train/loss), from each run's metrics.csv series; None if no run has
+    more than one point of it (a curve needs two)."""
+    if not any(len(series.get(metric, [])) > 1 for series in runs.values()):
+        return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, series in runs.items():

@@ -248,6 +248,20 @@ def test_bench_peers_have_exactly_lmlab_sizes(config: str) -> None:
     assert (gcfg.d_model, gcfg.n_head, gcfg.max_seq_len, gcfg.vocab_size) == (384, 6, 256, 4096)
 
 
+@pytest.mark.parametrize(("config", "override", "named"), [("llama", "norm=layer", "'norm': 'layer'"),
+                                                          ("gpt2", "position=rope", "'position': 'rope'"),
+                                                          ("gpt2", "attention.qk_norm=true", "attention flags")])
+def test_bench_refuses_a_peer_of_another_architecture(config: str, override: str, named: str) -> None:
+    pytest.importorskip("transformers")
+    from lmlab import compose
+    from lmlab.bench import CONFIGS, hf_peer
+    from lmlab.config import arch_config
+
+    kind, overrides = CONFIGS[config]
+    with pytest.raises(ValueError, match=named):
+        hf_peer(kind, arch_config(compose(overrides + [override]), vocab_size=None))
+
+
 def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from lmlab.bench import main
@@ -262,7 +276,9 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     for key in ("train_vs_llama", "eval_vs_llama"):
         r = saved["ratios"][key]
         assert len(r["all"]) == 2 and r["min"] <= r["median"] <= r["max"] and r["min"] > 0
-    assert saved["lightning_loop"]["ratio"]["median"] > 0 and saved["lightning_loop"]["steps"] == 2
+    loop = saved["lightning_loop"]
+    assert loop["window_steps"] == 2 and len(loop["lightning_each_step_s"]) == 3
+    assert loop["ratio_amortised"]["median"] >= loop["ratio"]["median"] > 0
     lm, hf = saved["results"]["lmlab"], saved["results"]["hf LlamaForCausalLM"]
     assert lm["params"] == hf["params"] and lm["peak_mem_mb"] > 0 and hf["peak_mem_mb"] > 0
     # 6·N + 12·L·T·d with N = the Linear weights: 1 layer of (qkv 32·96 + o 32·32 + swiglu 32·2·64 + 64·32) + head 32·64

@@ -119,6 +119,10 @@ class RoPE(Position):
                                 rotary_pct=self.rotary_pct)
 
     def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._tables(T, device, dtype)[:2]
+
+    def _tables(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, signed sin), each (T, d); signed sin = cat(−sin, sin) over the two halves, for `_rotate`."""
         key = (T, device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
         if key not in self._cache:
             if self.dynamic:
@@ -128,7 +132,9 @@ class RoPE(Position):
             t = torch.arange(T, device=device, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq.to(device))  # (T, d/2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
-            self._cache[key] = ((emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype))
+            cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+            half = sin.size(-1) // 2
+            self._cache[key] = (cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         return self._cache[key]
 
     def _apply(self, fn, recurse: bool = True):  # a device/dtype move invalidates the cached tables
@@ -136,15 +142,19 @@ class RoPE(Position):
         return super()._apply(fn, recurse)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(q.size(-2), q.device, q.dtype)  # (T, d)
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+        cos, _, signed_sin = self._tables(q.size(-2), q.device, q.dtype)  # (T, d)
+        return _rotate(q, cos, signed_sin, self.rot_dim), _rotate(k, cos, signed_sin, self.rot_dim)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin on the first d dims of the head; the rest pass through (partial rotary)."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin on the first d dims of the head; the rest pass through (partial rotary).
+
+    rotate_half(x)·sin = cat(−x2, x1)·sin = cat(x2, x1)·cat(−sin, sin): with the sign in the cached table the
+    rotation is one mul, one cat and one addcmul, with no negated copy of x (3 passes over q instead of 5).
+    """
     rot, rest = x[..., :d], x[..., d:]
     x1, x2 = rot.chunk(2, dim=-1)
-    rotated = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rotated = torch.addcmul(rot * cos, torch.cat((x2, x1), dim=-1), signed_sin)
     return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
