@@ -5,10 +5,20 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-# `rope_scaling=none,linear` reads as a Hydra sweep; for eval it is one list of methods to compare.
-sys.argv = [f"{a.split('=', 1)[0]}=[{a.split('=', 1)[1]}]"
-            if a.split("=", 1)[0] in ("rope_scaling", "lengths") and "," in a and "[" not in a else a
-            for a in sys.argv]
+
+
+def _cli_arg(arg: str) -> str:
+    """`rope_scaling=none,linear` would read as a Hydra sweep: for eval it is one list of methods. Run and sweep
+    paths hold '=' and ',' (Hydra names sweep jobs by their overrides), so they are quoted for Hydra's parser."""
+    key, _, value = arg.partition("=")
+    if key in ("rope_scaling", "lengths") and "," in value and "[" not in value:
+        return f"{key}=[{value}]"
+    if key in ("run", "compare", "out") and value and value[0] not in "'\"":
+        return f"{key}='{value}'"
+    return arg
+
+
+sys.argv = [sys.argv[0], *map(_cli_arg, sys.argv[1:])]
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")

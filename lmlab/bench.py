@@ -175,6 +175,24 @@ def _quiet_stderr():
         os.close(null)
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory in the process: no mmap for big blocks, no trimming of the heap's top.
+
+    By default glibc returns big blocks (and the heap's free top) to the OS on free, so each training step
+    page-faults its largest activations back in: ~40k faults per step at the default size here, a few % of a CPU
+    step, more for models with larger (fused) buffers. Applies to both models alike. Returns whether it applied.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    return all(libc.mallopt(opt, value) == 1 for opt, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0),
+                                                                (m_top_pad, 64 << 20)))
+
+
 def matmul_gflops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable, tries: int = 3) -> float:
     """The ceiling: the best of `tries` torch.mm (n×n)·(n×n), 2n³ FLOPs each."""
     a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
@@ -281,6 +299,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.malloc == "keep" and not keep_freed_memory():
+        raise SystemExit("--malloc keep needs glibc (Linux)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peer_kind, overrides = CONFIGS[args.config]
@@ -290,7 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the per-fit GPU/TPU banner and tips
     gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size).validate()
     optim, schedule = (dict(cfg[k]) for k in ("optim", "schedule"))
-    steps_total = args.warmup + args.repeats * args.steps
+    steps_total = 10_000  # the LR schedule's horizon: its values don't change the speed of a step
     bf16 = args.precision == "bf16"
     torch.manual_seed(0)
 
@@ -326,7 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     B, T, V = args.batch, gcfg.max_seq_len, gcfg.vocab_size
     batches = [(torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device))
-               for _ in range(max(args.steps, args.eval_steps, args.loop_steps + 1))]
+               for _ in range(max(8, args.loop_steps + 1))]
     compile_s = {}
     for c in contestants:
         t0 = time.perf_counter()
@@ -337,6 +357,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         compile_s[c.name] = time.perf_counter() - t0
         if not args.no_memory:
             c.peak_bytes = peak_step_bytes(c, batches[0])
+
+    # Blocks of about --block-s seconds (as many steps as that takes for lmlab), so that short steps still make
+    # blocks long enough to time; the same number of steps for every model.
+    steps = args.steps or max(1, min(200, round(args.block_s / timed(ours.train_step, batches[:1], sync))))
+    eval_steps = args.eval_steps or max(1, min(500, round(args.block_s / timed(ours.eval_step, batches[:1], sync))))
+    train_block = [batches[i % len(batches)] for i in range(steps)]
+    eval_block = [batches[i % len(batches)] for i in range(eval_steps)]
 
     n_matmul = matmul_params(ours.model)
     attn = gcfg.n_layer * T * gcfg.n_head * gcfg.head_dim
@@ -349,9 +376,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceilings.append(matmul_gflops(mm_n, mm_dtype, device, sync))
         order = contestants if r % 2 == 0 else contestants[::-1]
         for c in order:
-            c.train_s.append(timed(c.train_step, batches[:args.steps], sync))
+            c.train_s.append(timed(c.train_step, train_block, sync))
         for c in order:
-            c.eval_s.append(timed(c.eval_step, batches[:args.eval_steps], sync))
+            c.eval_s.append(timed(c.eval_step, eval_block, sync))
         for c in contestants:
             for kind, s in (("train", c.train_s[-1]), ("eval", c.eval_s[-1])):
                 mfu[f"{c.name}/{kind}"].append(flops[kind] * B * T / s / 1e9 / ceilings[-1])
@@ -375,9 +402,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "device": device.type,
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "precision": args.precision, "compile": args.compile, "config": args.config,
+           "precision": args.precision, "compile": args.compile, "malloc": args.malloc, "config": args.config,
            "overrides": overrides + list(args.set or []), "arch": describe(gcfg), "batch": B, "seq_len": T, "vocab": V,
-           "repeats": args.repeats, "steps_per_block": args.steps, "eval_steps_per_block": args.eval_steps,
+           "repeats": args.repeats, "steps_per_block": steps, "eval_steps_per_block": eval_steps,
            "flops_formula": FLOPS_FORMULA, "matmul_params": n_matmul, "flops_per_token": flops,
            "ceiling": {"op": f"torch.mm {mm_n}^3 {mm_dtype}", "gflops": spread(ceilings)},
            "results": results, "ratios": ratios}
@@ -424,7 +451,7 @@ def render(out: dict[str, Any]) -> str:
     ceiling = out["ceiling"]["gflops"]
     lines = [f"lmlab.bench  {out['date']}  torch {out['torch']}  transformers {out['transformers']}  "
              f"{out['device']} ({out['cpu']}), {out['threads']} thread(s), {out['precision']}"
-             f"{', compiled' if out['compile'] else ''}",
+             f"{', compiled' if out['compile'] else ''}{', malloc keep' if out['malloc'] == 'keep' else ''}",
              f"config {out['config']}: {out['arch']}",
              f"batch {out['batch']} x seq {out['seq_len']}, vocab {out['vocab']}; {out['repeats']} repeats of "
              f"{out['steps_per_block']} train / {out['eval_steps_per_block']} eval steps per block, order alternating",
@@ -467,13 +494,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats (>= 7 for the issue's numbers)")
-    p.add_argument("--steps", type=int, default=2, help="train steps per timed block")
-    p.add_argument("--eval-steps", type=int, default=3, help="eval forwards per timed block")
+    p.add_argument("--block-s", type=float, default=2.0, help="seconds per timed block (sets the steps per block)")
+    p.add_argument("--steps", type=int, default=None, help="train steps per timed block (default: from --block-s)")
+    p.add_argument("--eval-steps", type=int, default=None, help="eval forwards per block (default: from --block-s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed train + eval steps per model first")
     p.add_argument("--loop-steps", type=int, default=10, help="timed steps per Lightning fit (a monitor cycle)")
     p.add_argument("--loop-repeats", type=int, default=3, help="Lightning-vs-bare repeats (0: skip)")
     p.add_argument("--mm-size", type=int, default=None, help="ceiling matmul size (default 2048 CPU, 8192 GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="also report MFU against this spec peak")
+    p.add_argument("--malloc", choices=["system", "keep"], default="system",
+                   help="keep: glibc keeps freed memory (no per-step page faults); for both models")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)

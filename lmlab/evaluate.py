@@ -196,6 +196,8 @@ def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]]
     write_table(result["rows"], cols, out / "eval")
     lengths = sorted({r["length"] for r in result["rows"]})
     if len(lengths) > 1 or lengths[0] > result["trained_len"]:
-        from lmlab.plots import plot_extension
+        from lmlab.plots import plot_extension, plot_length_sweep
 
         plot_extension(curves, result["trained_len"], out / "plots" / "length_extension.png")
+        if len(lengths) > 1:
+            plot_length_sweep(result["rows"], result["trained_len"], out / "plots" / "loss_vs_length.png")

@@ -95,3 +95,20 @@ def plot_extension(curves: Mapping[str, Mapping[int, list[float]]], trained_len:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path) -> Path:
+    """Mean loss over all positions vs evaluated length, one line per RoPE scaling method (log2 x axis)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in sorted({r["rope_scaling"] for r in rows}):
+        points = sorted((r["length"], r["loss"]) for r in rows if r["rope_scaling"] == name)
+        ax.plot(*zip(*points), marker="o", label=name, linewidth=1)
+    ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluated length (tokens)")
+    ax.set_ylabel("mean loss over the window")
+    ax.set_title("Zero-shot length extension: loss vs length")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

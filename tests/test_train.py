@@ -134,6 +134,11 @@ def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) ->
     assert "diverged" in table and "completed" in table and "optim.lr" in table
     for png in ("train_loss.png", "val_loss.png", "grad_norm.png", "grad_norm_at_init.png"):
         assert (sweep / "plots" / png).stat().st_size > 1000, png
+    job = next(p.parent for p in sweep.rglob("summary.json") if "lr=0.003" in p.parent.name)
+    assert "=" in job.name and "," in job.name  # Hydra names sweep jobs by their overrides
+    res = _cli(str(ROOT / "eval.py"), f"run={job}", cwd=tmp_path)  # such a path must still work as run=
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (job / "eval" / "eval.md").exists()
 
 
 def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tmp_path: Path) -> None:
