@@ -5,20 +5,11 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from lmlab.cli import as_lists, quote_paths
 
-
-def _cli_arg(arg: str) -> str:
-    """`rope_scaling=none,linear` would read as a Hydra sweep: for eval it is one list of methods. Run and sweep
-    paths hold '=' and ',' (Hydra names sweep jobs by their overrides), so they are quoted for Hydra's parser."""
-    key, _, value = arg.partition("=")
-    if key in ("rope_scaling", "lengths") and "," in value and "[" not in value:
-        return f"{key}=[{value}]"
-    if key in ("run", "compare", "out") and value and value[0] not in "'\"":
-        return f"{key}='{value}'"
-    return arg
-
-
-sys.argv = [sys.argv[0], *map(_cli_arg, sys.argv[1:])]
+# `rope_scaling=none,linear` is one list of methods here, not a sweep; run paths from sweeps hold '=' and ','.
+lists = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths"}
+sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "compare", "out"))]
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
@@ -41,7 +32,7 @@ def main(cfg: DictConfig) -> None:
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
     out = Path(cfg.out or Path(cfg.run) / "eval")
-    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.rope_scaling),
+    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
                       allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
                       max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
     print((out / "eval.md").read_text() + f"\n-> {out}/")

@@ -1,9 +1,14 @@
 """python train.py [group=option ...] [key=value ...] — train one GPT variant (see README)."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
+from lmlab.cli import quote_paths
+
+sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("init_from",))]  # sweep job dirs hold '=' and ','
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

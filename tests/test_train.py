@@ -117,6 +117,12 @@ def test_cli_train_then_eval(corpus: Path, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((run / "eval" / "eval.json").read_text())["rows"]
     assert rows[0]["length"] == 32 and rows[0]["loss"] == pytest.approx(summary["final_val_loss"], abs=1e-3)
+    # `rope_scaling=` is a config group in train.py; on eval's command line it is the list of methods
+    res = _cli(str(ROOT / "eval.py"), f"run={run}", "rope_scaling=none", "lengths=16,32", f"out={tmp_path / 'e'}",
+               cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "e" / "eval.json").read_text())["rows"]
+    assert [(r["length"], r["rope_scaling"]) for r in rows] == [(16, "none"), (32, "none")]
 
 
 def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) -> None:
@@ -134,7 +140,7 @@ def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) ->
     assert "diverged" in table and "completed" in table and "optim.lr" in table
     for png in ("train_loss.png", "val_loss.png", "grad_norm.png", "grad_norm_at_init.png"):
         assert (sweep / "plots" / png).stat().st_size > 1000, png
-    job = next(p.parent for p in sweep.rglob("summary.json") if "lr=0.003" in p.parent.name)
+    job = next(p.parent for p in sweep.rglob("summary.json") if "optim.lr=0.003" in p.read_text())
     assert "=" in job.name and "," in job.name  # Hydra names sweep jobs by their overrides
     res = _cli(str(ROOT / "eval.py"), f"run={job}", cwd=tmp_path)  # such a path must still work as run=
     assert res.returncode == 0, res.stderr[-3000:]
