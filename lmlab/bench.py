@@ -1,6 +1,6 @@
 """python -m lmlab.bench: lmlab's training step against Hugging Face `transformers`, side by side in one process.
 
-    python -m lmlab.bench                          # llama-like vs LlamaForCausalLM, fp32, torch's threads
+    python -m lmlab.bench                          # llama-like vs LlamaForCausalLM, fp32, the config's threads
     python -m lmlab.bench --config gpt2 --threads 1 --json bench.json
     python -m lmlab.bench --precision bf16 --set model.n_layer=4 model.d_model=256
 

@@ -73,8 +73,8 @@ class LitGPT(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).
-        norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
         self.peak_grad_norm = max(self.peak_grad_norm, float(norm))
         self.log("grad/norm", norm)
 
