@@ -170,12 +170,11 @@ def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings
 
 def log_wandb(result: dict[str, Any], out: Path, run_dir: Path, spec: dict[str, Any]) -> None:
     """The eval table (and plot) as a W&B run of the training run's project, offline unless the user opted in."""
-    import os
-
     import wandb
 
-    if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
+    from lmlab.training import wandb_offline_by_default
+
+    wandb_offline_by_default()
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     name = ",".join(summary.get("overrides", [])) or run_dir.name
     run = wandb.init(project=spec.get("project", "lmlab"), dir=str(run_dir), job_type="eval", name=f"eval:{name}",

@@ -37,13 +37,9 @@ def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | P
     for name, profile in profiles.items():
         layers = [k for k in profile if k.startswith("layer_")]
         ax.plot(range(len(layers)), [profile[k] for k in layers], marker="o", label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("gradient norm at init")
     ax.set_yscale("log")
-    ax.set_title(title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "layer", "gradient norm at init",
+                   title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
 
 
 def plot_curves(runs: Mapping[str, Mapping[str, list[tuple[int, float]]]], metric: str, path: str | Path,
@@ -58,11 +54,16 @@ def plot_curves(runs: Mapping[str, Mapping[str, list[tuple[int, float]]]], metri
         points = [(s, v) for s, v in series.get(metric, []) if math.isfinite(v)]
         if points:
             ax.plot(*zip(*points), label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
     if log:
         ax.set_yscale("log")
-    ax.set_title(title or metric)
+    return _finish(fig, ax, path, "step", metric, title or metric)
+
+
+def _finish(fig, ax, path: str | Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Labels, legend, grid, then save: the common end of every plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -89,12 +90,7 @@ def plot_extension(curves: Mapping[str, Mapping[int, list[float]]], trained_len:
         smooth = [sum(y[i:i + k]) / len(y[i:i + k]) for i in range(0, len(y), k)]
         ax.plot([i + k / 2 for i in range(0, len(y), k)], smooth, label=name, linewidth=1)
     ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
-    ax.set_xlabel("position")
-    ax.set_ylabel("loss")
-    ax.set_title("Zero-shot length extension")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "position", "loss", "Zero-shot length extension")
 
 
 def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path) -> Path:
@@ -106,9 +102,5 @@ def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path) -
         ax.plot(*zip(*points), marker="o", label=name, linewidth=1)
     ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluated length (tokens)")
-    ax.set_ylabel("mean loss over the window")
-    ax.set_title("Zero-shot length extension: loss vs length")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "evaluated length (tokens)", "mean loss over the window",
+                   "Zero-shot length extension: loss vs length")

@@ -19,10 +19,15 @@ from lmlab.config import arch_config
 from lmlab.summary import write_summary
 
 
-def setup_env(cfg: DictConfig) -> None:
-    """Offline by default: W&B logs to the run dir unless the user opted in; the HF hub is never reached."""
+def wandb_offline_by_default() -> None:
+    """W&B runs offline unless the user opted in (WANDB_MODE or an API key)."""
     if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"
+
+
+def setup_env(cfg: DictConfig) -> None:
+    """Offline by default: W&B logs to the run dir unless the user opted in; the HF hub is never reached."""
+    wandb_offline_by_default()
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
