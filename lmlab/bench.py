@@ -175,24 +175,6 @@ def _quiet_stderr():
         os.close(null)
 
 
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory in the process: no mmap for big blocks, no trimming of the heap's top.
-
-    By default glibc returns big blocks (and the heap's free top) to the OS on free, so each training step
-    page-faults its largest activations back in: ~40k faults per step at the default size here, a few % of a CPU
-    step, more for models with larger (fused) buffers. Applies to both models alike. Returns whether it applied.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return all(libc.mallopt(opt, value) == 1 for opt, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0),
-                                                                (m_top_pad, 64 << 20)))
-
-
 def matmul_gflops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable, tries: int = 3) -> float:
     """The ceiling: the best of `tries` torch.mm (n×n)·(n×n), 2n³ FLOPs each."""
     a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
@@ -227,7 +209,8 @@ def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.d
     logger, as train.py sets them up) vs the bare loop, both from a fresh optimizer.
 
     A fit runs len(batches) steps; the window is steps 1 .. len-1 (one monitor cycle with the default 10, whose
-    step 10 is a monitor step) against the same steps of the bare loop. Step 0 also carries the once-per-run
+    step 10 is a monitor step; each step from its on_train_batch_start to the next, the last to its
+    on_train_batch_end) against the same steps of the bare loop. Step 0 also carries the once-per-run
     init profile and the attention figures (every `attn_every_n_steps`); its extra time over a plain Lightning
     step is reported and amortised over the attention period in `ratio_amortised`, the figure the target reads.
     """
@@ -246,9 +229,10 @@ def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.d
             sync()
             self.marks.append(time.perf_counter())
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            sync()
-            self.marks.append(time.perf_counter())
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step >= trainer.max_steps:  # the last step's end, after the monitor's hook; the
+                sync()  # fit's teardown (end of epoch, logger finalize) is not a per-step cost
+                self.marks.append(time.perf_counter())
 
     monitor_cfg = OmegaConf.to_container(cfg.monitor, resolve=True)
 
@@ -267,6 +251,7 @@ def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.d
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16-mixed" else nullcontext
 
     def bare() -> float:
+        lit.to(device)  # the fit's teardown moved it back to the CPU
         c = Contestant("bare", lit.model, lit.loss, lit.configure_optimizers(), cfg.optim.get("grad_clip", 0.0),
                        autocast)
         c.train_step(batches[0])  # step 0 (optimizer state allocated), outside the window as in the fit
@@ -326,7 +311,7 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
 
     contestants = [ours, Contestant(f"hf {type(peer).__name__}", peer, peer_loss, make_optimizer(peer),
                                     optim.get("grad_clip", 0.0), autocast)]
-    if bf16:  # bf16's target is a speed-up over lmlab's own fp32 step, measured in the same repeats
+    if bf16 and args.fp32_baseline:  # bf16's target is a speed-up over lmlab's own fp32 step, in the same repeats
         contestants.append(lmlab_contestant("lmlab fp32", False)[0])
     return contestants, lit
 
@@ -336,13 +321,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmlab.config import arch_config
     from lmlab.training import setup_env
 
-    if args.malloc == "keep" and not keep_freed_memory():
-        raise SystemExit("--malloc keep needs glibc (Linux)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peer_kind, overrides = CONFIGS[args.config]
-    cfg = compose(overrides + list(args.set or []))
-    setup_env(cfg)  # offline and cfg.threads, as train.py
+    cfg = compose(overrides + list(args.set or []) + ([f"malloc={args.malloc}"] if args.malloc else []))
+    setup_env(cfg)  # offline, cfg.threads and cfg.malloc, as train.py
     if args.threads:  # after setup_env: the command line wins over the config's `threads`
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*(no `val_dataloader`|smaller than the logging interval).*")
@@ -409,7 +392,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "device": device.type,
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "precision": args.precision, "compile": args.compile, "malloc": args.malloc, "config": args.config,
+           "precision": args.precision, "compile": args.compile, "malloc": cfg.malloc, "config": args.config,
            "overrides": overrides + list(args.set or []), "arch": describe(gcfg), "batch": B, "seq_len": T, "vocab": V,
            "repeats": args.repeats, "steps_per_block": steps, "eval_steps_per_block": eval_steps,
            "flops_formula": FLOPS_FORMULA, "matmul_params": n_matmul, "flops_per_token": flops,
@@ -498,6 +481,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the config's)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast, as bf16-mixed")
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--fp32-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --precision bf16, also time lmlab in fp32 (the bf16 speed-up target)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats (>= 7 for the issue's numbers)")
@@ -509,8 +494,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--loop-repeats", type=int, default=3, help="Lightning-vs-bare repeats (0: skip)")
     p.add_argument("--mm-size", type=int, default=None, help="ceiling matmul size (default 2048 CPU, 8192 GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="also report MFU against this spec peak")
-    p.add_argument("--malloc", choices=["system", "keep"], default="system",
-                   help="keep: glibc keeps freed memory (no per-step page faults); for both models")
+    p.add_argument("--malloc", choices=["system", "keep"], default=None,
+                   help="glibc's freed-memory policy for both models (default: the config's malloc, keep)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)

@@ -39,10 +39,17 @@ class LitGPT(L.LightningModule):
         self.model = GPT(GPTConfig(**model))
         self.divergence = Divergence(**(divergence or {}))
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
-        self.peak_grad_norm = 0.0
+        self._peak_grad: torch.Tensor | None = None  # running max of the global grad norm, kept on the device
+        self._peak_grad_before = 0.0  # from a resumed checkpoint
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
         object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
         self.tokens_seen = 0
+
+    @property
+    def peak_grad_norm(self) -> float:
+        """The largest global gradient norm (before clipping) of the run so far, resumed runs included."""
+        now = float(self._peak_grad) if self._peak_grad is not None else 0.0
+        return max(self._peak_grad_before, now if now == now else 0.0)  # NaN norms never count, as before
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.forward_fn(idx)
@@ -59,8 +66,10 @@ class LitGPT(L.LightningModule):
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log("tokens", float(self.tokens_seen))
+        # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a GPU
+        # that blocking copy waits for all queued work, a pipeline drain every step.
+        self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
+        self.log("tokens", torch.tensor(self.tokens_seen, dtype=torch.float64))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -75,7 +84,7 @@ class LitGPT(L.LightningModule):
         # The global gradient norm before clipping (Lightning clips after this hook).
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-        self.peak_grad_norm = max(self.peak_grad_norm, float(norm))
+        self._peak_grad = norm if self._peak_grad is None else torch.fmax(self._peak_grad, norm)  # no GPU sync
         self.log("grad/norm", norm)
 
     def configure_optimizers(self) -> dict:
@@ -88,7 +97,17 @@ class LitGPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        if clip := self.hparams.optim.get("grad_clip", 0.0):
+        if not (clip := self.hparams.optim.get("grad_clip", 0.0)):
+            return
+        root = self.trainer.strategy.model
+        if hasattr(root, "clip_grad_norm_"):  # FSDP: the norm over every rank's shards (Lightning's plugin refuses)
+            root.clip_grad_norm_(clip)
+        elif getattr(optimizer, "_step_supports_amp_scaling", False) and getattr(
+                self.trainer.precision_plugin, "scaler", None) is None:
+            # A fused optimizer under bf16 autocast: no loss scaler, so these are the true gradients. Lightning's
+            # mixed-precision plugin refuses to clip for any fused optimizer, a rule meant for fp16's scaled grads.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        else:
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -105,5 +124,5 @@ class LitGPT(L.LightningModule):
         state = checkpoint.get("lmlab", {})
         self.tokens_seen = state.get("tokens_seen", 0)
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
-        self.peak_grad_norm = state.get("peak_grad_norm", 0.0)
+        self._peak_grad, self._peak_grad_before = None, state.get("peak_grad_norm", 0.0)
         self.divergence.load_state_dict(state.get("divergence", {}))

@@ -41,7 +41,11 @@ class MetricsCSV(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+        values = {k: float(v) for k, v in metrics.items()}
+        if self.rows and self.rows[-1]["step"] == step:  # Lightning's metrics and the monitor's: one row per step
+            self.rows[-1].update(values)
+        else:
+            self.rows.append({"step": step, **values})
 
     @rank_zero_only
     def save(self) -> None:

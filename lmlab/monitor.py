@@ -83,6 +83,17 @@ def _sq(tensors: list[torch.Tensor]) -> torch.Tensor:
     return sum((t.detach().float().pow(2).sum() for t in tensors), torch.zeros(()))
 
 
+def _write(trainer, metrics: dict[str, float], step: int) -> None:
+    """Hand the figures to the loggers with the step they were measured at (rank 0 writes).
+
+    Not through `LightningModule.log`: Lightning re-emits a callback's last value at every later logging step until
+    it is logged again, so a figure measured at step 0 would also appear at steps 9, 19, ... (and each Python float
+    would be copied to the GPU, a blocking sync).
+    """
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
 class StabilityMonitor(Callback):
     def __init__(self, *, every_n_steps: int = 10, attn_every_n_steps: int = 100, attn_samples: int = 4,
                  init_profile: bool = True, unigram: float | None = None, plot_dir: str | None = None) -> None:
@@ -166,7 +177,7 @@ class StabilityMonitor(Callback):
                                                                if k.startswith(layer + "/")))
             self._before = {layer: [p.detach().clone() for k in self.groups if k.startswith(layer + "/")
                                     for p in self.groups[k]] for layer in layers}
-            pl_module.log_dict(metrics)
+            _write(trainer, metrics, step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step - 1  # the step just taken
@@ -192,7 +203,7 @@ class StabilityMonitor(Callback):
             metrics["train/loss_vs_unigram"] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
         if metrics:
-            pl_module.log_dict(metrics)
+            _write(trainer, metrics, step)
 
     @torch.no_grad()
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:

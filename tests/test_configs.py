@@ -56,6 +56,7 @@ def test_compose_matches_cli_defaults() -> None:
     (["optim.name=adam"], ["optim='adam'", "'adamw'"]),
     (["schedule.warmup_steps=-1"], ["schedule.warmup_steps"]),
     (["trainer.max_steps=0"], ["trainer.max_steps"]),
+    (["malloc=jemalloc"], ["malloc='jemalloc'", "'system'", "'keep'"]),
 ])
 def test_bad_config_fails_before_training(overrides: list[str], names: list[str]) -> None:
     with pytest.raises(ValueError) as err:

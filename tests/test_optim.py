@@ -88,6 +88,27 @@ def test_zero_gradient_step_is_pure_decoupled_decay(name: str) -> None:
     torch.testing.assert_close(b.detach(), b0, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_adamw_fused_is_auto_on_cpu_and_matches_the_textbook_step(fused: bool | None) -> None:
+    """fused=None takes torch's fused kernel for CPU parameters; every implementation gives AdamW's update:
+    p ← p·(1 − lr·wd) − lr·m̂/(√v̂ + eps), m̂ = g, v̂ = g² after one step (bias-corrected)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    w0, g = w.detach().clone(), torch.randn(6, 5)
+    opt = OPTIMIZERS["adamw"]([{"params": [w], "weight_decay": 0.1}], lr=0.01, fused=fused)
+    assert bool(opt.defaults["fused"]) == (fused is not False)
+    w.grad = g.clone()
+    opt.step()
+    expected = w0 * (1 - 0.01 * 0.1) - 0.01 * g / (g.abs() + 1e-8)
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_fused_auto_leaves_meta_parameters_unfused() -> None:
+    """The fused kernel exists for CPU/CUDA tensors only: anything else keeps torch's default loop."""
+    w = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    assert not OPTIMIZERS["adamw"]([{"params": [w], "weight_decay": 0.0}]).defaults["fused"]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_step_descends(name: str) -> None:
     """A few steps on f(p) = ½‖p − 3‖² from p = 0 reduce f (no weight decay)."""

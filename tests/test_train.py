@@ -60,6 +60,14 @@ def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
                  "grad/norm/layer_01/ffn", "grad/norm/embed", "param/norm/layer_00", "update/ratio/layer_01",
                  "act/rms/layer_01", "attn/entropy/layer_00", "attn/max_logit/layer_01", "train/loss_vs_unigram"):
         assert name in header, name
+    # Each figure sits at the step it was measured at (monitor every 5, attention every 10), never re-emitted at the
+    # logging steps in between; the training curve is on every step (log_every_n_steps=1).
+    for name, every in (("param/norm/layer_00", 5), ("update/ratio/layer_01", 5), ("act/rms/layer_01", 5),
+                        ("grad/norm/layer_00/attn", 5), ("attn/entropy/layer_00", 10)):
+        assert sorted(metric(run, name)) == list(range(0, 30, every)), name
+    assert sorted(metric(run, "train/loss")) == list(range(30))
+    steps = [row.split(",")[0] for row in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert len(steps) == len(set(steps))  # one row per step
 
 
 class _CtrlC(Callback):
@@ -173,3 +181,32 @@ def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> No
     train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2")), run)
     with pytest.raises(ValueError, match=r"resume=true .*model/norm: checkpoint has .*'layer'.*config has .*'rms'"):
         train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=4", "norm=rms", "resume=true")), run)
+
+
+def test_bf16_mixed_clips_gradients_with_the_fused_optimizer(corpus: Path, tmp_path: Path, monkeypatch) -> None:
+    """bf16-mixed (CPU autocast) with the default fused AdamW, which Lightning's plugin refuses to clip for: the
+    optimizer still steps on gradients clipped to optim.grad_clip, grad/norm logs the norm before clipping, and
+    summary.json's peak_grad_norm is the largest of those."""
+    import torch
+
+    seen: list[tuple[bool, float]] = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, closure=None):  # Lightning passes forward + backward + clipping as the closure
+        with torch.enable_grad():
+            closure()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        seen.append((bool(self.defaults["fused"]), torch.linalg.vector_norm(torch.stack(
+            [g.float().norm() for g in grads])).item()))
+        return step(self)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    run = tmp_path / "run"
+    summary = train(compose(tiny(corpus, tmp_path / "cache", "trainer.precision=bf16-mixed", "optim.grad_clip=0.05",
+                                 "trainer.max_steps=4", "trainer.val_check_interval=4")), run)
+    assert summary["status"] == "completed" and len(seen) == 4
+    assert all(fused for fused, _ in seen)
+    assert max(n for _, n in seen) <= 0.05 * 1.001
+    logged = metric(run, "grad/norm")
+    assert len(logged) == 4 and min(logged.values()) > 0.05  # clipping had work to do on every step
+    assert summary["peak_grad_norm"] == pytest.approx(max(logged.values()), rel=1e-6)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check of the performance issue, as one script: lmlab vs HF GPT2LMHeadModel at GPT-2 124M
+# (12 layers x d 768 x 12 heads, seq 1024, vocab 50304), bf16 autocast, batch 32 x 1024 tokens, MFU against
+# the card's bf16 dense peak (--peak-tflops, default 989: H100/H200 SXM) and against a bf16 matmul measured
+# in the same run. Stages, each under its own time limit, each writing its table and JSON to $OUT:
+#   1. smoke: 2 layers, batch 2, every code path once (a broken path costs seconds, not the budget)
+#   2. eager: lmlab, HF and lmlab fp32, 7 interleaved repeats, plus the Lightning loop's cost
+#   3. compiled: torch.compile on both models (compile time reported as warmup_s)
+# Usage: OUT=bench-gpu bash scripts/bench_gpu.sh   (run from the repository root, on a machine with CUDA)
+set -u
+OUT=${OUT:-bench-gpu}
+PEAK=${PEAK:-989}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}" TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor}
+GPT2_124M=(model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024 model.vocab_size=50304)
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
+$PY -c "import torch, transformers, lightning; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| lightning', lightning.__version__, '|', torch.cuda.get_device_name())" \
+    2>&1 | tee -a "$OUT/log.txt"
+
+left() { echo $(( ${DEADLINE:-100000} - SECONDS )); }
+
+stage() {  # stage NAME SECONDS ARGS...: one bench run; its table to the log, its JSON to NAME.json
+    local name=$1 limit=$2
+    shift 2
+    (( limit > $(left) )) && limit=$(left)
+    (( limit < 10 )) && { echo "=== bench $name skipped: DEADLINE reached" | tee -a "$OUT/log.txt"; return 124; }
+    echo "=== bench $name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/log.txt"
+    timeout "$limit" $PY -m lmlab.bench --config gpt2 --device "${DEVICE:-cuda}" --precision bf16 --peak-tflops "$PEAK" \
+        --json "$JSON_DIR/$name.json" "$@" 2>&1 | tee -a "$OUT/log.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+train_check() {  # train_check NAME SECONDS OVERRIDES...: train.py as a user runs it; its summary.json back
+    local name=$1 limit=$2 dir=/tmp/lmlab-gpu-runs/$1
+    shift 2
+    echo "=== train.py $name ($(date +%T))" | tee -a "$OUT/log.txt"
+    timeout "$limit" $PY train.py logger=csv hydra.run.dir="$dir" "$@" 2>&1 | grep -v "━" | tail -n 20 \
+        | tee -a "$OUT/log.txt"
+    cp "$dir/summary.json" "$OUT/train-$name.json" 2>/dev/null
+    tail -n 2 "$dir/metrics.csv" 2>/dev/null | tee -a "$OUT/log.txt"
+}
+
+JSON_DIR=/tmp stage smoke 150 --batch 2 --set model.n_layer=2 model.d_model=128 model.n_head=2 --repeats 1 \
+    --block-s 0.2 --loop-steps 3 --loop-repeats 1 || exit 1
+JSON_DIR=$OUT
+stage gpt2-124m-eager 200 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 1
+train_check gpu 90 trainer=gpu trainer.max_steps=300
+train_check fsdp 90 trainer=fsdp trainer.devices=1 trainer.max_steps=100
+stage gpt2-124m-compiled 330 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 0 \
+    --compile --no-fp32-baseline
