@@ -1,12 +1,17 @@
 """metrics.csv in the run directory, whatever other logger is chosen.
 
 Lightning's CSVLogger deletes an existing metrics.csv when it starts, which would lose the first part of a
-resumed run's curve. This logger keeps the rows logged before the step it resumes from and appends.
+resumed run's curve. This logger keeps the rows logged before the step it resumes from and appends. One row per
+step: values logged for the step of the last row (the monitor's figures, then Lightning's) join that row.
+
+Each save appends the rows that are new since the last one (rewriting only the last row when it grew), so a long
+run costs O(new rows) per save; the whole file is rewritten, atomically, only when a new column appears.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,12 @@ class MetricsCSV(Logger):
         if resume_step is not None and self.path.exists():
             with open(self.path, newline="") as f:
                 self.rows = [r for r in csv.DictReader(f) if int(float(r["step"])) < resume_step]
+        self._keys = {k for row in self.rows for k in row} - {"step"}
+        self._header: list[str] | None = None  # the columns of the file on disk; None: rewrite at the next save
+        self._on_disk = 0  # rows[:_on_disk] are in the file
+        self._last_at = 0  # byte offset of the last row in the file
+        self._end = 0  # the file's length
+        self._last_changed = False  # rows[_on_disk - 1] grew after it was written
 
     @property
     def name(self) -> str:
@@ -42,20 +53,48 @@ class MetricsCSV(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         values = {k: float(v) for k, v in metrics.items()}
+        self._keys.update(values)
         if self.rows and self.rows[-1]["step"] == step:  # Lightning's metrics and the monitor's: one row per step
             self.rows[-1].update(values)
+            self._last_changed |= self._on_disk == len(self.rows)
         else:
             self.rows.append({"step": step, **values})
 
+    @staticmethod
+    def _lines(header: list[str], rows: list[dict[str, Any]]) -> list[bytes]:
+        out, buf = [], io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=header)
+        for row in rows:
+            buf.seek(0)
+            buf.truncate()
+            writer.writerow(row)
+            out.append(buf.getvalue().encode())
+        return out
+
     @rank_zero_only
     def save(self) -> None:
-        keys = sorted({k for row in self.rows for k in row} - {"step"})
-        tmp = self.path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["step", *keys])
-            writer.writeheader()
-            writer.writerows(self.rows)
-        tmp.replace(self.path)  # atomic: a crash mid-write never leaves a truncated file
+        header = ["step", *sorted(self._keys)]
+        if header != self._header or not self.path.exists():
+            buf = io.StringIO()
+            csv.DictWriter(buf, fieldnames=header).writeheader()
+            lines = [buf.getvalue().encode(), *self._lines(header, self.rows)]
+            tmp = self.path.with_suffix(".csv.tmp")
+            tmp.write_bytes(b"".join(lines))
+            tmp.replace(self.path)  # atomic: a crash mid-write never leaves a truncated file
+            self._header, self._end = header, sum(map(len, lines))
+        else:
+            start = self._on_disk - 1 if self._last_changed else self._on_disk
+            if start >= len(self.rows):
+                return
+            lines = self._lines(header, self.rows[start:])
+            offset = self._last_at if self._last_changed else self._end
+            with open(self.path, "r+b") as f:
+                f.seek(offset)
+                f.truncate()
+                f.write(b"".join(lines))
+            self._end = offset + sum(map(len, lines))
+        self._on_disk, self._last_changed = len(self.rows), False
+        self._last_at = self._end - len(lines[-1]) if self.rows else self._end
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
