@@ -41,6 +41,7 @@ class LitGPT(L.LightningModule):
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
         self._peak_grad: torch.Tensor | None = None  # running max of the global grad norm, kept on the device
         self._peak_grad_before = 0.0  # from a resumed checkpoint
+        self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
         object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
         self.tokens_seen = 0
@@ -65,12 +66,19 @@ class LitGPT(L.LightningModule):
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
-        # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a GPU
-        # that blocking copy waits for all queued work, a pipeline drain every step.
-        self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
-        self.log("tokens", torch.tensor(self.tokens_seen, dtype=torch.float64))
+        if self._logs_now():
+            self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
+            # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
+            # GPU that blocking copy waits for all queued work.
+            self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
+            self.log("tokens", torch.tensor(self.tokens_seen, dtype=torch.float64))
         return loss
+
+    def _logs_now(self) -> bool:
+        """Whether Lightning hands this step's metrics to the loggers (every trainer.log_every_n_steps, and the last
+        step). Values logged on other steps are never written, and each self.log costs ~0.6 ms of Python: 5% of a
+        step at 4 layers x d 128."""
+        return self.trainer._logger_connector.should_update_logs
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
@@ -85,7 +93,9 @@ class LitGPT(L.LightningModule):
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
         self._peak_grad = norm if self._peak_grad is None else torch.fmax(self._peak_grad, norm)  # no GPU sync
-        self.log("grad/norm", norm)
+        self._grad_norm = norm  # clipping reuses it
+        if self._logs_now():
+            self.log("grad/norm", norm)
 
     def configure_optimizers(self) -> dict:
         optim, schedule = dict(self.hparams.optim), dict(self.hparams.schedule)
@@ -102,11 +112,11 @@ class LitGPT(L.LightningModule):
         root = self.trainer.strategy.model
         if hasattr(root, "clip_grad_norm_"):  # FSDP: the norm over every rank's shards (Lightning's plugin refuses)
             root.clip_grad_norm_(clip)
-        elif getattr(optimizer, "_step_supports_amp_scaling", False) and getattr(
-                self.trainer.precision_plugin, "scaler", None) is None:
-            # A fused optimizer under bf16 autocast: no loss scaler, so these are the true gradients. Lightning's
-            # mixed-precision plugin refuses to clip for any fused optimizer, a rule meant for fp16's scaled grads.
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        elif getattr(self.trainer.precision_plugin, "scaler", None) is None and self._grad_norm is not None:
+            # No loss scaler (fp32, bf16): these are the true gradients, whose global norm on_before_optimizer_step
+            # has just taken. (Lightning's mixed-precision plugin would also refuse any fused optimizer, a rule
+            # meant for fp16's scaled gradients.)
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), clip, self._grad_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 

@@ -183,10 +183,12 @@ def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> No
         train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=4", "norm=rms", "resume=true")), run)
 
 
-def test_bf16_mixed_clips_gradients_with_the_fused_optimizer(corpus: Path, tmp_path: Path, monkeypatch) -> None:
-    """bf16-mixed (CPU autocast) with the default fused AdamW, which Lightning's plugin refuses to clip for: the
-    optimizer still steps on gradients clipped to optim.grad_clip, grad/norm logs the norm before clipping, and
-    summary.json's peak_grad_norm is the largest of those."""
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_fused_optimizer_steps_on_clipped_gradients(corpus: Path, tmp_path: Path, monkeypatch,
+                                                        precision: str) -> None:
+    """fp32 and bf16-mixed (CPU autocast) with the default fused AdamW, which Lightning's bf16 plugin refuses to
+    clip for: the optimizer steps on gradients clipped to optim.grad_clip (by the norm LitGPT already took),
+    grad/norm logs the norm before clipping, and summary.json's peak_grad_norm is the largest of those."""
     import torch
 
     seen: list[tuple[bool, float]] = []
@@ -202,7 +204,7 @@ def test_bf16_mixed_clips_gradients_with_the_fused_optimizer(corpus: Path, tmp_p
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     run = tmp_path / "run"
-    summary = train(compose(tiny(corpus, tmp_path / "cache", "trainer.precision=bf16-mixed", "optim.grad_clip=0.05",
+    summary = train(compose(tiny(corpus, tmp_path / "cache", f"trainer.precision={precision}", "optim.grad_clip=0.05",
                                  "trainer.max_steps=4", "trainer.val_check_interval=4")), run)
     assert summary["status"] == "completed" and len(seen) == 4
     assert all(fused for fused, _ in seen)
