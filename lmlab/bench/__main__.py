@@ -1,0 +1,3 @@
+from lmlab.bench.cli import main
+
+main()
