@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check of the performance issue, as one script: lmlab vs HF GPT2LMHeadModel at GPT-2 124M
 # (12 layers x d 768 x 12 heads, seq 1024, vocab 50304), bf16 autocast, batch 32 x 1024 tokens, MFU against
-# the card's bf16 dense peak (--peak-tflops, default 989: H100/H200 SXM) and against a bf16 matmul measured
-# in the same run. Stages, each under its own time limit, each writing its table and JSON to $OUT:
-#   1. smoke: 2 layers, batch 2, every code path once (a broken path costs seconds, not the budget)
-#   2. eager: lmlab, HF and lmlab fp32, 7 interleaved repeats, plus the Lightning loop's cost
-#   3. compiled: torch.compile on both models (compile time reported as warmup_s)
-# Usage: OUT=bench-gpu bash scripts/bench_gpu.sh   (run from the repository root, on a machine with CUDA)
+# the card's bf16 dense peak (PEAK, default 989 TFLOP/s: H100/H200 SXM) and against a bf16 matmul measured
+# in the same run. Stages, each under its own time limit; what they print goes to $OUT/log.txt, each result to
+# $OUT/<stage>.json:
+#   smoke     2 layers, batch 2, every bench path once (a broken path costs seconds, not the budget)
+#   eager     lmlab, HF and lmlab fp32, 7 interleaved repeats, plus the Lightning loop's cost
+#   train     train.py as a user runs it: trainer=gpu (bf16-mixed), then trainer=fsdp on one device
+#   compiled  torch.compile on both models (compile time reported as warmup_s)
+#   loop      the Lightning loop's cost over the bare step, with and without the stability monitor
+#   llama, llama-compiled   the llama-like model vs LlamaForCausalLM at the same sizes
+# STAGES picks them (default "smoke eager train compiled"); DEADLINE=<seconds> caps the whole script.
+# Usage, from the repository root on a machine with CUDA (offline: the corpus already in $LMLAB_CACHE):
+#   OUT=bench-gpu bash scripts/bench_gpu.sh
+#   STAGES="smoke loop llama llama-compiled" OUT=bench-gpu bash scripts/bench_gpu.sh
 set -u
 OUT=${OUT:-bench-gpu}
 PEAK=${PEAK:-989}
@@ -43,11 +50,21 @@ train_check() {  # train_check NAME SECONDS OVERRIDES...: train.py as a user run
     tail -n 2 "$dir/metrics.csv" 2>/dev/null | tee -a "$OUT/log.txt"
 }
 
-JSON_DIR=/tmp stage smoke 150 --batch 2 --set model.n_layer=2 model.d_model=128 model.n_head=2 --repeats 1 \
-    --block-s 0.2 --loop-steps 3 --loop-repeats 1 || exit 1
+want() { [[ " ${STAGES:-smoke eager train compiled} " == *" $1 "* ]]; }
+GPT2_LOOP=(--batch 32 --repeats 3 --no-fp32-baseline --no-memory --loop-repeats 3)
+QUIET=(monitor.every_n_steps=0 monitor.attn_every_n_steps=0 monitor.init_profile=false)
+
+want smoke && { JSON_DIR=/tmp stage smoke 150 --batch 2 --set model.n_layer=2 model.d_model=128 model.n_head=2 \
+    --repeats 1 --block-s 0.2 --loop-steps 3 --loop-repeats 1 || exit 1; }
 JSON_DIR=$OUT
-stage gpt2-124m-eager 200 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 1
-train_check gpu 90 trainer=gpu trainer.max_steps=300
-train_check fsdp 90 trainer=fsdp trainer.devices=1 trainer.max_steps=100
-stage gpt2-124m-compiled 330 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 0 \
-    --compile --no-fp32-baseline
+want eager && stage gpt2-124m-eager 200 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 1
+want train && train_check gpu 90 trainer=gpu trainer.max_steps=300
+want train && train_check fsdp 90 trainer=fsdp trainer.devices=1 trainer.max_steps=100
+want compiled && stage gpt2-124m-compiled 330 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 \
+    --loop-repeats 0 --compile --no-fp32-baseline
+want loop && stage gpt2-124m-loop 120 --set "${GPT2_124M[@]}" "${GPT2_LOOP[@]}"
+want loop && stage gpt2-124m-loop-nomonitor 120 --set "${GPT2_124M[@]}" "${QUIET[@]}" "${GPT2_LOOP[@]}"
+want llama && stage llama-124m-eager 150 --config llama --batch 32 --set "${GPT2_124M[@]}" --repeats 7 \
+    --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
+want llama-compiled && stage llama-124m-compiled 300 --config llama --batch 32 --set "${GPT2_124M[@]}" \
+    --repeats 5 --block-s 0.5 --loop-repeats 0 --no-fp32-baseline --compile
