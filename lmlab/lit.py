@@ -92,6 +92,8 @@ class LitGPT(L.LightningModule):
         # The global gradient norm before clipping (Lightning clips after this hook).
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+        if "FSDP" in type(self.trainer.strategy).__name__ and self.trainer.world_size > 1:  # disjoint shards
+            norm = self.trainer.strategy.reduce(norm.square(), reduce_op="sum").sqrt()
         self._peak_grad = norm if self._peak_grad is None else torch.fmax(self._peak_grad, norm)  # no GPU sync
         self._grad_norm = norm  # clipping reuses it
         if self._logs_now():
