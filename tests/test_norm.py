@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmlab.model.norm import NORMS
 from lmlab.registry import build
@@ -71,6 +72,48 @@ def test_rms_norm_formula() -> None:
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.1) * norm.weight
     torch.testing.assert_close(norm(x), expected, **TOL)
     assert sum(p.numel() for p in norm.parameters()) == C  # no bias, no centring
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_cpu_backward_is_the_exact_gradient(affine: bool) -> None:
+    """The CPU path's hand-written backward against numerical differentiation in float64 (gradcheck), and against
+    autograd through F.rms_norm in float32: outputs and gradients of x and w."""
+    from lmlab.model.norm import _RMSNormFn
+
+    torch.manual_seed(0)
+    x = (torch.randn(2, 3, 6, dtype=torch.float64) * 2 + 1).requires_grad_()
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_() if affine else None
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFn.apply(x, w, 1e-3), (x, w))
+    norm = _norm("rms", eps=1e-5, affine=affine)
+    if affine:
+        _randomise_affine(norm)
+    x = (torch.randn(B, T, C) * 3).requires_grad_()
+    g = torch.randn(B, T, C)
+    ours = norm(x)
+    ours.backward(g)
+    grads = [x.grad.clone()] + ([norm.weight.grad.clone()] if affine else [])
+    x.grad = None
+    w_ref = norm.weight.detach().clone().requires_grad_() if affine else None
+    ref = F.rms_norm(x, (C,), w_ref, 1e-5)
+    ref.backward(g)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-5, atol=1e-5)
+    if affine:
+        torch.testing.assert_close(grads[1], w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_cpu_path_keeps_bf16_and_computes_in_fp32() -> None:
+    """bf16 in, bf16 out (the norm contract), with the statistics taken in fp32: equal to F.rms_norm on the
+    fp32 copy, rounded once."""
+    norm = _norm("rms", eps=1e-6)
+    _randomise_affine(norm)
+    x = torch.randn(B, T, C).mul(50).to(torch.bfloat16).requires_grad_()
+    y = norm(x)
+    assert y.dtype == torch.bfloat16
+    expected = F.rms_norm(x.detach().float(), (C,), norm.weight.detach(), 1e-6).to(torch.bfloat16)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
 
 
 def test_rms_norm_numbers() -> None:
