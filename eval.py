@@ -32,9 +32,9 @@ def main(cfg: DictConfig) -> None:
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
     out = Path(cfg.out or Path(cfg.run) / "eval")
-    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
-                      allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
-                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
+    evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
+             allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
+             max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
     print((out / "eval.md").read_text() + f"\n-> {out}/")
 
 

@@ -58,8 +58,9 @@ class GPTConfig:
         attn_name, _ = option_params("attention", ATTENTIONS, self.attention)
         self.kv_heads = ATTENTIONS[attn_name].kv_heads(self.n_head, self.n_kv_head)
         if self.kv_heads < 1 or self.n_head % self.kv_heads:
+            divisors = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
             raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head} (attention="
-                             f"{attn_name}); choose among {[h for h in range(1, self.n_head + 1) if self.n_head % h == 0]}")
+                             f"{attn_name}); choose among {divisors}")
 
         # The FFN's hidden size: hidden_mult · d_model, times the option's parameter-matching ratio, rounded.
         self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in ("hidden_mult", "multiple_of")}

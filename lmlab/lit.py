@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
-from lmlab.monitor import Divergence
+from lmlab.monitor import Divergence, sum_over_shards
 from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
 from lmlab.registry import build, option_params
 
@@ -22,6 +22,15 @@ OPTIM_LOOP_KEYS = ("weight_decay", "grad_clip")  # read here, not by the optimiz
 
 def optimizer_spec(optim: dict) -> dict:
     return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
+
+
+def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int) -> dict:
+    """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form."""
+    optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), param_groups(model, optim.get("weight_decay", 0.0)))
+    name, params = option_params("schedule", SCHEDULES, schedule)
+    fn = SCHEDULES[name]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def validate_optim(optim: dict, schedule: dict) -> None:
@@ -39,8 +48,7 @@ class LitGPT(L.LightningModule):
         self.model = GPT(GPTConfig(**model))
         self.divergence = Divergence(**(divergence or {}))
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
-        self._peak_grad: torch.Tensor | None = None  # running max of the global grad norm, kept on the device
-        self._peak_grad_before = 0.0  # from a resumed checkpoint
+        self._peak_grad = torch.zeros(())  # running max of the global grad norm (on the device once it has one)
         self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
         object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
@@ -49,8 +57,7 @@ class LitGPT(L.LightningModule):
     @property
     def peak_grad_norm(self) -> float:
         """The largest global gradient norm (before clipping) of the run so far, resumed runs included."""
-        now = float(self._peak_grad) if self._peak_grad is not None else 0.0
-        return max(self._peak_grad_before, now if now == now else 0.0)  # NaN norms never count, as before
+        return float(self._peak_grad)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.forward_fn(idx)
@@ -92,21 +99,18 @@ class LitGPT(L.LightningModule):
         # The global gradient norm before clipping (Lightning clips after this hook).
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-        if "FSDP" in type(self.trainer.strategy).__name__ and self.trainer.world_size > 1:  # disjoint shards
-            norm = self.trainer.strategy.reduce(norm.square(), reduce_op="sum").sqrt()
-        self._peak_grad = norm if self._peak_grad is None else torch.fmax(self._peak_grad, norm)  # no GPU sync
+        norm = sum_over_shards(self.trainer, norm.square()).sqrt()  # the whole model's under FSDP
+        self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts
         self._grad_norm = norm  # clipping reuses it
         if self._logs_now():
             self.log("grad/norm", norm)
 
     def configure_optimizers(self) -> dict:
-        optim, schedule = dict(self.hparams.optim), dict(self.hparams.schedule)
-        groups = param_groups(self.model, optim.get("weight_decay", 0.0))
-        optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
-        name, params = option_params("schedule", SCHEDULES, schedule)
-        fn, max_steps = SCHEDULES[name], self.hparams.max_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        optim = dict(self.hparams.optim)
+        if "fused" in optim and optim["fused"] is None and self._trainer is not None and getattr(
+                self.trainer.precision_plugin, "scaler", None) is not None:
+            optim["fused"] = False  # fp16's loss scaler: Lightning unscales before clipping only when unfused
+        return configure_optimization(self.model, optim, dict(self.hparams.schedule), self.hparams.max_steps)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         if not (clip := self.hparams.optim.get("grad_clip", 0.0)):
@@ -136,5 +140,5 @@ class LitGPT(L.LightningModule):
         state = checkpoint.get("lmlab", {})
         self.tokens_seen = state.get("tokens_seen", 0)
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
-        self._peak_grad, self._peak_grad_before = None, state.get("peak_grad_norm", 0.0)
+        self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))
         self.divergence.load_state_dict(state.get("divergence", {}))

@@ -31,7 +31,6 @@ class MetricsCSV(Logger):
         self._header: list[str] | None = None  # the columns of the file on disk; None: rewrite at the next save
         self._on_disk = 0  # rows[:_on_disk] are in the file
         self._last_at = 0  # byte offset of the last row in the file
-        self._end = 0  # the file's length
         self._last_changed = False  # rows[_on_disk - 1] grew after it was written
 
     @property
@@ -81,20 +80,21 @@ class MetricsCSV(Logger):
             tmp = self.path.with_suffix(".csv.tmp")
             tmp.write_bytes(b"".join(lines))
             tmp.replace(self.path)  # atomic: a crash mid-write never leaves a truncated file
-            self._header, self._end = header, sum(map(len, lines))
+            self._header, end = header, sum(map(len, lines))
         else:
             start = self._on_disk - 1 if self._last_changed else self._on_disk
             if start >= len(self.rows):
                 return
             lines = self._lines(header, self.rows[start:])
-            offset = self._last_at if self._last_changed else self._end
             with open(self.path, "r+b") as f:
-                f.seek(offset)
+                if self._last_changed:
+                    f.seek(self._last_at)  # the last row on disk grew: write it again
+                else:
+                    f.seek(0, io.SEEK_END)
                 f.truncate()
                 f.write(b"".join(lines))
-            self._end = offset + sum(map(len, lines))
-        self._on_disk, self._last_changed = len(self.rows), False
-        self._last_at = self._end - len(lines[-1]) if self.rows else self._end
+                end = f.tell()
+        self._on_disk, self._last_changed, self._last_at = len(self.rows), False, end - len(lines[-1])
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

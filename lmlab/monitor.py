@@ -83,6 +83,14 @@ def _sq(tensors: list[torch.Tensor]) -> torch.Tensor:
     return sum((t.detach().float().pow(2).sum() for t in tensors), torch.zeros(()))
 
 
+def sum_over_shards(trainer, squares: torch.Tensor) -> torch.Tensor:
+    """Squared norms summed across ranks when each rank holds a shard of the parameters (FSDP); under DDP every
+    rank already has the whole (all-reduced) gradient."""
+    if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:
+        return trainer.strategy.reduce(squares.to(trainer.strategy.root_device), reduce_op="sum")
+    return squares
+
+
 def _write(trainer, metrics: dict[str, float], step: int) -> None:
     """Hand the figures to the loggers with the step they were measured at (rank 0 writes).
 
@@ -110,10 +118,7 @@ class StabilityMonitor(Callback):
         return every > 0 and step % every == 0
 
     def _reduce_sq(self, trainer, values: torch.Tensor) -> torch.Tensor:
-        """Sum squared norms across ranks when each rank holds a shard (FSDP); DDP grads are already global."""
-        if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:
-            values = trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op="sum")
-        return values.cpu()
+        return sum_over_shards(trainer, values).cpu()
 
     def _norms(self, trainer, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
         sq = self._reduce_sq(trainer, torch.stack([_sq(ts) for ts in groups.values()]))

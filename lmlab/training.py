@@ -42,22 +42,22 @@ def setup_env(cfg: DictConfig) -> None:
         keep_freed_memory()
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory() -> None:
     """Ask glibc to keep freed memory in the process: no mmap for big blocks, no trimming of the heap's top.
 
     By default glibc returns big blocks (and the heap's free top) to the OS on free, so each CPU training step
     page-faults its largest activations back in: ~40k faults per step at the benchmark's default size, a few % of
-    a step. The process keeps its high-water mark instead. Returns whether it applied (False: not glibc).
+    a step. The process keeps its high-water mark instead. Nothing happens without glibc.
     """
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return False
+        return
     m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return all(libc.mallopt(opt, value) == 1 for opt, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0),
-                                                                (m_top_pad, 64 << 20)))
+    for option, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0), (m_top_pad, 64 << 20)):
+        libc.mallopt(option, value)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -155,10 +155,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     data.setup("fit")
     gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
     unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    if "fused" in optim and optim["fused"] is None and str(cfg.trainer.get("precision")).startswith("16"):
-        optim["fused"] = False  # fp16's loss scaler: Lightning unscales gradients before clipping only when unfused
-    lit = LitGPT(model=gcfg.to_dict(), optim=optim,
+    lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
                  compile=cfg.compile,
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram})

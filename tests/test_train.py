@@ -184,8 +184,7 @@ def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_the_fused_optimizer_steps_on_clipped_gradients(corpus: Path, tmp_path: Path, monkeypatch,
-                                                        precision: str) -> None:
+def test_the_optimizer_steps_on_clipped_gradients(corpus: Path, tmp_path: Path, monkeypatch, precision: str) -> None:
     """fp32 and bf16-mixed (CPU autocast) with the default fused AdamW, which Lightning's bf16 plugin refuses to
     clip for: the optimizer steps on gradients clipped to optim.grad_clip (by the norm LitGPT already took),
     grad/norm logs the norm before clipping, and summary.json's peak_grad_norm is the largest of those."""
@@ -212,3 +211,20 @@ def test_the_fused_optimizer_steps_on_clipped_gradients(corpus: Path, tmp_path: 
     logged = metric(run, "grad/norm")
     assert len(logged) == 4 and min(logged.values()) > 0.05  # clipping had work to do on every step
     assert summary["peak_grad_norm"] == pytest.approx(max(logged.values()), rel=1e-6)
+
+
+@pytest.mark.parametrize("scaler", [None, "a GradScaler"])
+def test_fp16_loss_scaling_gets_the_unfused_optimizer(scaler) -> None:
+    """Lightning unscales fp16 gradients before clipping only for unfused optimizers (and Lightning turns fp16 into
+    bf16 on CPU, so no CPU run can show it): with a loss scaler, optim.fused=null builds the unfused AdamW."""
+    from types import SimpleNamespace
+
+    from lmlab.config import arch_config
+    from lmlab.lit import LitGPT
+
+    cfg = compose(["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.max_seq_len=8",
+                   "model.vocab_size=20"])
+    lit = LitGPT(model=arch_config(cfg, vocab_size=20).to_dict(), optim=dict(cfg.optim), schedule=dict(cfg.schedule),
+                 max_steps=10)
+    lit._trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
+    assert bool(lit.configure_optimizers()["optimizer"].defaults["fused"]) == (scaler is None)

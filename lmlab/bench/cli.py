@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lmlab.bench.loop import lightning_loop_cost
 from lmlab.bench.peers import CONFIGS, describe, hf_peer, matmul_params
@@ -27,9 +26,7 @@ from lmlab.bench.timing import Contestant, matmul_gflops, peak_step_bytes, sprea
 def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device: torch.device
                     ) -> tuple[list[Contestant], Any]:
     """lmlab (through LitGPT), the HF peer, and with bf16 lmlab in fp32 as well; and the LitGPT for the loop."""
-    from lmlab.lit import LitGPT, optimizer_spec
-    from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
-    from lmlab.registry import build, option_params
+    from lmlab.lit import LitGPT, configure_optimization
 
     optim, schedule = (dict(cfg[k]) for k in ("optim", "schedule"))
     horizon = 10_000  # the LR schedule's length: its values don't change the speed of a step
@@ -37,13 +34,6 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
 
     def autocast():  # what Lightning's bf16-mixed does around forward and loss
         return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-
-    def make_optimizer(model: nn.Module) -> dict:  # what LitGPT.configure_optimizers builds, for the peer
-        opt = build("optim", OPTIMIZERS, optimizer_spec(optim), param_groups(model, optim.get("weight_decay", 0.0)))
-        name, params = option_params("schedule", SCHEDULES, schedule)
-        fn = SCHEDULES[name]
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: fn(s, horizon, **params))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched}}
 
     def lmlab_contestant(name: str, mixed: bool) -> tuple[Contestant, Any]:
         lit = LitGPT(model=gcfg.to_dict(), optim=optim, schedule=schedule, max_steps=horizon,
@@ -59,7 +49,8 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
         x, y = batch
         return F.cross_entropy(peer_fwd(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
 
-    contestants = [ours, Contestant(f"hf {type(peer).__name__}", peer, peer_loss, make_optimizer(peer),
+    peer_optimizer = configure_optimization(peer, optim, schedule, horizon)  # what LitGPT builds, for the peer
+    contestants = [ours, Contestant(f"hf {type(peer).__name__}", peer, peer_loss, peer_optimizer,
                                     optim.get("grad_clip", 0.0), autocast)]
     if bf16 and args.fp32_baseline:  # bf16's target is a speed-up over lmlab's own fp32 step, in the same repeats
         contestants.append(lmlab_contestant("lmlab fp32", False)[0])

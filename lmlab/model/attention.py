@@ -42,7 +42,8 @@ class MHA(nn.Module):
         self.scale = 1.0 / (math.sqrt(self.head_dim) * temperature)
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
-        self.c_attn.fused = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.c_attn.fused = (q_dim, kv_dim, kv_dim)  # the q, k, v rows (read by the inits and by `qkv`)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
@@ -51,8 +52,7 @@ class MHA(nn.Module):
     def qkv(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and position-encode; q (B, nh, T, hs), k and v (B, nkv, T, hs)."""
         B, T, _ = x.shape
-        q, k, v = self.c_attn(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)

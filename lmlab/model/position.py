@@ -47,7 +47,8 @@ class NoPE(Position):
 
 
 class Sinusoidal(Position):
-    """Fixed sinusoids added to the embeddings (Vaswani et al., 2017): PE[t, 2i] = sin(t / 10000^(2i/d)), cos for 2i+1."""
+    """Fixed sinusoids added to the embeddings (Vaswani et al., 2017): PE[t, 2i] = sin(t / 10000^(2i/d)), cos at
+    2i+1."""
 
     extrapolates = False  # defined at any length, but the model has never seen the larger angles
 
