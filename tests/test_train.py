@@ -97,6 +97,10 @@ def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step  # same data order, same LR
     assert metric(resumed, "lr") == pytest.approx(metric(straight, "lr"))
+    # A finished run trains on when resumed with more steps (the loader is infinite: no epoch may end it).
+    longer = [a for a in tiny(corpus, cache, "resume=true") if not a.startswith("trainer.max_steps")]
+    summary = train(compose([*longer, "trainer.max_steps=40"]), resumed)
+    assert summary["steps"] == 40 and sorted(metric(resumed, "train/loss")) == list(range(40))
 
 
 def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> None:
