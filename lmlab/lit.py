@@ -9,9 +9,9 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-import torch.nn.functional as F
 
 from lmlab.config import GPTConfig
+from lmlab.loss import cross_entropy
 from lmlab.model.gpt import GPT
 from lmlab.monitor import Divergence, sum_over_shards
 from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
@@ -65,7 +65,7 @@ class LitGPT(L.LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T) each
         logits = self(x)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return cross_entropy(logits, y)  # fp32 whatever the logits' dtype
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
