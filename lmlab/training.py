@@ -141,11 +141,12 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     from hydra.utils import instantiate
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.data.datamodule import TextDataModule
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
+    from lmlab.progress import progress_bar
 
     source = prepare_init_from(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -179,8 +180,11 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
         check_same_arch(f"resume=true ({last})", gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout",))
         resume_step = int(saved["global_step"])
     loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
+    callbacks = [checkpoint, monitor, *(callbacks or [])]
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(progress_bar())  # a caller's own bar wins
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run_dir), use_distributed_sampler=False,
-                                     logger=loggers, callbacks=[checkpoint, monitor, *(callbacks or [])])
+                                     logger=loggers, callbacks=callbacks)
 
     start, status, error = time.time(), "completed", None
     try:

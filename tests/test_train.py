@@ -232,3 +232,20 @@ def test_fp16_loss_scaling_gets_the_unfused_optimizer(scaler) -> None:
                  max_steps=10)
     lit._trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
     assert bool(lit.configure_optimizers()["optimizer"].defaults["fused"]) == (scaler is None)
+
+
+def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: Path) -> None:
+    """Training by steps leaves Lightning's max_epochs at -1; its Rich bar said 'Epoch 0/-2'."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    seen: list[str] = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            bar = next(c for c in trainer.callbacks if isinstance(c, ProgressBar))
+            seen.append(bar._get_train_description(trainer.current_epoch) if hasattr(bar, "_get_train_description")
+                        else bar.train_progress_bar.desc)
+
+    cfg = compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2", "trainer.enable_progress_bar=true"))
+    train(cfg, tmp_path / "run", callbacks=[Spy()])
+    assert seen and seen[-1].strip() == "Epoch 0"
