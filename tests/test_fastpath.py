@@ -288,3 +288,17 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert math.isclose(lm["train_tok_s"], 2 * 16 / lm["train_step_s"])
     assert {t["target"].split(" ")[0] for t in saved["targets"]} >= {"train", "eval", "Lightning"}
     assert out["ratios"] == saved["ratios"]
+    for name, b in saved["breakdown"].items():  # one profiled step per model, split over the four classes
+        assert b["seconds"].keys() == {"matmul", "attention", "optimizer", "other"}
+        assert math.isclose(sum(b["seconds"].values()), saved["results"][name]["train_step_s"], rel_tol=1e-9)
+        assert b["seconds"]["matmul"] > 0 and b["seconds"]["attention"] > 0 and b["seconds"]["optimizer"] > 0
+        assert math.isclose(b["matmul_gflops"], 6 * n * 2 * 16 / b["seconds"]["matmul"] / 1e9)
+
+
+def test_bench_breakdown_classes() -> None:
+    from lmlab.bench.breakdown import classify
+
+    assert [classify(n) for n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")] == ["matmul"] * 3 + ["other"]
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert classify("aten::_fused_adamw_") == classify("aten::_foreach_norm") == "optimizer"
+    assert classify("aten::_log_softmax") == classify("aten::gelu") == "other"

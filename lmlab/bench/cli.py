@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmlab.bench.breakdown import step_breakdown
 from lmlab.bench.loop import lightning_loop_cost
 from lmlab.bench.peers import CONFIGS, describe, hf_peer, matmul_params
 from lmlab.bench.report import FLOPS_FORMULA, check_targets, render
@@ -139,6 +140,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "flops_formula": FLOPS_FORMULA, "matmul_params": n_matmul, "flops_per_token": flops,
            "ceiling": {"op": f"torch.mm {mm_n}^3 {mm_dtype}", "gflops": spread(ceilings)},
            "results": results, "ratios": ratios}
+    if args.breakdown:
+        out["breakdown"] = {c.name: step_breakdown(c, batches[0], results[c.name]["train_step_s"],
+                                                   6 * n_matmul * B * T, statistics.median(ceilings), sync)
+                            for c in contestants}
     if args.peak_tflops:
         out["mfu_vs_spec_peak"] = {c.name: flops["train"] * B * T / statistics.median(c.train_s) / 1e12
                                    / args.peak_tflops for c in contestants}
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--malloc", choices=["system", "keep"], default=None,
                    help="glibc's freed-memory policy for both models (default: the config's malloc, keep)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile one train step per model: time in matmuls / attention / optimizer / other")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     out = run(args)
