@@ -16,7 +16,8 @@ import torch
 from lmlab.bench.timing import Contestant, _quiet_stderr
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::_addmm_activation"}
-ATTENTION = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn_attention")
+ATTENTION = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention",
+             "aten::_cudnn_attention")
 OPTIMIZER = ("aten::_fused_adam", "aten::_foreach_", "Optimizer.", "aten::linalg_vector_norm")  # + clipping's norms
 
 

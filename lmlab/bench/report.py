@@ -61,8 +61,8 @@ def render(out: dict[str, Any]) -> str:
         lines.append(f"  {key:<22}" + (f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if isinstance(r, dict)
                                        else f"{r:.3f} (lmlab peak / peer peak; < 1 = lmlab smaller)"))
     if bd := out.get("breakdown"):
-        lines += ["", "where a train step's time goes (torch.profiler self time of one step, scaled to the median step; "
-                      "matmul rate = 6*N FLOPs/token over the matmul time):"]
+        lines += ["", "where a train step's time goes (torch.profiler self time of one step, scaled to the median "
+                      "step; matmul rate = 6*N FLOPs/token over the matmul time):"]
         for name, b in bd.items():
             parts = [f"{k} {s * 1e3:.1f} ms ({b['share'][k]:.0%})" for k, s in b["seconds"].items()]
             lines.append(f"  {name:<22}{b['step_s'] * 1e3:.1f} ms: " + ", ".join(parts))
