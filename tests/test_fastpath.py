@@ -302,3 +302,21 @@ def test_bench_breakdown_classes() -> None:
     assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
     assert classify("aten::_fused_adamw_") == classify("aten::_foreach_norm") == "optimizer"
     assert classify("aten::_log_softmax") == classify("aten::gelu") == "other"
+
+
+def test_bench_keeps_its_timings_when_the_profiler_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    import lmlab.bench.cli as cli
+    from lmlab.bench.report import render
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(cli, "step_breakdown", broken)
+    out = cli.main(["--config", "small", "--threads", "1", "--set", "model.n_layer=1", "model.d_model=32",
+                    "model.n_head=2", "model.max_seq_len=16", "model.vocab_size=64", "--batch", "2", "--repeats", "1",
+                    "--steps", "1", "--eval-steps", "1", "--warmup", "1", "--loop-repeats", "0", "--mm-size", "128",
+                    "--no-memory"])
+    assert "breakdown" not in out and "CUPTI_ERROR_NOT_INITIALIZED" in out["breakdown_error"]
+    assert out["ratios"]["train_vs_gpt2"]["median"] > 0
+    assert "profiler failed" in render(out)

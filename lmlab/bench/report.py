@@ -68,6 +68,8 @@ def render(out: dict[str, Any]) -> str:
             lines.append(f"  {name:<22}{b['step_s'] * 1e3:.1f} ms: " + ", ".join(parts))
             lines.append(f"  {'':<22}matmuls at {b['matmul_gflops']:.1f} GFLOP/s = {b['matmul_vs_ceiling']:.0%} of "
                          "the ceiling")
+    if err := out.get("breakdown_error"):
+        lines += ["", f"where a train step's time goes: not measured, the profiler failed ({err})"]
     if loop := out.get("lightning_loop"):
         r, a, m = loop["ratio"], loop["ratio_amortised"], loop["monitor"]
         lines += ["", f"Lightning loop (LitGPT + StabilityMonitor every {m['every_n_steps']} steps, attention figures "
