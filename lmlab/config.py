@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ARCH_GROUPS = ("norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
+COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 
 
 @dataclass
@@ -29,6 +30,7 @@ class GPTConfig:
     bias: bool = False  # biases in every Linear (GPT-2: True)
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
+    chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
     activation: dict = field(default_factory=lambda: {"name": "gelu"})

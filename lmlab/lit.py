@@ -11,7 +11,6 @@ import lightning.pytorch as L
 import torch
 
 from lmlab.config import GPTConfig
-from lmlab.loss import cross_entropy
 from lmlab.model.gpt import GPT
 from lmlab.monitor import Divergence, sum_over_shards
 from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
@@ -59,13 +58,12 @@ class LitGPT(L.LightningModule):
         """The largest global gradient norm (before clipping) of the run so far, resumed runs included."""
         return float(self._peak_grad)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.forward_fn(idx)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_fn(idx, targets)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T) each
-        logits = self(x)  # (B, T, V)
-        return cross_entropy(logits, y)  # fp32 whatever the logits' dtype
+        return self(x, y)  # the model's own loss: fp32 whatever the logits' dtype, chunked if configured
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

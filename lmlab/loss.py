@@ -38,3 +38,71 @@ class _CrossEntropy(torch.autograd.Function):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean token cross-entropy, in fp32 (fp64 for fp64 logits). logits (..., V), targets (...) class ids."""
     return _CrossEntropy.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         chunk_elems: int = 1 << 25) -> torch.Tensor:
+    """`cross_entropy(h @ weight.T, targets)` without ever holding the (N, V) logits: row blocks of about
+    `chunk_elems` logits each, the head's gradients computed block by block in the forward pass.
+
+    h (..., d) the final hidden states, weight (V, d) the LM head, targets (...). Under autocast the matmuls run in
+    the autocast dtype, as the head's Linear would. Memory: the unchunked path keeps an fp32 (N, V) tensor for
+    backward and allocates another (and the logits) during it; this keeps dh (N, d) and an fp32 dW (V, d).
+    """
+    h2, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    rows = max(1, chunk_elems // weight.size(0))
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows)
+    with torch.no_grad():
+        hc, wc, _ = _compute_dtype(h2, weight)
+        valid = t != ignore_index
+        total = sum(_block_nll(hc[i:i + rows], wc, t[i:i + rows], valid[i:i + rows])[0]
+                    for i in range(0, hc.size(0), rows))
+        return total / valid.sum()
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """h and weight in the dtype the head's matmul would use: autocast's when it is on for this device."""
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    return h.to(dtype), weight.to(dtype), dtype
+
+
+def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed NLL of one row block, its fp32 log-probs and the class index used per row."""
+    with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
+        logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=torch.promote_types(h.dtype, torch.float32))
+    index = torch.where(valid, targets, 0)[:, None]
+    return -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum(), logp, index
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                rows: int) -> torch.Tensor:
+        hc, wc, dtype = _compute_dtype(h, weight)
+        valid = targets != ignore_index
+        count = valid.sum()
+        acc = torch.promote_types(dtype, torch.float32)
+        dh = torch.empty(h.shape, dtype=dtype, device=h.device)
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        total = torch.zeros((), dtype=acc, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for i in range(0, h.size(0), rows):
+                nll, logp, index = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
+                total += nll
+                scale = valid[i:i + rows, None].to(logp.dtype) / count  # d loss / d row, 0 where ignored
+                dlogits = logp.exp_().mul_(scale)  # softmax · scale
+                dlogits.scatter_add_(1, index, -scale)  # − onehot · scale
+                dlogits = dlogits.to(dtype)
+                torch.mm(dlogits, wc, out=dh[i:i + rows])
+                dw += (dlogits.t() @ hc[i:i + rows]).to(acc)
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        dh, dw = ctx.saved_tensors
+        return (dh * grad).to(ctx.dtypes[0]), (dw * grad).to(ctx.dtypes[1]), None, None, None

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.config import arch_config
+from lmlab.config import COMPUTE_KEYS, arch_config
 from lmlab.summary import write_summary
 
 
@@ -90,7 +90,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, res
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
-EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention")
+EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
 
 
 def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
@@ -177,7 +177,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     resume_step = None
     if ckpt_path:
         saved = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
-        check_same_arch(f"resume=true ({last})", gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout",))
+        check_same_arch(f"resume=true ({last})", gcfg.to_dict(), saved["hyper_parameters"]["model"],
+                         ("dropout", *COMPUTE_KEYS))
         resume_step = int(saved["global_step"])
     loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
     callbacks = [checkpoint, monitor, *(callbacks or [])]

@@ -1,6 +1,7 @@
 """lmlab.loss.cross_entropy is torch's mean token cross-entropy, in value and gradient: the closed-form backward
 (softmax − onehot, scaled) is checked numerically, against F.cross_entropy with ignored targets, on bf16 logits,
-and through LitGPT's loss on a real model."""
+and through LitGPT's loss on a real model. linear_cross_entropy (the head and the loss in row blocks, for
+`model.chunked_loss`) is the same loss and the same gradients, and keeps no (tokens, vocab) tensor for backward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.lit import LitGPT
-from lmlab.loss import cross_entropy
+from lmlab.loss import cross_entropy, linear_cross_entropy
 
 
 def test_gradcheck_with_ignored_rows() -> None:
@@ -80,3 +81,93 @@ def test_litgpt_loss_has_torch_gradients() -> None:
     assert ours.item() == pytest.approx(ref.item(), abs=1e-6)
     for a, b in zip(g_ours, g_ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# ---- linear_cross_entropy: the head and the loss in row blocks --------------------------------------------------
+
+def _head_inputs(n: int = 37, d: int = 8, v: int = 11, dtype=torch.float32):
+    torch.manual_seed(4)
+    h = torch.randn(n, d, dtype=dtype, requires_grad=True)
+    w = torch.randn(v, d, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    t[[3, 20]] = -100
+    return h, w, t
+
+
+def test_linear_cross_entropy_gradcheck_over_several_blocks() -> None:
+    h, w, t = _head_inputs(dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: linear_cross_entropy(a, b, t, chunk_elems=55), (h, w))  # 5 rows
+
+
+@pytest.mark.parametrize("chunk_elems", [1, 55, 11 * 37, 1 << 25])  # one row per block .. one block
+def test_linear_cross_entropy_equals_the_unchunked_loss(chunk_elems: int) -> None:
+    h, w, t = _head_inputs()
+    ours = linear_cross_entropy(h, w, t, chunk_elems=chunk_elems)
+    ref = F.cross_entropy(h @ w.t(), t)
+    assert ours.item() == pytest.approx(ref.item(), abs=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # no gradients wanted: the loss alone, block by block
+        assert linear_cross_entropy(h, w, t, chunk_elems=chunk_elems).item() == pytest.approx(ref.item(), abs=1e-6)
+
+
+def test_linear_cross_entropy_under_bf16_autocast_matches_the_head_linear() -> None:
+    h, w, t = _head_inputs(n=64, d=16, v=50)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(h, w, t, chunk_elems=500)
+        ref = cross_entropy(F.linear(h, w), t)  # what GPT.forward does without chunking
+    assert ours.dtype == torch.float32 and ours.item() == pytest.approx(ref.item(), rel=1e-3)
+    g_ours, g_ref = torch.autograd.grad(ours, (h, w)), torch.autograd.grad(ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        assert a.dtype == b.dtype == torch.float32  # the parameters' dtype, as autocast's Linear gives back
+        torch.testing.assert_close(a, b, atol=1e-2 * b.abs().max().item(), rtol=0)  # bf16 matmuls (eps 2^-7)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt_chunked_loss_has_the_same_loss_and_gradients(tied: bool) -> None:
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT
+
+    cfg = dict(vocab_size=97, n_layer=2, d_model=32, n_head=4, max_seq_len=16, tie_embeddings=tied)
+    torch.manual_seed(5)
+    plain = GPT(GPTConfig(**cfg))
+    chunked = GPT(GPTConfig(**cfg, chunked_loss=True))
+    chunked.load_state_dict(plain.state_dict())
+    x, y = torch.randint(0, 97, (3, 16)), torch.randint(0, 97, (3, 16))
+    losses = [m(x, y) for m in (plain, chunked)]
+    assert losses[1].item() == pytest.approx(losses[0].item(), abs=1e-6)
+    assert losses[0].item() == pytest.approx(F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).item(), abs=1e-6)
+    for loss, m in zip(losses, (plain, chunked)):
+        loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_chunked_loss_keeps_no_logits_for_backward() -> None:
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT
+
+    def saved_bytes(model: GPT, x: torch.Tensor, y: torch.Tensor) -> int:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            model(x, y).backward()
+        return sum(saved)
+
+    cfg = dict(vocab_size=4000, n_layer=1, d_model=16, n_head=2, max_seq_len=64)
+    x, y = torch.randint(0, 4000, (4, 64)), torch.randint(0, 4000, (4, 64))
+    plain = saved_bytes(GPT(GPTConfig(**cfg)), x, y)
+    chunked = saved_bytes(GPT(GPTConfig(**cfg, chunked_loss=True)), x, y)
+    logits = 4 * 64 * 4000 * 4  # the fp32 (N, V) log-probs the unchunked loss keeps
+    assert plain - chunked > 0.5 * logits, (plain, chunked)
+
+
+def test_compute_keys_may_change_on_resume() -> None:
+    from lmlab.config import COMPUTE_KEYS
+    from lmlab.training import check_same_arch
+
+    saved = {"n_layer": 2, "d_model": 32}  # a checkpoint from before chunked_loss existed
+    check_same_arch("resume", {"n_layer": 2, "d_model": 32, "checkpointing": True, "chunked_loss": True}, saved,
+                    ("dropout", *COMPUTE_KEYS))
+    with pytest.raises(ValueError, match="model/d_model"):
+        check_same_arch("resume", {"n_layer": 2, "d_model": 64, "chunked_loss": True}, saved, COMPUTE_KEYS)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
+from lmlab.loss import cross_entropy, linear_cross_entropy
 from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.placement import PLACEMENTS
@@ -36,15 +37,21 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab); given targets (B, T), the mean token cross-entropy instead
+        (fp32; with `chunked_loss` the logits are never held whole)."""
         x = self.drop(self.pos.embed(self.wte(idx)))  # (B, T, C)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.h:
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
             # dropout draws the same mask): L saved inputs instead of every block's intermediates.
             x = checkpoint(block, x, self.pos, use_reentrant=False) if recompute else block(x, self.pos)
-        return self.lm_head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(h)
+        if self.cfg.chunked_loss:
+            return linear_cross_entropy(h, self.lm_head.weight, targets)
+        return cross_entropy(self.lm_head(h), targets)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
