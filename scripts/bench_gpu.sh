@@ -8,11 +8,14 @@
 #   eager     lmlab, HF and lmlab fp32, 7 interleaved repeats, plus the Lightning loop's cost
 #   train     train.py as a user runs it: trainer=gpu (bf16-mixed), then trainer=fsdp on one device
 #   compiled  torch.compile on both models (compile time reported as warmup_s)
+#   chunked, chunked-compiled   eager / compiled again with model.chunked_loss=true (the LM head and the loss in
+#             row blocks: no fp32 logits of 32 x 1024 x 50304 = 6.6 GB); the A/B is each run's ratio to HF
 #   loop      the Lightning loop's cost over the bare step, with and without the stability monitor
 #   llama, llama-compiled   the llama-like model vs LlamaForCausalLM at the same sizes
-# STAGES picks them (default "smoke eager train compiled"); DEADLINE=<seconds> caps the whole script.
+# STAGES picks them (default "smoke eager chunked train"); DEADLINE=<seconds> caps the whole script.
 # Usage, from the repository root on a machine with CUDA (offline: the corpus already in $LMLAB_CACHE):
 #   OUT=bench-gpu bash scripts/bench_gpu.sh
+#   STAGES="smoke compiled chunked-compiled" OUT=bench-gpu bash scripts/bench_gpu.sh
 #   STAGES="smoke loop llama llama-compiled" OUT=bench-gpu bash scripts/bench_gpu.sh
 set -u
 OUT=${OUT:-bench-gpu}
@@ -50,7 +53,7 @@ train_check() {  # train_check NAME SECONDS OVERRIDES...: train.py as a user run
     tail -n 2 "$dir/metrics.csv" 2>/dev/null | tee -a "$OUT/log.txt"
 }
 
-want() { [[ " ${STAGES:-smoke eager train compiled} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-smoke eager chunked train} " == *" $1 "* ]]; }
 GPT2_LOOP=(--batch 32 --repeats 3 --no-fp32-baseline --no-memory --loop-repeats 3)
 QUIET=(monitor.every_n_steps=0 monitor.attn_every_n_steps=0 monitor.init_profile=false)
 
@@ -58,10 +61,14 @@ want smoke && { JSON_DIR=/tmp stage smoke 150 --batch 2 --set model.n_layer=2 mo
     --repeats 1 --block-s 0.2 --loop-steps 3 --loop-repeats 1 || exit 1; }
 JSON_DIR=$OUT
 want eager && stage gpt2-124m-eager 200 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 1
+want chunked && stage gpt2-124m-chunked 150 --batch 32 --set "${GPT2_124M[@]}" model.chunked_loss=true \
+    --repeats 7 --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
 want train && train_check gpu 90 trainer=gpu trainer.max_steps=300
 want train && train_check fsdp 90 trainer=fsdp trainer.devices=1 trainer.max_steps=100
 want compiled && stage gpt2-124m-compiled 330 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 \
     --loop-repeats 0 --compile --no-fp32-baseline
+want chunked-compiled && stage gpt2-124m-chunked-compiled 330 --batch 32 --set "${GPT2_124M[@]}" \
+    model.chunked_loss=true --repeats 7 --block-s 0.5 --loop-repeats 0 --compile --no-fp32-baseline
 want loop && stage gpt2-124m-loop 120 --set "${GPT2_124M[@]}" "${GPT2_LOOP[@]}"
 want loop && stage gpt2-124m-loop-nomonitor 120 --set "${GPT2_124M[@]}" "${QUIET[@]}" "${GPT2_LOOP[@]}"
 want llama && stage llama-124m-eager 150 --config llama --batch 32 --set "${GPT2_124M[@]}" --repeats 7 \

@@ -32,7 +32,7 @@ def classify(name: str) -> str:
 
 
 def step_breakdown(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor], step_s: float, matmul_flops: float,
-                   ceiling_gflops: float, sync: Callable) -> dict[str, Any]:
+                   ceiling_gflops: float | None, sync: Callable) -> dict[str, Any]:
     """Profile one train step of `c`; each class's share of the op time, scaled to the timed median `step_s`.
 
     CPU: the ops' self CPU time (intra-op threads work inside an op, so this is wall time on the calling thread).
@@ -59,4 +59,4 @@ def step_breakdown(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor], step
         seconds = {k: v / max(wall, sum(spent.values())) * step_s for k, v in spent.items()}
     mm_rate = matmul_flops / seconds["matmul"] / 1e9 if seconds["matmul"] else float("nan")
     return {"step_s": step_s, "seconds": seconds, "share": {k: v / step_s for k, v in seconds.items()},
-            "matmul_gflops": mm_rate, "matmul_vs_ceiling": mm_rate / ceiling_gflops}
+            "matmul_gflops": mm_rate, "matmul_vs_ceiling": mm_rate / ceiling_gflops if ceiling_gflops else None}

@@ -66,8 +66,8 @@ def render(out: dict[str, Any]) -> str:
         for name, b in bd.items():
             parts = [f"{k} {s * 1e3:.1f} ms ({b['share'][k]:.0%})" for k, s in b["seconds"].items()]
             lines.append(f"  {name:<22}{b['step_s'] * 1e3:.1f} ms: " + ", ".join(parts))
-            lines.append(f"  {'':<22}matmuls at {b['matmul_gflops']:.1f} GFLOP/s = {b['matmul_vs_ceiling']:.0%} of "
-                         "the ceiling")
+            vs = f" = {b['matmul_vs_ceiling']:.0%} of the ceiling" if b["matmul_vs_ceiling"] is not None else ""
+            lines.append(f"  {'':<22}matmuls at {b['matmul_gflops']:.1f} GFLOP/s{vs}")
     if err := out.get("breakdown_error"):
         lines += ["", f"where a train step's time goes: not measured, the profiler failed ({err})"]
     if loop := out.get("lightning_loop"):
