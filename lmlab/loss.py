@@ -13,26 +13,34 @@ from __future__ import annotations
 import torch
 
 
+def _nll_sum(logp: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed −log p(target) over the valid rows of logp (N, V), and the (N, 1) class index used per row."""
+    index = torch.where(valid, targets, 0)[:, None]  # any class on ignored rows: masked out here and in backward
+    return -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum(), index
+
+
+def _dlogits(probs: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits = (softmax − onehot) · scale, written into `probs` (the softmax); scale (N, 1) is
+    d loss / d row (0 on ignored rows)."""
+    return probs.mul_(scale).scatter_add_(1, index, -scale)
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         logp = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (N, V)
         valid = targets != ignore_index  # (N,)
-        index = torch.where(valid, targets, 0)[:, None]  # (N, 1): any class on ignored rows, masked below
         count = valid.sum()
-        picked = logp.gather(1, index).squeeze(1)
-        loss = -torch.where(valid, picked, 0.0).sum() / count  # all rows ignored: 0 / 0 = nan, as torch's
+        nll, index = _nll_sum(logp, targets, valid)
         ctx.save_for_backward(logp, index, valid, count)
         ctx.dtype = logits.dtype
-        return loss
+        return nll / count  # all rows ignored: 0 / 0 = nan, as torch's
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logp, index, valid, count = ctx.saved_tensors
-        scale = torch.where(valid, grad / count, 0.0)[:, None]  # (N, 1): d loss / d row, 0 where ignored
-        dlogits = logp.exp().mul_(scale)  # softmax · scale
-        dlogits.scatter_add_(1, index, -scale)  # − onehot · scale
-        return dlogits.to(ctx.dtype), None, None
+        scale = torch.where(valid, grad / count, 0.0)[:, None]
+        return _dlogits(logp.exp(), index, scale).to(ctx.dtype), None, None  # logp stays intact: backward may rerun
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -73,8 +81,7 @@ def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, val
     """Summed NLL of one row block, its fp32 log-probs and the class index used per row."""
     with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
         logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=torch.promote_types(h.dtype, torch.float32))
-    index = torch.where(valid, targets, 0)[:, None]
-    return -torch.where(valid, logp.gather(1, index).squeeze(1), 0.0).sum(), logp, index
+    return *_nll_sum(logp, targets, valid), logp
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -90,12 +97,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.size(0), rows):
-                nll, logp, index = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
+                nll, index, logp = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
                 total += nll
-                scale = valid[i:i + rows, None].to(logp.dtype) / count  # d loss / d row, 0 where ignored
-                dlogits = logp.exp_().mul_(scale)  # softmax · scale
-                dlogits.scatter_add_(1, index, -scale)  # − onehot · scale
-                dlogits = dlogits.to(dtype)
+                scale = valid[i:i + rows, None].to(logp.dtype) / count
+                dlogits = _dlogits(logp.exp_(), index, scale).to(dtype)  # logp is this block's own: in place
                 torch.mm(dlogits, wc, out=dh[i:i + rows])
                 dw += (dlogits.t() @ hc[i:i + rows]).to(acc)
         ctx.save_for_backward(dh, dw)
