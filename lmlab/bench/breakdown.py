@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmlab.bench.timing import Contestant, _quiet_stderr
+from lmlab.bench.timing import Contestant, quiet_stderr
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::_addmm_activation"}
 ATTENTION = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention",
@@ -44,7 +44,7 @@ def step_breakdown(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor], step
     cuda = batch[0].device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
-    with _quiet_stderr(), profile(activities=activities) as prof:
+    with quiet_stderr(), profile(activities=activities) as prof:
         t0 = time.perf_counter()
         c.train_step(batch)
         sync()

@@ -142,10 +142,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "results": results, "ratios": ratios}
     if args.breakdown:
         try:  # a profiler that cannot start (e.g. no CUPTI) must not cost the timings above
-            ceiling = statistics.median(ceilings)  # in the run's precision: not a yardstick for lmlab fp32
+            ceiling = statistics.median(ceilings)  # in the run's precision: no yardstick for bf16's fp32 baseline
             out["breakdown"] = {c.name: step_breakdown(c, batches[0], results[c.name]["train_step_s"],
-                                                       6 * n_matmul * B * T, ceiling if i < 2 else None, sync)
-                                for i, c in enumerate(contestants)}
+                                                       6 * n_matmul * B * T, ceiling if c in (ours, peer) else None,
+                                                       sync)
+                                for c in contestants}
         except Exception as exc:  # noqa: BLE001  (reported in the output instead)
             out["breakdown_error"] = f"{type(exc).__name__}: {exc}"
     if args.peak_tflops:

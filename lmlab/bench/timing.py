@@ -70,7 +70,7 @@ def peak_step_bytes(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
     c.train_step(batch)  # the optimizer state exists from here on: count it as live, not as the step's peak
     live = c.live_bytes()
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         c.train_step(batch)
     peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -82,7 +82,7 @@ def peak_step_bytes(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 
 @contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """The profiler's C++ side prints start/stop lines on fd 2 that no setting turns off."""
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
