@@ -21,7 +21,7 @@ def main(cfg: DictConfig) -> None:
     sweeping = hc.mode.name == "MULTIRUN"
     group = hc.sweep.dir.replace("/", "_") if sweeping else hc.job.name
     try:
-        summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group)
+        summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group, hydra=hc)
     except Exception:
         if not sweeping:
             raise
@@ -31,6 +31,10 @@ def main(cfg: DictConfig) -> None:
         return
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
+    if summary["status"] == "interrupted":  # schedulers and `&&` chains must see that the run did not finish
+        from lmlab.interrupt import EXIT_CODES
+
+        raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))
 
 
 if __name__ == "__main__":

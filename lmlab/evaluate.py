@@ -21,28 +21,30 @@ from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
+from lmlab.rundir import RunDir, load_checkpoint
 
 
 class RunRefused(ValueError):
     """An evaluation that would be meaningless (beyond a scheme's reach), refused with the reason."""
 
 
-def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model config dict, state dict, composed run config) of a run directory."""
-    run_dir = Path(run_dir)
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
-    if not ckpt.exists():
-        raise FileNotFoundError(f"run={run_dir}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+def load_run(run_dir: str | Path, what: str = "run") -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(model config dict, state dict, composed run config) of a run directory; `what` names the key it came from."""
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise FileNotFoundError(f"{what}={run.path}: no such run directory")
+    if not run.last.exists():
+        raise FileNotFoundError(f"{what}={run.path}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
+    state = load_checkpoint(run.last, f"{what}={run.path}")
     model_cfg = dict(state["hyper_parameters"]["model"])
     weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    summary = run_dir / "summary.json"
-    if summary.exists():  # the resolved config, written by every run (CLI or library)
-        run_cfg = json.loads(summary.read_text())["config"]
+    summary = run.read_summary()
+    if summary is not None and summary.get("config"):  # the resolved config, written by every run (CLI or library)
+        run_cfg = summary["config"]
     else:  # a run that is still going, or was killed
         from omegaconf import OmegaConf
 
-        run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
+        run_cfg = OmegaConf.to_container(OmegaConf.load(run.path / ".hydra" / "config.yaml"), resolve=False)
     return model_cfg, weights, run_cfg
 
 

@@ -1,8 +1,10 @@
 """metrics.csv in the run directory, whatever other logger is chosen.
 
 Lightning's CSVLogger deletes an existing metrics.csv when it starts, which would lose the first part of a
-resumed run's curve. This logger keeps the rows logged before the step it resumes from and appends. One row per
-step: values logged for the step of the last row (the monitor's figures, then Lightning's) join that row.
+resumed run's curve. This logger keeps every row of the file; when the resumed run logs its first step, the rows
+from that step on (logged after the checkpoint by an attempt that was then killed) are replaced. A resume that
+fails before it logs anything leaves the file as it was. One row per step: values logged for the step of the
+last row (the monitor's figures, then Lightning's) join that row.
 
 Each save appends the rows that are new since the last one (rewriting only the last row when it grew), so a long
 run costs O(new rows) per save; the whole file is rewritten, atomically, only when a new column appears.
@@ -24,9 +26,10 @@ class MetricsCSV(Logger):
         super().__init__()
         self.path = Path(run_dir) / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
+        self._resume_step = resume_step  # rows from here on are replaced once this run logs (None: a fresh start)
         if resume_step is not None and self.path.exists():
             with open(self.path, newline="") as f:
-                self.rows = [r for r in csv.DictReader(f) if int(float(r["step"])) < resume_step]
+                self.rows = list(csv.DictReader(f))
         self._keys = {k for row in self.rows for k in row} - {"step"}
         self._header: list[str] | None = None  # the columns of the file on disk; None: rewrite at the next save
         self._on_disk = 0  # rows[:_on_disk] are in the file
@@ -52,6 +55,9 @@ class MetricsCSV(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         values = {k: float(v) for k, v in metrics.items()}
+        if self._resume_step is not None:  # the resumed run's first row: drop what a killed attempt logged after
+            self.rows = [r for r in self.rows if int(float(r["step"])) < self._resume_step]
+            self._resume_step, self._header = None, None  # the file is rewritten at the next save
         self._keys.update(values)
         if self.rows and self.rows[-1]["step"] == step:  # Lightning's metrics and the monitor's: one row per step
             self.rows[-1].update(values)
@@ -72,6 +78,8 @@ class MetricsCSV(Logger):
 
     @rank_zero_only
     def save(self) -> None:
+        if self._resume_step is not None:
+            return  # nothing logged since the resume: the file stays as it was
         header = ["step", *sorted(self._keys)]
         if header != self._header or not self.path.exists():
             buf = io.StringIO()

@@ -124,6 +124,12 @@ class StabilityMonitor(Callback):
         sq = self._reduce_sq(trainer, torch.stack([_sq(ts) for ts in groups.values()]))
         return dict(zip(groups, sq.sqrt().tolist()))
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile}  # a resumed run's summary keeps its gradient profile at init
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.profile = state_dict.get("profile", self.profile)
+
     # -- hooks -------------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         model = pl_module.model

@@ -1,11 +1,13 @@
-"""summary.json: one machine-readable line of truth per run."""
+"""summary.json: one machine-readable line of truth per run (strict JSON: a non-finite number is null)."""
 
 from __future__ import annotations
 
-import json
 import math
+import time
 from pathlib import Path
 from typing import Any
+
+from lmlab.rundir import RunDir
 
 STATUSES = ("completed", "diverged", "collapsed", "interrupted", "failed")
 
@@ -14,14 +16,15 @@ def _ppl(loss: float | None) -> float | None:
     return math.exp(min(loss, 50.0)) if loss is not None and math.isfinite(loss) else None
 
 
-def write_summary(run_dir: Path, *, status: str, lit, trainer, data, monitor, wall_time: float, overrides: list[str],
-                  config: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time: float, tokens_at_start: int,
+              overrides: list[str], config: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    """The figures of a run from its live objects. `steps`: optimizer steps done (the resumed step when an attempt
+    failed before Lightning restored its counters)."""
     assert status in STATUSES, status
     vals = [loss for _, loss in lit.val_history if math.isfinite(loss)]
     final = lit.val_history[-1][1] if lit.val_history else None
     unigram = data.unigram_entropy("val")
-    steps = int(trainer.global_step)
-    summary = {
+    return {
         "status": status,
         "steps": steps,
         "tokens": int(lit.tokens_seen),
@@ -35,7 +38,7 @@ def write_summary(run_dir: Path, *, status: str, lit, trainer, data, monitor, wa
         "divergence_reason": lit.divergence.reason,
         "peak_grad_norm": lit.peak_grad_norm,
         "grad_norm_at_init": monitor.profile,
-        "tokens_per_s": lit.tokens_seen / wall_time if wall_time > 0 else None,
+        "tokens_per_s": (lit.tokens_seen - tokens_at_start) / wall_time if wall_time > 0 else None,  # this attempt's
         "world_size": int(trainer.world_size),
         "wall_time_s": wall_time,
         "n_params": lit.model.num_params(),
@@ -44,10 +47,28 @@ def write_summary(run_dir: Path, *, status: str, lit, trainer, data, monitor, wa
         "model": lit.hparams.model,
         "config": config,
     }
-    if trainer.is_global_zero:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def record(run: RunDir, summary: dict[str, Any], *, started_at_step: int, started: float,
+           previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides), the
+    earlier ones kept from the previous summary, so a failed resume says what failed and when without losing what
+    the run had reached."""
+    attempts = list((previous or {}).get("attempts") or [])
+    if previous and not attempts:  # a summary from before attempts were recorded
+        attempts = [{"status": previous.get("status"), "from_step": 0, "to_step": previous.get("steps"),
+                     "overrides": previous.get("overrides"), "error": previous.get("error")}]
+    attempts.append({"status": summary["status"], "from_step": started_at_step, "to_step": summary["steps"],
+                     "overrides": summary["overrides"], "error": summary["error"],
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+                     "wall_time_s": summary["wall_time_s"]})
+    summary = {**summary, "attempts": attempts}
+    run.write_summary(summary)
     return summary
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
+    summary = RunDir(run_dir).read_summary()
+    if summary is None:
+        raise FileNotFoundError(f"{Path(run_dir) / 'summary.json'} does not exist")
+    return summary

@@ -1,7 +1,9 @@
 """One training run, from a composed config to a run directory.
 
-Order matters: every check that can fail on bad input runs before data is loaded or a step is taken; once
-training starts, whatever happens (completion, divergence, Ctrl-C, an exception) ends with a summary.json.
+Order matters: every check that can fail on bad input runs before data is loaded or a step is taken; everything
+that can refuse a resume (architecture, tokenizer, data) runs before the run directory is touched, so a refused
+start leaves every file as it was; once training starts, whatever happens (completion, divergence, a signal, an
+exception) ends with a summary.json, and the record of earlier attempts is kept.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab.config import COMPUTE_KEYS, arch_config
-from lmlab.summary import write_summary
+from lmlab.rundir import CheckpointError, RunDir, RunLock, is_rank_zero, load_checkpoint
 
 
 def wandb_offline_by_default() -> None:
@@ -91,6 +93,32 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, res
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
 EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
+RESUME_MODES = ("auto", "true", "false")
+FINISHED = ("completed", "diverged", "collapsed")
+
+
+def resume_mode(cfg: DictConfig) -> str:
+    """`resume`: auto (continue when the run directory holds a checkpoint, else start), true (a checkpoint is
+    required) or false (start; a directory that holds a run is refused unless overwrite=true)."""
+    value = cfg.get("resume", "auto")
+    mode = {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else str(value).lower()
+    if mode not in RESUME_MODES:
+        raise ValueError(f"resume={value!r} is not an option; choose one of {list(RESUME_MODES)}")
+    if not isinstance(cfg.get("overwrite", False), bool):
+        raise ValueError(f"overwrite={cfg.overwrite!r} must be true or false")
+    return mode
+
+
+def resume_checkpoint(run: RunDir, mode: str, overwrite: bool) -> Path | None:
+    """The checkpoint this start continues from (None: a fresh start), or a refusal naming the path."""
+    ckpt = run.checkpoint()
+    if mode == "true" and ckpt is None:
+        raise FileNotFoundError(f"resume=true: {run.last} does not exist, so there is nothing to continue; "
+                                f"resume=auto starts a fresh run when there is no checkpoint")
+    if mode == "false" and run.holds_run() and not overwrite:
+        raise FileExistsError(f"resume=false: {run.path} already holds a run; continue it with resume=auto, or start "
+                              f"over with overwrite=true (which deletes its checkpoints, metrics and summary)")
+    return ckpt if mode != "false" else None
 
 
 def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
@@ -98,15 +126,17 @@ def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
     source was trained at. Returns the source's model config and weights (None without init_from)."""
     if not cfg.get("init_from"):
         return None
-    from lmlab.evaluate import load_run
-
-    source = Path(cfg.init_from)
-    model_cfg, weights, _ = load_run(source)
+    source = RunDir(cfg.init_from)
+    if not source.path.is_dir():
+        raise FileNotFoundError(f"init_from={source.path}: no such run directory")
+    state = load_checkpoint(source.last, f"init_from={source.path}")
+    model_cfg = dict(state["hyper_parameters"]["model"])
+    weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
     if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
-        cfg.data.tokenizer = str(source / "tokenizer.json")
+        cfg.data.tokenizer = str(source.tokenizer)
     if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
         cfg.rope_scaling.original_max_len = model_cfg.get("train_len") or model_cfg["max_seq_len"]
-    return {"model": model_cfg, "weights": weights, "path": str(source)}
+    return {"model": model_cfg, "weights": weights, "path": str(source.path)}
 
 
 def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_differ: tuple[str, ...] = ()) -> None:
@@ -115,6 +145,15 @@ def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_d
     if differ:
         detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)
         raise ValueError(f"{what}: the checkpoint's architecture doesn't match the config ({detail})")
+
+
+def check_same_data(what: str, data, saved: dict[str, Any]) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the config builds now (it would read other ids)."""
+    state = saved.get(type(data).__qualname__) or {}
+    if state.get("tokenizer_sha256") not in (None, data.tokenizer_sha256):
+        raise ValueError(f"{what}: the checkpoint was trained with another tokenizer than data.tokenizer="
+                         f"{data.tokenizer_kind!r} builds now (different corpus, data.val_fraction or "
+                         f"data.vocab_size?); resume with the run's own data config")
 
 
 def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
@@ -128,33 +167,64 @@ def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default",
-          callbacks: list | None = None) -> dict[str, Any]:
+          callbacks: list | None = None, hydra: Any = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything into `run_dir`; return the summary. `callbacks`: extra Lightning
-    callbacks (library use)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    callbacks (library use); `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it).
+
+    The summary's `status` says how the run ended; an interrupted run (a signal) returns with status
+    `interrupted` after saving its checkpoint, and train.py turns that into a non-zero exit code."""
+    run = RunDir(run_dir)
     setup_env(cfg)
     check_config(cfg)
+    mode = resume_mode(cfg)
+    lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
+    try:
+        return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str, callbacks: list,
+           hydra: Any) -> dict[str, Any]:
     import lightning.pytorch as L
-    import torch
     from hydra.utils import instantiate
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.data.datamodule import TextDataModule
+    from lmlab.interrupt import StopOnSignal, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
     from lmlab.progress import progress_bar
+    from lmlab.rundir import atomic_checkpoint_io
+    from lmlab.summary import STATUSES, record, summarize
 
+    # --- everything that can refuse the start, before the run directory is touched ---
     source = prepare_init_from(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                          seed=cfg.seed, out_dir=str(run_dir))
+                          seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
     gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
+    ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
+    saved, resume_step = None, 0
+    if ckpt is not None:
+        what = f"resume={mode} ({ckpt})"
+        saved = load_checkpoint(ckpt, what, mmap=True)
+        check_same_arch(what, gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout", *COMPUTE_KEYS))
+        check_same_data(what, data, saved)
+        resume_step = int(saved["global_step"])
+        previous = run.read_summary() or {}
+        ended = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
+            "completed" if resume_step >= cfg.trainer.max_steps else None)
+        if ended and previous.get("status") in FINISHED:  # nothing to do: a no-op that leaves every file as it was
+            print(f"{run.path}: the run has ended ({previous['status']} at step {previous.get('steps')}; "
+                  f"trainer.max_steps={cfg.trainer.max_steps}): nothing to resume")
+            return previous
+    previous = run.read_summary() if saved is not None else None
     unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
     lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
@@ -162,45 +232,45 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram})
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
+    if saved is not None:
+        lit.on_load_checkpoint(saved)  # the run's figures so far, even if this attempt fails before fit restores
     monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
-                               plot_dir=str(run_dir / "plots"))
+                               plot_dir=str(run / "plots"))
 
-    overrides = list(overrides or [])
+    # --- the start is accepted: now the directory is written ---
+    if is_rank_zero():
+        if mode == "false" and run.holds_run():
+            run.clear()  # overwrite=true (resume_checkpoint refused it otherwise)
+        run.write_config(cfg, overrides, hydra)
+        if saved is None or not run.tokenizer.is_file():  # a resume has checked it builds the run's tokenizer
+            data.save_tokenizer(run.tokenizer)
+
     run_name = ",".join(o for o in overrides if not o.startswith("hydra")) or "default"
-    ckpt_dir = run_dir / "checkpoints"
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
-                                 save_last=True, auto_insert_metric_name=False)
-    last = ckpt_dir / "last.ckpt"
-    ckpt_path = str(last) if cfg.resume and last.exists() else None
-    if cfg.resume and ckpt_path is None:
-        print(f"resume=true but {last} does not exist: starting from scratch")
-    resume_step = None
-    if ckpt_path:
-        saved = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
-        check_same_arch(f"resume=true ({last})", gcfg.to_dict(), saved["hyper_parameters"]["model"],
-                         ("dropout", *COMPUTE_KEYS))
-        resume_step = int(saved["global_step"])
-    loggers = build_loggers(cfg, run_dir, run_name, group, resume_step)
-    callbacks = [checkpoint, monitor, *(callbacks or [])]
+    checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor="val/loss", mode="min",
+                                 save_top_k=1, save_last=True, auto_insert_metric_name=False)
+    stop = StopOnSignal().install()
+    loggers = build_loggers(cfg, run.path, run_name, group, resume_step if saved is not None else None)
+    callbacks = [checkpoint, monitor, stop, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
-    trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run_dir), use_distributed_sampler=False,
-                                     logger=loggers, callbacks=callbacks)
+    trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run.path), use_distributed_sampler=False,
+                                     logger=loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
 
     start, status, error = time.time(), "completed", None
+    tokens_at_start = lit.tokens_seen
     try:
-        trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+        trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
         if lit.divergence.status is not None:
             status = lit.divergence.status
-        elif trainer.interrupted:
+        elif stop.signum or trainer.interrupted:
             status = "interrupted"
-        if status != "diverged" and (not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
+        if status not in ("diverged", "interrupted") and (
+                not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
             trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
-        trainer.save_checkpoint(last)  # a collective call: every rank, rank 0 writes
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Lightning turns it into SystemExit after its shutdown)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left SIGINT ignored
+        trainer.save_checkpoint(run.last)  # a collective call: every rank, rank 0 writes
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit)
         status = "interrupted"
-        trainer.save_checkpoint(last)  # resume=true continues from here
+        trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
         raise
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
         status, error = "failed", f"{type(exc).__name__}: {exc}"
@@ -209,7 +279,19 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
         wall = time.time() - start
         for logger in trainer.loggers:
             logger.finalize("success" if status == "completed" else status)
-        summary = write_summary(run_dir, status=status, lit=lit, trainer=trainer, data=data, monitor=monitor,
-                                wall_time=wall,
-                                overrides=overrides, config=OmegaConf.to_container(cfg, resolve=True), error=error)
+        assert status in STATUSES
+        summary = summarize(status=status, lit=lit, trainer=trainer, data=data, monitor=monitor,
+                            steps=max(int(trainer.global_step), resume_step), wall_time=wall,
+                            tokens_at_start=tokens_at_start, overrides=overrides,
+                            config=OmegaConf.to_container(cfg, resolve=True), error=error)
+        summary["signal"] = stop.signum or None
+        if trainer.is_global_zero:
+            summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous)
+        stop.restore()
+    if status == "interrupted" and trainer.is_global_zero:
+        signum = stop.signum
+        requeued = requeue_on_slurm(signum)
+        print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
+              + (f"; {requeued}" if requeued else "")
+              + f"\n  to continue: python train.py <the same overrides> hydra.run.dir={run.path}  (resume=auto)")
     return summary

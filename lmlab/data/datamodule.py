@@ -134,7 +134,7 @@ class StepSampler(Sampler[int]):
 class TextDataModule(pl.LightningDataModule):
     """`data` is the composed `data` config group as a plain dict; `seq_len` is `model.max_seq_len`."""
 
-    def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int, out_dir: str | Path | None = None) -> None:
+    def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         super().__init__()
         spec = {**_DEFAULTS, **dict(data)}
         self.tokenizer_kind = str(spec.pop("tokenizer"))
@@ -146,7 +146,6 @@ class TextDataModule(pl.LightningDataModule):
         self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
-        self.out_dir = None if out_dir is None else Path(out_dir)
         self._check()
         self.tokenizer = None
 
@@ -202,8 +201,6 @@ class TextDataModule(pl.LightningDataModule):
         self.val_blocks = val_blocks[: self._max_val_blocks]
         self.vocab_size: int = tok.get_vocab_size()
         self.tokenizer = tok
-        if self.out_dir is not None:
-            self.save_tokenizer(self.out_dir / "tokenizer.json")
         blocks = f"{len(train_blocks)} / {len(self.val_blocks)} blocks of {self.seq_len + 1}"
         log.info(
             f"data={self.corpus}: {len(self.train_tokens)} / {len(self.val_tokens)} train / val tokens, {blocks}, "

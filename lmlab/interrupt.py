@@ -1,0 +1,93 @@
+"""Interruption: SIGINT, SIGTERM and SIGUSR1 end the current step, and the run stops at that step boundary.
+
+A signal only sets a flag. After each optimizer step every rank learns whether any rank got one (one small
+all-reduce when there is more than one rank), so all ranks stop after the same step and the collective
+checkpoint save that follows can't hang, whichever rank the signal went to. `train()` then saves the checkpoint,
+writes `interrupted` and exits non-zero. A second SIGINT (Ctrl-C pressed again) stops at once.
+
+Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
+and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
+over so that there is one checkpoint, the newest, and does the SLURM requeue itself once that checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+EXIT_CODES = {int(s): 128 + int(s) for s in SIGNALS}  # the shell's convention: 130, 143, 138
+
+
+class StopOnSignal(Callback):
+    """Install with `install()` before fit and `restore()` after the last write; read `signum` afterwards."""
+
+    def __init__(self) -> None:
+        self.received: int = 0  # the signal this process got (0: none)
+        self.signum: int = 0  # the signal the run stopped for, the same on every rank
+        self._original: dict[int, Any] = {}
+
+    @property
+    def state_key(self) -> str:
+        return "StopOnSignal"
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # pressed twice: stop now
+        self.received = signum
+
+    def _take(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (a notebook's worker, say)
+        for s in SIGNALS:
+            self._original.setdefault(int(s), signal.getsignal(s))
+            signal.signal(s, self._handler)
+
+    def install(self) -> StopOnSignal:
+        self._take()
+        return self
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, handler in self._original.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._original = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._take()  # again: Lightning has just registered its own SIGTERM (and SLURM SIGUSR1) handlers
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        signum = self.received
+        if trainer.world_size > 1:  # any rank's signal stops every rank after this same step
+            flag = torch.tensor(signum, device=pl_module.device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
+        if signum:
+            self.signum = signum
+            trainer.should_stop = True
+
+
+def requeue_on_slurm(signum: int) -> str | None:
+    """After SIGUSR1 (SLURM's warning before the time limit) in a SLURM batch job, requeue it: the requeued job runs
+    the same command, and `resume=auto` continues from the checkpoint just saved. Returns what was done."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if signum != signal.SIGUSR1 or not SLURMEnvironment.detect():
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"requeue of SLURM job {job} failed ({err})"
+    if result.returncode:
+        return f"requeue of SLURM job {job} failed: {result.stderr.strip() or result.returncode}"
+    return f"requeued SLURM job {job}"

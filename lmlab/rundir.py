@@ -1,0 +1,279 @@
+"""The run directory: its layout, safe reading, atomic writing and the lock, in one place.
+
+A run directory is a researcher's lab notebook, read weeks later, so every entry point (train, resume,
+`init_from=`, eval, compare) goes through the rules here:
+- checkpoints are loaded with `weights_only=True`: a file that would run code when unpickled is refused, and so is
+  anything that is not a loadable lmlab checkpoint, always with its path and the reason;
+- every file lmlab writes goes to a temporary name first and is renamed over the old one, so a crash never leaves
+  a truncated file where a good one was;
+- one process trains into a directory at a time (`RunLock`); a lock left by a dead process is taken over.
+
+Layout:
+    .hydra/{config,overrides,hydra}.yaml   the config of the latest start (written once the checks have passed)
+    checkpoints/last.ckpt, best.ckpt       (+ Lightning's hpc_ckpt_N.ckpt when it saved one under SLURM)
+    metrics.csv  summary.json  tokenizer.json  plots/  eval/  wandb/
+    .lmlab.lock                            while a process trains into the directory
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import pickle
+import socket
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+LAST = "last.ckpt"
+BEST = "best.ckpt"
+SUMMARY = "summary.json"
+METRICS = "metrics.csv"
+TOKENIZER = "tokenizer.json"
+HYDRA = ".hydra"
+LOCK = ".lmlab.lock"
+# What `overwrite=true` clears: everything a run of lmlab writes (the lock and anything else are left alone).
+RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", "wandb", "tensorboard")
+
+
+class CheckpointError(ValueError):
+    """A file that is not a loadable lmlab checkpoint, refused with its path and the reason."""
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process trains into this run directory."""
+
+
+# --- writing ---
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def strict_json(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None: JSON has no NaN or Infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON (non-finite -> null); objects JSON doesn't know become their str()."""
+    return json.dumps(strict_json(obj), indent=2, default=str, allow_nan=False) + "\n"
+
+
+# --- reading ---
+
+def load_checkpoint(path: str | Path, what: str, mmap: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint of lmlab, loaded with `weights_only=True`; `what` names the key the path came from
+    (`run=`, `init_from=`, `resume`) for the error."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what}: {path} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{what}: {path} is empty (0 bytes): not a checkpoint")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise CheckpointError(f"{what}: refused {path}: it holds objects that only an unsafe load would build, and "
+                              f"lmlab loads checkpoints with weights_only=True ({reason})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{what}: {path} is not a loadable checkpoint (truncated or another format?): "
+                              f"{reason}") from None
+    if not isinstance(state, dict) or "state_dict" not in state or \
+            "model" not in (state.get("hyper_parameters") or {}):
+        raise CheckpointError(f"{what}: {path} is not a checkpoint of lmlab (no state_dict and model config)")
+    return state
+
+
+class RunDir:
+    """Paths and records of one run directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def last(self) -> Path:
+        return self.path / CHECKPOINTS / LAST
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / TOKENIZER
+
+    def checkpoint(self) -> Path | None:
+        """The checkpoint a resume continues from: the newest of last.ckpt and Lightning's hpc_ckpt_N.ckpt (which
+        Lightning's own SLURM handling writes into the run directory), or None."""
+        found = [p for p in (self.last, *self.path.glob("hpc_ckpt_*.ckpt"), *(self.path / CHECKPOINTS).glob(
+            "hpc_ckpt_*.ckpt")) if p.is_file()]
+        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+    def holds_run(self) -> bool:
+        return any((self.path / name).exists() for name in (CHECKPOINTS, METRICS, SUMMARY))
+
+    def read_summary(self) -> dict[str, Any] | None:
+        if not self.summary.is_file():
+            return None
+        try:
+            return json.loads(self.summary.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{self.summary} is not valid JSON ({err})") from None
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.summary, dumps(summary))
+
+    def write_config(self, config: Any, overrides: list[str], hydra: Any = None) -> None:
+        """.hydra/: the composed config, the overrides and (from the CLI) Hydra's own config, as Hydra writes them.
+        lmlab writes them itself, after every check has passed, so a refused start leaves the old ones in place."""
+        from omegaconf import OmegaConf
+
+        atomic_write(self.path / HYDRA / "config.yaml", OmegaConf.to_yaml(config))
+        atomic_write(self.path / HYDRA / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+        if hydra is not None:
+            atomic_write(self.path / HYDRA / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})))
+
+    def clear(self) -> None:
+        """Remove what an earlier run wrote (overwrite=true)."""
+        import shutil
+
+        for name in RUN_FILES:
+            target = self.path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+
+    def state(self) -> str:
+        """What the directory shows, for `compare`: the summary's status, `running` while a process holds the
+        lock, `killed` when a run left metrics or checkpoints but no summary and no live holder."""
+        summary = self.read_summary()
+        if RunLock.holder(self.path) is not None:
+            return "running"
+        if summary is not None:
+            return summary.get("status", "unknown")
+        return "killed" if self.holds_run() else "empty"
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is the job's global rank 0, from the launchers' environment (torchrun, SLURM,
+    Lightning's own DDP launcher); works before any Trainer exists."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
+
+
+class RunLock:
+    """An exclusive `flock` on `<run dir>/.lmlab.lock`, holding a line that names the holder.
+
+    The kernel drops a flock when its process dies, so a lock file left by a killed run is simply taken over. The
+    file is removed on release; a process that locked a file which was removed meanwhile tries again.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = self.holder(self.path.parent) or "another process"
+                raise RunDirBusy(f"{self.path.parent} is in use: {holder} trains into it. Wait for it to end, or "
+                                 f"choose another directory (hydra.run.dir=...)") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed the file between our open and our lock: take the new one
+        info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} " \
+               f"({' '.join(sys.argv)[:300]})"
+        os.ftruncate(fd, 0)
+        os.write(fd, info.encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    @staticmethod
+    def holder(run_dir: str | Path) -> str | None:
+        """Who holds the lock of `run_dir` now (None: nobody alive)."""
+        path = Path(run_dir) / LOCK
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 4096).decode(errors="replace").strip() or "a live process"
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+
+def atomic_checkpoint_io() -> Any:
+    """Lightning's checkpoint writer, renaming a finished temporary file over the old checkpoint: Lightning's own
+    truncates the file and then writes it, so a crash mid-save would lose the last good checkpoint."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import _atomic_save
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            _atomic_save(checkpoint, tmp)
+            os.replace(tmp, path)
+
+    return AtomicCheckpointIO()
