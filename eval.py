@@ -16,6 +16,9 @@ sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "co
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
+    from lmlab.registry import PositiveInt, check_value
+
+    check_value("threads", cfg.threads, PositiveInt | None)  # the other arguments: evaluate() checks them first
     if cfg.threads:
         import torch
 
@@ -32,10 +35,10 @@ def main(cfg: DictConfig) -> None:
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
     out = Path(cfg.out or Path(cfg.run) / "eval")
-    evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
-             allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
-             max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
-    print((out / "eval.md").read_text() + f"\n-> {out}/")
+    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
+                      allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
+                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
+    print((f"note: {result['note']}\n\n" if result["note"] else "") + (out / "eval.md").read_text() + f"\n-> {out}/")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lmlab.plots import plot_curves, plot_init_profile, read_metrics
-from lmlab.summary import read_summary
+from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
 
 
 def _fmt(v: Any) -> str:
@@ -23,16 +24,31 @@ def write_table(rows: Sequence[dict[str, Any]], cols: Sequence[str], stem: Path)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     md = "\n".join(lines) + "\n"
-    stem.with_suffix(".md").write_text(md)
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(cols), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    atomic_write(stem.with_suffix(".md"), md)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(cols), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(stem.with_suffix(".csv"), buf.getvalue())
     return md
 
 
 def find_runs(sweep_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in sweep_dir.rglob("summary.json") if "wandb" not in p.parts)
+    """Every run directory under `sweep_dir`: finished ones (summary.json) and those a killed or still running job
+    left (metrics, checkpoints or a lock, but no summary yet)."""
+    marks = (SUMMARY, METRICS, LOCK, f"{CHECKPOINTS}/last.ckpt")
+    found = {p.parent for mark in marks for p in sweep_dir.rglob(Path(mark).name)
+             if "wandb" not in p.parts and "eval" not in p.relative_to(sweep_dir).parts[:-1]}
+    return sorted(r.parent if r.name == CHECKPOINTS else r for r in found)
+
+
+def _incomplete(run: Path) -> dict[str, Any]:
+    """What a run without a summary shows: its state (running / killed) and the last step in metrics.csv."""
+    series = read_metrics(run / METRICS) if (run / METRICS).exists() else {}
+    steps = max((s for points in series.values() for s, _ in points), default=None)
+    vals = series.get("val/loss", [])
+    return {"status": RunDir(run).state(), "steps": steps, "final_val_loss": vals[-1][1] if vals else None,
+            "best_val_loss": min(v for _, v in vals) if vals else None, "overrides": []}
 
 
 def _overrides(summary: dict[str, Any]) -> dict[str, str]:
@@ -45,7 +61,10 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     runs = find_runs(sweep_dir)
     if not runs:
         raise FileNotFoundError(f"compare={sweep_dir}: no run directories (with summary.json) under it")
-    summaries = {r: read_summary(r) for r in runs}
+    summaries = {r: RunDir(r).read_summary() or _incomplete(r) for r in runs}
+    for r, s in summaries.items():
+        if RunLock.holder(r) is not None:
+            s["status"] = "running"  # a resumed run still going has the previous attempt's summary
     overrides = {r: _overrides(s) for r, s in summaries.items()}
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys

@@ -63,15 +63,44 @@ def keep_freed_memory() -> None:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule."""
-    from lmlab.lit import validate_optim
+    """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
+    and ranges from each option's signature), the run's own keys, the devices, and the attention's memory."""
+    import warnings
+    from typing import Annotated, Literal
 
-    arch_config(cfg, vocab_size=cfg.model.vocab_size or 256).validate()
+    import torch
+
+    from lmlab.lit import validate_optim
+    from lmlab.memory import check_attention_fits
+    from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values
+
+    gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256).validate()
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
-    if cfg.get("malloc", "system") not in ("system", "keep"):
-        raise ValueError(f"malloc must be one of ['system', 'keep'] (got malloc={cfg.malloc!r})")
-    if cfg.trainer.max_steps is None or cfg.trainer.max_steps < 1:
-        raise ValueError(f"trainer.max_steps must be a positive integer (got {cfg.trainer.max_steps})")
+    run_keys = {  # the keys of train.yaml and the shared ones of conf/data, typed like an option's keys
+        "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
+        "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
+        "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
+        "data.num_workers": NonNegativeInt,
+    }
+    absent = object()
+    values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
+    check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+
+    accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), str(cfg.trainer.get("strategy", "auto"))
+    if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
+        key = f"trainer.strategy={strategy}" if strategy == "fsdp" else f"trainer.accelerator={accelerator}"
+        fix = ("trainer=ddp trainer.accelerator=cpu trainer.devices=2" if strategy in ("fsdp", "ddp")
+               else "trainer=cpu (trainer.accelerator=cpu)")
+        raise ValueError(f"{key} needs a CUDA GPU (none found); on CPU use {fix}")
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.n_head,
+                         gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
+
+    warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
+    if warmup >= max_steps:  # a warning, not a refusal: a short smoke run of a long-warmup config is legitimate
+        warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
+                      f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
+                      f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, resume_step: int | None) -> list:
@@ -214,8 +243,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if ckpt is not None:
         what = f"resume={mode} ({ckpt})"
         saved = load_checkpoint(ckpt, what, mmap=True)
+        check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout", *COMPUTE_KEYS))
-        check_same_data(what, data, saved)
         resume_step = int(saved["global_step"])
         previous = run.read_summary() or {}
         ended = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from lmlab.config import GPTConfig
+from tests.runs import write_corpus
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
 
@@ -25,3 +28,9 @@ def tiny_cfg():
         return GPTConfig(**{**TINY, **overrides})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~60 kB of structured text in two files, for the tests that train (tests/runs.py)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"))

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,33 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
 from lmlab.training import train
-
-ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the king queen lord lady sword crown night day love death speak hear thou thee shall will not".split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """~60 kB of text with structure to learn (a small grammar over a few words), two files."""
-    rng = random.Random(0)
-    d = tmp_path_factory.mktemp("corpus")
-    for name in ("a.txt", "b.txt"):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "." for _ in range(900)]
-        (d / name).write_text("\n".join(lines) + "\n")
-    return d
-
-
-def tiny(corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["data=text_files", f"data.paths=[{corpus}]", f"data.cache_dir={cache}", "data.batch_size=8",
-            "data.val_windows=32", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.max_seq_len=32",
-            "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
-            "trainer.enable_progress_bar=false", "monitor.every_n_steps=5", "monitor.attn_every_n_steps=10",
-            "schedule.warmup_steps=5", "logger=none", "threads=1", *extra]
-
-
-def metric(run: Path, name: str) -> dict[int, float]:
-    with open(run / "metrics.csv") as f:
-        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+from tests.runs import ROOT, metric, tiny
+from tests.runs import cli as _cli
 
 
 def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
@@ -111,11 +81,6 @@ def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> Non
     assert json.loads((run / "summary.json").read_text())["status"] == "diverged"
     assert len(metric(run, "train/loss")) >= 1  # what was logged is kept
     assert (run / "checkpoints" / "last.ckpt").exists()
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_cli_train_then_eval(corpus: Path, tmp_path: Path) -> None:

@@ -1,0 +1,42 @@
+"""Shared helpers for tests that train: a small corpus with structure, the tiny run's overrides, the CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the king queen lord lady sword crown night day love death speak hear thou thee shall will not".split()
+
+
+def write_corpus(d: Path) -> Path:
+    """~60 kB of text with structure to learn (a small grammar over a few words), two files."""
+    import random
+
+    rng = random.Random(0)
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("a.txt", "b.txt"):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "." for _ in range(900)]
+        (d / name).write_text("\n".join(lines) + "\n")
+    return d
+
+
+def tiny(corpus: Path, cache: Path, *extra: str) -> list[str]:
+    return ["data=text_files", f"data.paths=[{corpus}]", f"data.cache_dir={cache}", "data.batch_size=8",
+            "data.val_windows=32", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.max_seq_len=32",
+            "trainer.max_steps=30", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
+            "trainer.enable_progress_bar=false", "monitor.every_n_steps=5", "monitor.attn_every_n_steps=10",
+            "schedule.warmup_steps=5", "logger=none", "threads=1", *extra]
+
+
+def metric(run: Path, name: str) -> dict[int, float]:
+    with open(run / "metrics.csv") as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
