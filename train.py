@@ -31,8 +31,10 @@ def main(cfg: DictConfig) -> None:
         return
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
-    if summary["status"] == "interrupted":  # schedulers and `&&` chains must see that the run did not finish
-        from lmlab.interrupt import EXIT_CODES
+    from lmlab.rundir import is_rank_zero
+
+    if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
+        from lmlab.interrupt import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's error)
 
         raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))
 

@@ -9,24 +9,31 @@ any data is loaded or any step is taken.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value, check_values, option_params
 
 ARCH_GROUPS = ("norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
+# Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
+# option's own keys.
+FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt}
 
 
 @dataclass
 class GPTConfig:
-    vocab_size: int
-    n_layer: int = 4
-    d_model: int = 128
-    n_head: int = 4
-    n_kv_head: int | None = None  # key/value heads for attention=gqa
-    max_seq_len: int = 128  # the length the model runs at (its learned table size, the RoPE scaling target)
-    train_len: int | None = None  # the length it was trained at (None: max_seq_len); differs after extension
-    dropout: float = 0.0
+    vocab_size: PositiveInt
+    n_layer: PositiveInt = 4
+    d_model: PositiveInt = 128
+    n_head: PositiveInt = 4
+    n_kv_head: int | None = None  # key/value heads for attention=gqa (its range: a divisor of n_head, below)
+    max_seq_len: PositiveInt = 128  # the length the model runs at (its learned table size, the RoPE scaling target)
+    train_len: PositiveInt | None = None  # the length it was trained at (None: max_seq_len); differs after extension
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     bias: bool = False  # biases in every Linear (GPT-2: True)
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
@@ -43,15 +50,14 @@ class GPTConfig:
     def __post_init__(self) -> None:
         from lmlab.model.attention import ATTENTIONS
         from lmlab.model.ffn import FFNS
-        from lmlab.registry import option_params
 
+        types = _field_types()
+        for f in dataclasses.fields(self):  # the sizes are `model.<key>`; the groups are named by themselves
+            check_value(f.name if f.name in ARCH_GROUPS else f"model.{f.name}", getattr(self, f.name), types[f.name])
         for group in ARCH_GROUPS:  # plain dicts, whatever mapping type came in (OmegaConf, a dataclass field, ...)
             setattr(self, group, dict(getattr(self, group)))
         if self.train_len is None:
             self.train_len = self.max_seq_len
-        for key in ("n_layer", "d_model", "n_head", "max_seq_len", "vocab_size"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be a positive integer (got {getattr(self, key)!r})")
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                              f"choose n_head among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}")
@@ -65,7 +71,8 @@ class GPTConfig:
                              f"{attn_name}); choose among {divisors}")
 
         # The FFN's hidden size: hidden_mult · d_model, times the option's parameter-matching ratio, rounded.
-        self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in ("hidden_mult", "multiple_of")}
+        check_values("ffn.", self.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
+        self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in FFN_SIZES}
         ffn_name, _ = option_params("ffn", FFNS, self.ffn_spec)
         multiple_of = self.ffn.get("multiple_of", 64)
         raw = FFNS[ffn_name].hidden_ratio * self.ffn.get("hidden_mult", 4) * self.d_model
@@ -77,7 +84,6 @@ class GPTConfig:
 
         from lmlab.model.gpt import GPT
         from lmlab.model.position import POSITIONS
-        from lmlab.registry import option_params
 
         pos_name, _ = option_params("position", POSITIONS, self.position)
         if self.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
@@ -89,6 +95,11 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(GPTConfig, include_extras=True)
 
 
 def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None) -> GPTConfig:

@@ -8,7 +8,6 @@ split into positions inside the trained length and beyond it.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.config import GPTConfig
+from lmlab.memory import check_attention_fits
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
-from lmlab.rundir import RunDir, load_checkpoint
+from lmlab.registry import PositiveInt, check_values, parameter_types
+from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint
 
 
 class RunRefused(ValueError):
@@ -46,6 +47,18 @@ def load_run(run_dir: str | Path, what: str = "run") -> tuple[dict[str, Any], di
 
         run_cfg = OmegaConf.to_container(OmegaConf.load(run.path / ".hydra" / "config.yaml"), resolve=False)
     return model_cfg, weights, run_cfg
+
+
+def run_note(run_dir: str | Path) -> tuple[str, str | None]:
+    """The run's status, and a sentence when it didn't complete: its weights are those of its last checkpoint."""
+    summary = RunDir(run_dir).read_summary() or {}
+    status = summary.get("status") or RunDir(run_dir).state()
+    if status == "completed":
+        return status, None
+    if status in ("diverged", "collapsed"):
+        return status, (f"the run {status} at step {summary.get('diverged_at_step')} "
+                        f"({summary.get('divergence_reason')}): these figures are of its last checkpoint")
+    return status, f"the run is {status} (step {summary.get('steps')}): these figures are of its last checkpoint"
 
 
 def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
@@ -121,24 +134,32 @@ def check_reach(position: str, scaling: str, length: int, trained: int, allow_ex
                          f"method or pass allow_extrapolation=true")
 
 
-def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings: Sequence[str] | None = None,
-             allow_extrapolation: bool = False, batch_size: int = 8, out_dir: str | Path | None = None,
-             max_windows: int | None = 64, dynamic_step: int | None = None) -> dict[str, Any]:
+def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, scalings: Sequence[str] | None = None,
+             allow_extrapolation: bool = False, batch_size: PositiveInt = 8, out_dir: str | Path | None = None,
+             max_windows: PositiveInt | None = 64, dynamic_step: PositiveInt | None = None) -> dict[str, Any]:
     """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir."""
+    # The arguments, by the types and ranges of the signature (named as eval.py's keys), before the run is loaded.
+    args = {"lengths": lengths, "allow_extrapolation": allow_extrapolation, "batch_size": batch_size,
+            "max_windows": max_windows, "dynamic_step": dynamic_step}
+    check_values("", args, parameter_types(evaluate, ("POSITIONAL_OR_KEYWORD",)))
+    for s in scalings or []:
+        if s not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling={s!r} is not an option; choose among {sorted(ROPE_SCALINGS)}")
     run_dir = Path(run_dir)
     model_cfg, weights, run_cfg = load_run(run_dir)
+    run_status, note = run_note(run_dir)
     trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]
     position = model_cfg["position"]["name"]
     lengths = sorted(set(lengths or [trained]))
     scalings = list(scalings or default_scalings(position))
     for s in scalings:
-        if s not in ROPE_SCALINGS:
-            raise ValueError(f"rope_scaling={s!r} is not an option; choose among {sorted(ROPE_SCALINGS)}")
         if s != "none" and not POSITIONS[position].accepts_scaling:
             raise ValueError(f"rope_scaling={s!r} needs position=rope (the run has position={position!r})")
     for length in lengths:  # refuse before computing anything
         for s in scalings:
             check_reach(position, s, length, trained, allow_extrapolation)
+        check_attention_fits(f"length {length}", position, model_cfg["n_head"], length,
+                             min(batch_size, max_windows or batch_size))
 
     dm = run_data(run_dir, run_cfg, seq_len=trained)
     rows = []
@@ -162,7 +183,8 @@ def evaluate(run_dir: str | Path, lengths: Sequence[int] | None = None, scalings
                 "loss_beyond": float(beyond.mean()) if beyond.numel() else None,
             })
             curves.setdefault(s, {})[length] = per_pos.tolist()
-    result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows}
+    result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows,
+              "run_status": run_status, "note": note}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
         if (run_cfg.get("logger") or {}).get("wandb"):
@@ -177,7 +199,7 @@ def log_wandb(result: dict[str, Any], out: Path, run_dir: Path, spec: dict[str, 
     from lmlab.training import wandb_offline_by_default
 
     wandb_offline_by_default()
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = RunDir(run_dir).read_summary() or {}
     name = ",".join(summary.get("overrides", [])) or run_dir.name
     run = wandb.init(project=spec.get("project", "lmlab"), dir=str(run_dir), job_type="eval", name=f"eval:{name}",
                      config={"run": str(run_dir), "trained_len": result["trained_len"]}, reinit="finish_previous")
@@ -192,7 +214,7 @@ def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]]
     from lmlab.compare import write_table
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps({**result, "per_position": curves}, indent=1) + "\n")
+    atomic_write(out / "eval.json", dumps({**result, "per_position": curves}))
     cols = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]
     write_table(result["rows"], cols, out / "eval")
     lengths = sorted({r["length"] for r in result["rows"]})

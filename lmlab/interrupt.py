@@ -2,8 +2,11 @@
 
 A signal only sets a flag. After each optimizer step every rank learns whether any rank got one (one small
 all-reduce when there is more than one rank), so all ranks stop after the same step and the collective
-checkpoint save that follows can't hang, whichever rank the signal went to. `train()` then saves the checkpoint,
-writes `interrupted` and exits non-zero. A second SIGINT (Ctrl-C pressed again) stops at once.
+checkpoint save can't hang, whichever rank the signal went to. The save happens when the next step would start:
+by then the step is finished in every way an uninterrupted run would finish it (its validation, its logged rows),
+so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's loop (setting `should_stop` would
+make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
+A second SIGINT (Ctrl-C pressed again) stops at once.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
 and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
@@ -25,10 +28,20 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODES = {int(s): 128 + int(s) for s in SIGNALS}  # the shell's convention: 130, 143, 138
 
 
-class StopOnSignal(Callback):
-    """Install with `install()` before fit and `restore()` after the last write; read `signum` afterwards."""
+class RunInterrupted(Exception):
+    """Raised at a step boundary after the checkpoint is saved; carries the signal."""
 
-    def __init__(self) -> None:
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+class StopOnSignal(Callback):
+    """Install with `install()` before fit and `restore()` after the last write; read `signum` afterwards.
+    `checkpoint`: where the interrupted run's checkpoint goes."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
         self.received: int = 0  # the signal this process got (0: none)
         self.signum: int = 0  # the signal the run stopped for, the same on every rank
         self._original: dict[int, Any] = {}
@@ -60,17 +73,26 @@ class StopOnSignal(Callback):
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._original = {}
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._take()  # again: Lightning has just registered its own SIGTERM (and SLURM SIGUSR1) handlers
+    def take_over(self, trainer) -> None:
+        """Keep Lightning from registering its SIGTERM / SLURM SIGUSR1 handlers for `trainer`: between its
+        registration and the first step, its SIGTERM handler would broadcast from inside the handler on the rank
+        that got the signal, a collective the other ranks never join."""
+        trainer._signal_connector.register_signal_handlers = lambda: None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._take()  # ours, whatever ran since install() (a caller's own handlers, say)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signum = self.received
         if trainer.world_size > 1:  # any rank's signal stops every rank after this same step
             flag = torch.tensor(signum, device=pl_module.device)
             signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
-        if signum:
-            self.signum = signum
-            trainer.should_stop = True
+        self.signum = signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.signum:
+            trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
+            raise RunInterrupted(self.signum)
 
 
 def requeue_on_slurm(signum: int) -> str | None:

@@ -14,9 +14,10 @@ from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.monitor import Divergence, sum_over_shards
 from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
-from lmlab.registry import build, option_params
+from lmlab.registry import NonNegativeFloat, build, check_values, option_params
 
-OPTIM_LOOP_KEYS = ("weight_decay", "grad_clip")  # read here, not by the optimizer constructor
+# Read here, not by the optimizer constructor; typed like an option's own keys (grad_clip 0 or null: off).
+OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None}
 
 
 def optimizer_spec(optim: dict) -> dict:
@@ -33,10 +34,10 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
 
 
 def validate_optim(optim: dict, schedule: dict) -> None:
+    """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature)."""
+    check_values("optim.", optim, OPTIM_LOOP_KEYS)
     option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     option_params("schedule", SCHEDULES, schedule)
-    if schedule.get("warmup_steps", 0) < 0:
-        raise ValueError(f"schedule.warmup_steps must be >= 0 (got {schedule['warmup_steps']})")
 
 
 class LitGPT(L.LightningModule):
@@ -128,8 +129,20 @@ class LitGPT(L.LightningModule):
         # Lightning adds one to its logging step when it restarts, because its own mid-epoch checkpoints are
         # written before that counter moves. Checkpoints written after fit() returns or on Ctrl-C are written
         # after it moved; store every checkpoint in the mid-epoch form so a resumed run logs the next step.
-        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
-        if "_batches_that_stepped" in loop:
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        loop = fit_loop.get("epoch_loop.state_dict", {})
+        progress = fit_loop.get("epoch_loop.batch_progress", {})
+        total = progress.get("total", {})
+        if total.get("ready", 0) > total.get("completed", 0):
+            # Written as a step is about to start (an interruption, lmlab.interrupt): its batch is counted as fetched.
+            # On restart Lightning rewinds the epoch's counters to the finished batches but not the run's total,
+            # which decides when validation runs. Count finished batches only, everywhere; with every counter equal
+            # Lightning restores the logging step as it is, so store the step the next row is logged at.
+            for counts in (total, progress.get("current", {})):
+                counts.update({k: counts["completed"] for k in ("ready", "started", "processed") if k in counts})
+            if "_batches_that_stepped" in loop:
+                loop["_batches_that_stepped"] = self.global_step
+        elif "_batches_that_stepped" in loop:
             loop["_batches_that_stepped"] = self.global_step - 1
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict()}

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Annotated
 
 import torch
 from torch import nn
+
+from lmlab.registry import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, Range
+
+Betas = Annotated[tuple[float, float], Range(ge=0, lt=1)]  # moving-average coefficients, each in [0, 1)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -25,8 +30,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def adamw(groups: Iterable[dict], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-          eps: float = 1e-8, fused: bool | None = None) -> torch.optim.Optimizer:
+def adamw(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas = (0.9, 0.95), eps: PositiveFloat = 1e-8,
+          fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter, 2019), decoupled weight decay.
 
     fused=None (auto) takes torch's fused kernel when every parameter is a float tensor on CPU or CUDA: the same
@@ -40,7 +45,7 @@ def adamw(groups: Iterable[dict], *, lr: float = 1e-3, betas: tuple[float, float
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
 
 
-def sgd(groups: Iterable[dict], *, lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False
+def sgd(groups: Iterable[dict], *, lr: PositiveFloat = 0.1, momentum: NonNegativeFloat = 0.9, nesterov: bool = False
         ) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
 
@@ -66,7 +71,7 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def lion(groups: Iterable[dict], *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99)) -> Lion:
+def lion(groups: Iterable[dict], *, lr: PositiveFloat = 1e-4, betas: Betas = (0.9, 0.99)) -> Lion:
     return Lion(groups, lr=lr, betas=betas)
 
 
@@ -74,11 +79,11 @@ def _warmup(step: int, warmup_steps: int) -> float | None:
     return (step + 1) / warmup_steps if step < warmup_steps else None
 
 
-def constant(step: int, max_steps: int, *, warmup_steps: int = 0) -> float:
+def constant(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0) -> float:
     return _warmup(step, warmup_steps) or 1.0
 
 
-def cosine(step: int, max_steps: int, *, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+def cosine(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0, min_lr_ratio: Fraction = 0.1) -> float:
     """Linear warmup, then a half cosine from 1 down to min_lr_ratio at max_steps."""
     if (w := _warmup(step, warmup_steps)) is not None:
         return w
@@ -86,7 +91,7 @@ def cosine(step: int, max_steps: int, *, warmup_steps: int = 0, min_lr_ratio: fl
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def linear(step: int, max_steps: int, *, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> float:
+def linear(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0, min_lr_ratio: Fraction = 0.0) -> float:
     """Linear warmup, then linear decay to min_lr_ratio at max_steps."""
     if (w := _warmup(step, warmup_steps)) is not None:
         return w
@@ -94,8 +99,8 @@ def linear(step: int, max_steps: int, *, warmup_steps: int = 0, min_lr_ratio: fl
     return 1 - (1 - min_lr_ratio) * t
 
 
-def wsd(step: int, max_steps: int, *, warmup_steps: int = 0, decay_frac: float = 0.2, min_lr_ratio: float = 0.0
-        ) -> float:
+def wsd(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0, decay_frac: Fraction = 0.2,
+        min_lr_ratio: Fraction = 0.0) -> float:
     """Warmup-stable-decay (Hu et al., 2024, MiniCPM): constant after warmup, then a linear cool-down over the
     last `decay_frac` of training."""
     if (w := _warmup(step, warmup_steps)) is not None:

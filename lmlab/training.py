@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab.config import COMPUTE_KEYS, arch_config
-from lmlab.rundir import CheckpointError, RunDir, RunLock, is_rank_zero, load_checkpoint
+from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint
 
 
 def wandb_offline_by_default() -> None:
@@ -202,20 +201,26 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
 
     The summary's `status` says how the run ended; an interrupted run (a signal) returns with status
     `interrupted` after saving its checkpoint, and train.py turns that into a non-zero exit code."""
+    from lmlab.interrupt import StopOnSignal
+
     run = RunDir(run_dir)
-    setup_env(cfg)
-    check_config(cfg)
-    mode = resume_mode(cfg)
-    lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
+    stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data loads stops after step 0
     try:
-        return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra)
+        check_config(cfg)
+        setup_env(cfg)
+        mode = resume_mode(cfg)
+        lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
+        try:
+            return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        stop.restore()
 
 
 def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str, callbacks: list,
-           hydra: Any) -> dict[str, Any]:
+           hydra: Any, stop) -> dict[str, Any]:
     import lightning.pytorch as L
     from hydra.utils import instantiate
 
@@ -223,7 +228,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.data.datamodule import TextDataModule
-    from lmlab.interrupt import StopOnSignal, requeue_on_slurm
+    from lmlab.interrupt import RunInterrupted, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
     from lmlab.progress import progress_bar
@@ -277,13 +282,13 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     run_name = ",".join(o for o in overrides if not o.startswith("hydra")) or "default"
     checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor="val/loss", mode="min",
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
-    stop = StopOnSignal().install()
     loggers = build_loggers(cfg, run.path, run_name, group, resume_step if saved is not None else None)
     callbacks = [checkpoint, monitor, stop, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run.path), use_distributed_sampler=False,
                                      logger=loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
+    stop.take_over(trainer)
 
     start, status, error = time.time(), "completed", None
     tokens_at_start = lit.tokens_seen
@@ -291,12 +296,12 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
         if lit.divergence.status is not None:
             status = lit.divergence.status
-        elif stop.signum or trainer.interrupted:
-            status = "interrupted"
-        if status not in ("diverged", "interrupted") and (
+        if status != "diverged" and (
                 not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
             trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
         trainer.save_checkpoint(run.last)  # a collective call: every rank, rank 0 writes
+    except RunInterrupted:  # a signal: the checkpoint is saved at the step boundary
+        status = "interrupted"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit)
         status = "interrupted"
         trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
@@ -316,7 +321,6 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary["signal"] = stop.signum or None
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous)
-        stop.restore()
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum
         requeued = requeue_on_slurm(signum)

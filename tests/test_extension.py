@@ -12,8 +12,7 @@ from lmlab import compose
 from lmlab.evaluate import RunRefused, evaluate
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.training import train
-
-from .test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+from tests.runs import tiny
 
 L = 32
 

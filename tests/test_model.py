@@ -205,7 +205,7 @@ def test_validate_names_the_bad_key(overrides: dict, pattern: str) -> None:
 
 @pytest.mark.parametrize(("key", "value"), [("vocab_size", 0), ("n_layer", 0), ("d_model", -4), ("n_head", 2.0)])
 def test_sizes_must_be_positive_integers(key: str, value) -> None:
-    with pytest.raises(ValueError, match=rf"model\.{key} must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"model\.{key}={value!r} must be an integer >= 1"):
         GPTConfig(**{**BASE, key: value})
 
 

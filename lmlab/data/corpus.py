@@ -12,7 +12,9 @@ with no network, and an unexpected download in the middle of a sweep is worse th
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -143,7 +145,28 @@ def _documents(files: list[Path], cache_dir: str | Path) -> Dataset:
             cache_dir=str(Path(cache_dir).expanduser() / "datasets"),
         )
     except datasets.exceptions.DatasetGenerationError as e:
-        raise ValueError(f"data.paths: could not read the files as UTF-8 text ({e.__cause__ or e})") from e
+        if (bad := _not_utf8(files)) is not None:
+            path, where = bad
+            raise ValueError(f"data.paths: {path} is not UTF-8 text ({where}); convert it to UTF-8 "
+                             f"(iconv -f <its encoding> -t utf-8) or leave it out") from e
+        raise ValueError(f"data.paths: could not read the files as text ({e.__cause__ or e})") from e
+
+
+def _not_utf8(files: list[Path]) -> tuple[Path, str] | None:
+    """The first file that does not decode as UTF-8, and where it fails. Run only after `datasets` failed (its error
+    does not say which file), so the happy path never reads the corpus twice; read in chunks, files may be large."""
+    for path in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(path, "rb") as f:
+            for chunk in itertools.chain(iter(lambda: f.read(1 << 20), b""), [None]):  # None: the end of the file
+                pending = len(decoder.getstate()[0])  # bytes of a sequence the previous chunk began
+                try:
+                    decoder.decode(chunk or b"", final=chunk is None)
+                except UnicodeDecodeError as err:
+                    at = offset - pending + err.start
+                    return path, f"byte 0x{err.object[err.start]:02x} at offset {at}: {err.reason}"
+                offset += len(chunk or b"")
+    return None
 
 
 def load_shakespeare(*, cache_dir: str | Path, paths: None = None) -> Dataset:

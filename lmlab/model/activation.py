@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.registry import option_params
+from lmlab.registry import NonNegativeFloat, option_params
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
-def squareplus(x: torch.Tensor, *, b: float = 4.0) -> torch.Tensor:
+def squareplus(x: torch.Tensor, *, b: NonNegativeFloat = 4.0) -> torch.Tensor:
     """Squareplus (Barron, 2021): (x + sqrt(x² + b)) / 2, a smooth ReLU with no exp; b → 0 gives ReLU."""
     return 0.5 * (x + torch.sqrt(x * x + b))
 

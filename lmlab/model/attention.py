@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.registry import PositiveFloat
+
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
     from lmlab.model.position import Position
@@ -35,7 +37,7 @@ class MHA(nn.Module):
         return n_head
 
     def __init__(self, cfg: GPTConfig, *, qk_norm: bool = False, logn_scaling: bool = False,
-                 temperature: float = 1.0) -> None:
+                 temperature: PositiveFloat = 1.0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.train_len, self.logn_scaling = cfg.train_len, logn_scaling

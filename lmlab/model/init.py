@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from lmlab.registry import PositiveFloat
+
 
 def _linears_and_embeddings(model: nn.Module):
     """Each weight matrix once: a head tied to the embedding keeps the embedding's init."""
@@ -30,7 +32,7 @@ def _zero_biases(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def gpt2(model: nn.Module, *, std: float = 0.02) -> None:
+def gpt2(model: nn.Module, *, std: PositiveFloat = 0.02) -> None:
     """GPT-2 (Radford et al., 2019): N(0, std) everywhere, residual projections scaled by 1/sqrt(2L)."""
     n_layer = len(model.h)
     for module in _linears_and_embeddings(model):
@@ -59,7 +61,7 @@ def _xavier(weight: torch.Tensor, module: nn.Module, gain: float) -> None:
 
 
 @torch.no_grad()
-def xavier(model: nn.Module, *, gain: float = 1.0) -> None:
+def xavier(model: nn.Module, *, gain: PositiveFloat = 1.0) -> None:
     """Xavier/Glorot normal (Glorot & Bengio, 2010) for every matrix, the setting of Xiong et al. (2020).
 
     Embeddings get N(0, d^-1/2): unit-norm token vectors, like Xavier on a (V, d) matrix read one row at a time.

@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.registry import Fraction, NonNegativeFloat
+
 
 class LayerNorm(nn.Module):
     """LayerNorm (Ba et al., 2016): (x - mean) / sqrt(var + eps) * w + b over the feature dim."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, affine: bool = True, bias: bool = True) -> None:
+    def __init__(self, dim: int, *, eps: NonNegativeFloat = 1e-5, affine: bool = True, bias: bool = True) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
@@ -31,7 +33,7 @@ class RMSNorm(nn.Module):
     the forwards are equal). Elsewhere (no grad, CUDA's fused kernel, torch.compile) `F.rms_norm`.
     """
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, affine: bool = True) -> None:
+    def __init__(self, dim: int, *, eps: NonNegativeFloat = 1e-6, affine: bool = True) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
@@ -73,7 +75,7 @@ class _RMSNormFn(torch.autograd.Function):
 class ScaleNorm(nn.Module):
     """ScaleNorm (Nguyen & Salazar, 2019): g * x / max(‖x‖, eps), one learned scalar g initialised to sqrt(dim)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, affine: bool = True) -> None:
+    def __init__(self, dim: int, *, eps: NonNegativeFloat = 1e-5, affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
         g = torch.tensor(float(dim) ** 0.5)
@@ -95,7 +97,8 @@ class BatchNorm(nn.Module):
     statistics and is causal again, so train and eval behave differently.
     """
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, affine: bool = True, momentum: float = 0.1) -> None:
+    def __init__(self, dim: int, *, eps: NonNegativeFloat = 1e-5, affine: bool = True, momentum: Fraction = 0.1
+                 ) -> None:
         super().__init__()
         self.bn = nn.BatchNorm1d(dim, eps=eps, affine=affine, momentum=momentum)
 

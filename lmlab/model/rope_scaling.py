@@ -21,12 +21,14 @@ llama3 blends can differ in the last ulp), so "scaling that does not scale" is t
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor
 
-from lmlab.registry import option_params
+from lmlab.registry import PositiveFloat, PositiveInt, Range, option_params
+
+Factor = Annotated[float, Range(ge=1)]  # the scale s; below 1 would compress the trained range (see _check_factor)
 
 
 def rotary_dim(head_dim: int, rotary_pct: float = 1.0) -> int:
@@ -140,8 +142,8 @@ def none(dim: int, base: float, max_seq_len: int, seq_len: int) -> tuple[Tensor,
 
 
 def linear(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float | None = None,
-    original_max_len: int | None = None,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
+    original_max_len: PositiveInt | None = None,
 ) -> tuple[Tensor, float]:
     """Position Interpolation (Chen et al., 2023): every frequency / s, i.e. positions squeezed into the trained
     range. Dividing inv_freq is the same as dividing positions, since the angle is their product."""
@@ -149,8 +151,8 @@ def linear(
 
 
 def ntk(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float | None = None,
-    original_max_len: int | None = None,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
+    original_max_len: PositiveInt | None = None,
 ) -> tuple[Tensor, float]:
     """Static NTK-aware scaling (bloc97, 2023): base' = base · s^(d/(d−2)). The highest frequency is unchanged
     (extrapolate what is resolved), the lowest is divided by exactly s (interpolate what never turned fully)."""
@@ -158,7 +160,8 @@ def ntk(
 
 
 def dynamic_ntk(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float = 1.0, original_max_len: int | None = None
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor = 1.0,
+    original_max_len: PositiveInt | None = None,
 ) -> tuple[Tensor, float]:
     """Dynamic NTK (bloc97/emozilla 2023; HF `dynamic`): base' = base · (factor·n/L − (factor−1))^(d/(d−2)) with
     n = max(seq_len, L). Short inputs keep the trained frequencies exactly; longer ones stretch only as far as
@@ -175,8 +178,9 @@ dynamic_ntk.dynamic = True
 
 
 def ntk_by_parts(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float | None = None,
-    original_max_len: int | None = None, beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
+    original_max_len: PositiveInt | None = None, beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0,
+    truncate: bool = True,
 ) -> tuple[Tensor, float]:
     """NTK-by-parts (bloc97 2023; YaRN paper §3.2, Peng et al. 2023, arXiv 2309.00071): YaRN's frequencies without
     its attention temperature, to separate the two effects in ablations."""
@@ -186,9 +190,9 @@ def ntk_by_parts(
 
 
 def yarn(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float | None = None,
-    original_max_len: int | None = None, beta_fast: float = 32.0, beta_slow: float = 1.0,
-    attention_factor: float | None = None, mscale: float | None = None, mscale_all_dim: float | None = None,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
+    original_max_len: PositiveInt | None = None, beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0,
+    attention_factor: PositiveFloat | None = None, mscale: float | None = None, mscale_all_dim: float | None = None,
     truncate: bool = True,
 ) -> tuple[Tensor, float]:
     """YaRN (Peng et al., 2023, arXiv 2309.00071): NTK-by-parts frequencies plus cos/sin scaled by 0.1 ln s + 1,
@@ -200,8 +204,9 @@ def yarn(
 
 
 def dynamic_yarn(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, original_max_len: int | None = None,
-    beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float | None = None, mscale_all_dim: float | None = None,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, original_max_len: PositiveInt | None = None,
+    beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0, mscale: float | None = None,
+    mscale_all_dim: float | None = None,
     truncate: bool = True,
 ) -> tuple[Tensor, float]:
     """Dynamic-YaRN (Peng et al., 2023, arXiv 2309.00071 §3.3): YaRN with s = max(1, seq_len / L) per forward, so
@@ -216,8 +221,9 @@ dynamic_yarn.dynamic = True
 
 
 def llama3(
-    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: float | None = None,
-    original_max_len: int | None = None, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
+    original_max_len: PositiveInt | None = None, low_freq_factor: PositiveFloat = 1.0,
+    high_freq_factor: PositiveFloat = 4.0,
 ) -> tuple[Tensor, float]:
     """Llama 3.1 scaling (Meta, 2024): by wavelength λ = 2π/θ_j, pairs with λ < L/high_freq_factor are unchanged,
     λ > L/low_freq_factor divided by s, and a smooth blend in L/λ between: YaRN's idea with wavelength bands."""

@@ -1,0 +1,144 @@
+"""Interruption: SIGINT, SIGTERM and SIGUSR1 end the current step, save a checkpoint at that boundary, write
+`interrupted` and exit non-zero; resuming gives exactly the uninterrupted run's metrics.csv, every row and column."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lmlab import compose
+from lmlab.training import train
+from tests.runs import ROOT, cli, tiny
+
+
+class _Signal(Callback):
+    """Sends a real signal to this process when step `at` starts (the handler sees it mid-step)."""
+
+    def __init__(self, signum: int, at: int) -> None:
+        self.signum, self.at = signum, at
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.fixture(scope="module")
+def straight(corpus: Path, tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("straight")
+    train(compose(tiny(corpus, base / "cache")), base / "run")
+    return base / "run", base / "cache"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_signal_at_a_random_step_then_resume_gives_the_same_metrics(straight, corpus, tmp_path, signum) -> None:
+    run_straight, cache = straight
+    at = random.SystemRandom().randint(1, 28)  # seed_everything has seeded `random`
+    run = tmp_path / "run"
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    summary = train(compose(tiny(corpus, cache)), run, callbacks=[_Signal(signum, at)])
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
+    assert summary["status"] == "interrupted" and summary["signal"] == signum
+    assert summary["steps"] == at + 1, at  # the step the signal came in was finished, then the run stopped
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk["status"] == "interrupted" and on_disk["steps"] == at + 1
+    summary = train(compose(tiny(corpus, cache)), run)  # resume=auto
+    assert summary["status"] == "completed" and summary["steps"] == 30
+    assert (run / "metrics.csv").read_text() == (run_straight / "metrics.csv").read_text(), f"signal at step {at}"
+    assert [a["status"] for a in summary["attempts"]] == ["interrupted", "completed"]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:  # noqa: D103
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (the kernel's SigCgt mask): lmlab's is installed."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child: bool = False
+                   ) -> subprocess.CompletedProcess:
+    """Start train.py, send `signum` a random moment after training starts (to rank 1 with to_child), wait."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(run / ".hydra" / "config.yaml", proc)  # written once every check has passed, before fit
+        target = proc.pid
+        if to_child:
+            deadline = time.time() + 120
+            while not (_children(proc.pid) and _catches(_children(proc.pid)[0], signum)):  # rank 1 is in train()
+                assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+                time.sleep(0.02)
+            target = _children(proc.pid)[0]
+        time.sleep(random.uniform(1.0, 3.0) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
+        os.kill(target, signum)
+        out, err = proc.communicate(timeout=300)  # no hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_sigterm_to_train_py_exits_non_zero_and_resumes_exactly(corpus: Path, tmp_path: Path) -> None:
+    args = tiny(corpus, tmp_path / "cache", "trainer.max_steps=600", "trainer.val_check_interval=200",
+                "monitor.every_n_steps=50", "monitor.attn_every_n_steps=100")
+    straight = tmp_path / "straight"
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={straight}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "run"
+    res = _interrupt_cli(args, run, tmp_path, signal.SIGTERM)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted", res.stderr[-3000:]
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    assert 0 < summary["steps"] < 600
+    assert f"hydra.run.dir={run}" in res.stdout  # the one line that says how to continue
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / "metrics.csv").read_text() == (straight / "metrics.csv").read_text(), summary["steps"]
+
+
+def test_a_signal_to_one_ddp_rank_stops_both_without_a_hang(corpus: Path, tmp_path: Path) -> None:
+    """2 CPU ranks (gloo): SIGTERM to rank 1 only; both stop after the same step, the collective save completes,
+    rank 0 exits non-zero, and the resumed run's metrics equal the uninterrupted 2-rank run's."""
+    args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "data.batch"))]
+    args += ["trainer.max_steps=400", "trainer.val_check_interval=100", "data.batch_size=4", "monitor.every_n_steps=50",
+             "monitor.attn_every_n_steps=100", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+    straight = tmp_path / "straight"
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={straight}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "run"
+    res = _interrupt_cli(args, run, tmp_path, signal.SIGTERM, to_child=True)
+    assert (run / "summary.json").exists(), (res.returncode, res.stdout[-2000:], res.stderr[-3000:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["world_size"] == 2, res.stderr[-3000:]
+    assert res.returncode == 128 + signal.SIGTERM and 0 < summary["steps"] < 400, res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / "metrics.csv").read_text() == (straight / "metrics.csv").read_text(), summary["steps"]
