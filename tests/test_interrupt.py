@@ -20,6 +20,15 @@ from lmlab.training import train
 from tests.runs import ROOT, cli, tiny
 
 
+def figures(run: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows as text, every column but `perf/` (wall-clock speed and memory: the machine's figures,
+    which differ between any two runs)."""
+    import csv
+
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in csv.DictReader(f)]
+
+
 class _Signal(Callback):
     """Sends a real signal to this process when step `at` starts (the handler sees it mid-step)."""
 
@@ -52,7 +61,7 @@ def test_a_signal_at_a_random_step_then_resume_gives_the_same_metrics(straight, 
     assert on_disk["status"] == "interrupted" and on_disk["steps"] == at + 1
     summary = train(compose(tiny(corpus, cache)), run)  # resume=auto
     assert summary["status"] == "completed" and summary["steps"] == 30
-    assert (run / "metrics.csv").read_text() == (run_straight / "metrics.csv").read_text(), f"signal at step {at}"
+    assert figures(run) == figures(run_straight), f"signal at step {at}"
     assert [a["status"] for a in summary["attempts"]] == ["interrupted", "completed"]
 
 
@@ -121,7 +130,7 @@ def test_sigterm_to_train_py_exits_non_zero_and_resumes_exactly(corpus: Path, tm
     assert f"hydra.run.dir={run}" in res.stdout  # the one line that says how to continue
     res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert (run / "metrics.csv").read_text() == (straight / "metrics.csv").read_text(), summary["steps"]
+    assert figures(run) == figures(straight), summary["steps"]
 
 
 def test_a_signal_to_one_ddp_rank_stops_both_without_a_hang(corpus: Path, tmp_path: Path) -> None:
@@ -141,4 +150,50 @@ def test_a_signal_to_one_ddp_rank_stops_both_without_a_hang(corpus: Path, tmp_pa
     assert res.returncode == 128 + signal.SIGTERM and 0 < summary["steps"] < 400, res.stderr[-3000:]
     res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert (run / "metrics.csv").read_text() == (straight / "metrics.csv").read_text(), summary["steps"]
+    assert figures(run) == figures(straight), summary["steps"]
+
+
+def _slurm_env(monkeypatch, tmp_path: Path) -> Path:
+    """A SLURM batch job's environment, with a stand-in `scontrol` that records how it was called (there is no
+    cluster here; the command line is what lmlab controls)."""
+    calls = tmp_path / "scontrol_calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "lmlab", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+                       "SLURM_NTASKS_PER_NODE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    return calls
+
+
+def test_sigusr1_under_slurm_saves_once_and_requeues(straight, corpus, tmp_path, monkeypatch) -> None:
+    """SLURM's warning before the time limit: lmlab saves its checkpoint at the step boundary and requeues the job
+    itself (Lightning's own handler, which would write a second, hpc_ckpt_N.ckpt, is kept out); the requeued job
+    (same arguments, resume=auto) continues to the uninterrupted run's metrics."""
+    run_straight, cache = straight
+    calls = _slurm_env(monkeypatch, tmp_path)
+    run = tmp_path / "run"
+    summary = train(compose(tiny(corpus, cache)), run, callbacks=[_Signal(signal.SIGUSR1, 12)])
+    assert summary["status"] == "interrupted" and summary["steps"] == 13
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert not list(run.rglob("hpc_ckpt_*.ckpt"))
+    summary = train(compose(tiny(corpus, cache)), run)  # the requeued job
+    assert summary["status"] == "completed"
+    assert figures(run) == figures(run_straight)
+
+
+def test_resume_takes_the_newest_checkpoint_lightnings_hpc_one_included(corpus, tmp_path) -> None:
+    cache = tmp_path / "cache"
+    ahead = tmp_path / "ahead"
+    train(compose(tiny(corpus, cache, "trainer.max_steps=20")), ahead)
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, cache, "trainer.max_steps=10")), run)
+    hpc = run / "hpc_ckpt_1.ckpt"  # where Lightning's SLURM handler saves (default_root_dir)
+    hpc.write_bytes((ahead / "checkpoints" / "last.ckpt").read_bytes())
+    later = (run / "checkpoints" / "last.ckpt").stat().st_mtime + 10
+    os.utime(hpc, (later, later))
+    summary = train(compose(tiny(corpus, cache, "trainer.max_steps=30")), run)
+    assert summary["steps"] == 30 and summary["attempts"][-1]["from_step"] == 20
