@@ -1,0 +1,1 @@
+"""Interop with other tools: Hugging Face transformers (hf), lm-eval."""

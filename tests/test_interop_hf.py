@@ -1,0 +1,181 @@
+"""Hugging Face interop: from_hf and to_hf give the transformers model's logits (fp32, tight tolerance) for Llama-like
+and GPT-2-like configs — GQA or not, tied or untied, every rope_scaling transformers represents, positions past the
+original context — round-trip, and an exported run reloads with AutoModelForCausalLM / AutoTokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from lmlab import compose  # noqa: E402
+from lmlab.config import GPTConfig  # noqa: E402
+from lmlab.interop.hf import NotRepresentable, family, from_hf, lmlab_config, to_hf  # noqa: E402
+from lmlab.model.gpt import GPT  # noqa: E402
+from lmlab.training import train  # noqa: E402
+from tests.runs import ROOT, cli, tiny  # noqa: E402
+
+V, ORIGINAL = 61, 16
+LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, attention_dropout=0.0)
+# name -> (kv heads, tied, bias, rope_parameters, max_position_embeddings, tokens evaluated)
+LLAMA_CASES = {
+    "mha_tied": (4, True, False, {"rope_type": "default", "rope_theta": 10000.0}, ORIGINAL, ORIGINAL),
+    "gqa_untied": (2, False, False, {"rope_type": "default", "rope_theta": 500000.0}, ORIGINAL, ORIGINAL),
+    "mqa_bias": (1, True, True, {"rope_type": "default", "rope_theta": 10000.0}, ORIGINAL, ORIGINAL),
+    "linear": (2, True, False, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, 4 * ORIGINAL,
+               4 * ORIGINAL),
+    "dynamic": (2, False, False, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, ORIGINAL,
+                3 * ORIGINAL),
+    "yarn": (4, True, False, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": ORIGINAL}, 4 * ORIGINAL, 4 * ORIGINAL),
+    "yarn_tuned": (2, False, False, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 3.0, "beta_fast": 16.0,
+                                     "beta_slow": 2.0, "attention_factor": 1.2,
+                                     "original_max_position_embeddings": ORIGINAL}, 3 * ORIGINAL, 3 * ORIGINAL),
+    "llama3": (2, True, False, {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+               4 * ORIGINAL, 4 * ORIGINAL),
+}
+GPT2 = dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+GPT2_CASES = {"gelu_new_tied": ("gelu_new", True, None), "gelu_untied": ("gelu", False, 80),
+              "relu_inner": ("relu", True, 64)}
+
+
+def _logits(model, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(idx)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def _tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_llama(case: str):
+    kv, tied, bias, rope, max_pos, _ = LLAMA_CASES[case]
+    config = transformers.LlamaConfig(**{**LLAMA, "max_position_embeddings": max_pos}, num_key_value_heads=kv,
+                                      tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias,
+                                      rope_parameters=dict(rope))
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms at 1 would hide a gain mapped to the wrong place
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
+def test_from_hf_llama_gives_the_same_logits(case: str) -> None:
+    hf = _hf_llama(case)
+    ours = from_hf(hf)
+    idx = _tokens(LLAMA_CASES[case][5])  # past the original context for the scaled variants
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+    back = to_hf(ours)  # and the round trip
+    torch.testing.assert_close(_logits(back, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+    ours_rope = back.config.rope_parameters  # the original's keys, with transformers' defaults filled in
+    assert {k: ours_rope.get(k) for k in hf.config.rope_parameters} == hf.config.rope_parameters
+
+
+@pytest.mark.parametrize("case", sorted(GPT2_CASES))
+def test_from_hf_gpt2_gives_the_same_logits(case: str) -> None:
+    act, tied, inner = GPT2_CASES[case]
+    torch.manual_seed(2)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2, activation_function=act, n_inner=inner,
+                                                              tie_word_embeddings=tied)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln" in name:
+                p.uniform_(0.5, 1.5)
+    ours = from_hf(hf)
+    idx = _tokens(32)
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(to_hf(ours), idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+
+
+LMLAB_CASES = {
+    "llama_swiglu_gqa": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"}, position={"name": "rope"},
+                             attention={"name": "gqa"}, n_kv_head=2, tie_embeddings=False),
+    "llama_geglu_yarn": dict(norm={"name": "rms"}, ffn={"name": "geglu"}, position={"name": "rope", "theta": 5e5},
+                             rope_scaling={"name": "yarn", "factor": 2.0}, max_seq_len=32, train_len=16),
+    "llama_ntk_by_parts": dict(norm={"name": "rms"}, ffn={"name": "glu"}, activation={"name": "silu"},
+                               position={"name": "rope"}, rope_scaling={"name": "ntk_by_parts", "factor": 2.0},
+                               max_seq_len=32, train_len=16),
+    "gpt2_no_bias": dict(norm={"name": "layer", "bias": False}, position={"name": "learned"}, bias=False),
+    "gpt2_bias": dict(norm={"name": "layer"}, position={"name": "learned"}, activation={"name": "gelu_tanh"},
+                      bias=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LMLAB_CASES))
+def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
+    kw = {"vocab_size": V, "n_layer": 2, "d_model": 32, "n_head": 4, "max_seq_len": 16, **LMLAB_CASES[case]}
+    torch.manual_seed(3)
+    ours = GPT(GPTConfig(**kw).validate()).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "ln" in name:
+                p.uniform_(0.5, 1.5)
+    hf = to_hf(ours)
+    idx = _tokens(ours.cfg.max_seq_len)
+    torch.testing.assert_close(_logits(hf, idx), _logits(ours, idx), rtol=1e-5, atol=1e-5)
+    back = from_hf(hf)
+    torch.testing.assert_close(_logits(back, idx), _logits(ours, idx), rtol=1e-5, atol=1e-5)
+    assert family(back.cfg) == family(ours.cfg)
+    for key in ("n_layer", "d_model", "n_head", "max_seq_len", "train_len", "tie_embeddings", "vocab_size"):
+        assert getattr(back.cfg, key) == getattr(ours.cfg, key), key
+    assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
+    assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
+
+
+@pytest.mark.parametrize("override,axis", [
+    ({"placement": {"name": "post"}}, "placement='post'"),
+    ({"placement": {"name": "deepnorm"}}, "placement='deepnorm'"),
+    ({"activation": {"name": "squareplus"}}, "activation='squareplus'"),
+    ({"position": {"name": "alibi"}}, "position='alibi'"),
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "rope_scaling": {"name": "ntk", "factor": 2.0}}, "rope_scaling='ntk'"),
+    ({"attention": {"name": "mha", "qk_norm": True}}, "attention.qk_norm=True"),
+    ({"norm": {"name": "scale"}}, "norm='scale'"),
+    ({"ffn": {"name": "swiglu"}}, "ffn='swiglu'"),  # learned positions: GPT-2, whose FFN is an MLP
+])
+def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
+    kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,
+          "norm": {"name": "layer"}, "position": {"name": "learned"}, **override}
+    model = GPT(GPTConfig(**kw).validate())
+    with pytest.raises(NotRepresentable, match=f"^{axis.replace('(', '[(]')}"):
+        to_hf(model)
+
+
+def test_an_unrepresentable_hf_config_is_refused() -> None:
+    config = transformers.LlamaConfig(**LLAMA, num_key_value_heads=4, attention_bias=True, mlp_bias=False)
+    with pytest.raises(NotRepresentable, match="attention_bias=True with mlp_bias=False"):
+        lmlab_config(config)
+
+
+def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path) -> None:
+    """The default architecture (GPT-2-like: learned positions, LayerNorm, GELU MLP, no linear biases) trained a
+    few steps, exported by eval.py, reloaded by transformers' Auto classes: same tokens, same logits."""
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=3", "trainer.val_check_interval=3")), run)
+    out = tmp_path / "hf"
+    res = cli(str(ROOT / "eval.py"), f"run={run}", "export=hf", f"out={out}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    from tokenizers import Tokenizer
+
+    text = "The king shall speak.\nThou lord"  # corpus characters (others are <unk>), within the 32 positions
+    ids = Tokenizer.from_file(str(run / "tokenizer.json")).encode(text).ids
+    assert tok(text)["input_ids"] == ids and tok.decode(ids) == text
+    from lmlab.interop.hf import load_model
+
+    idx = torch.tensor([ids])
+    torch.testing.assert_close(_logits(hf, idx), _logits(load_model(run), idx), rtol=1e-5, atol=1e-5)
