@@ -20,13 +20,13 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 class Sub(nn.Module):
-    """A stand-in sublayer computing a known function; the attention one accepts (x, pos)."""
+    """A stand-in sublayer computing a known function; the attention one accepts (x, pos, cache)."""
 
     def __init__(self, fn) -> None:
         super().__init__()
         self.fn = fn
 
-    def forward(self, x: torch.Tensor, pos=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos=None, cache=None) -> torch.Tensor:
         return self.fn(x)
 
 

@@ -1,7 +1,8 @@
 """Causal self-attention and its key/value-head sharing options.
 
-Contract: `Attention(cfg, *, qk_norm, logn_scaling, temperature)`; `forward(x, pos)` maps (B, T, C) -> (B, T, C),
-where `pos` is the model's Position (its `rotate` and `attn_bias` hooks). The options differ only in how
+Contract: `Attention(cfg, *, qk_norm, logn_scaling, temperature)`; `forward(x, pos, cache=None)` maps (B, T, C) ->
+(B, T, C), where `pos` is the model's Position (its `rotate` and `attn_bias` hooks) and `cache` this layer's
+`LayerCache` when generating (the keys and values of the tokens before these T). The options differ only in how
 many key/value heads they keep (`kv_heads`), which `GPTConfig` resolves once.
 """
 
@@ -18,6 +19,7 @@ from lmlab.registry import PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.cache import LayerCache
     from lmlab.model.position import Position
 
 
@@ -51,8 +53,9 @@ class MHA(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
 
-    def qkv(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project and position-encode; q (B, nh, T, hs), k and v (B, nkv, T, hs)."""
+    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project and position-encode tokens at positions offset..offset+T-1; q (B, nh, T, hs), k and v (B, nkv, T,
+        hs)."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -61,19 +64,25 @@ class MHA(nn.Module):
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.head_dim,), self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
-        q, k = pos.rotate(q, k)
-        if self.logn_scaling and T > self.train_len:
-            n = torch.arange(1, T + 1, device=x.device, dtype=torch.float32)
+        q, k = pos.rotate(q, k, offset)
+        if self.logn_scaling and offset + T > self.train_len:
+            n = torch.arange(offset + 1, offset + T + 1, device=x.device, dtype=torch.float32)
             q = q * (n.log() / math.log(self.train_len)).clamp_min(1.0).to(q.dtype)[:, None]  # (T, 1)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x, pos)
-        bias = pos.attn_bias(T, x.device, q.dtype)  # (nh, T, T) with -inf above the diagonal, or None
+        offset = 0 if cache is None else cache.offset
+        q, k, v = self.qkv(x, pos, offset)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, nkv, offset + T, hs): every token so far
+        bias = pos.attn_bias(T, x.device, q.dtype, offset)  # (nh, T, offset + T), -inf where j > i, or None
+        if bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
+            bias = torch.ones(T, offset + T, dtype=torch.bool, device=x.device).tril(offset)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, is_causal=bias is None, dropout_p=self.dropout if self.training else 0.0,
-            scale=self.scale, enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hs)
+            q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+            enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def probs(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
 from lmlab.loss import cross_entropy, linear_cross_entropy
+from lmlab.model.cache import KVCache
 from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.placement import PLACEMENTS
@@ -37,15 +38,26 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+                ) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab); given targets (B, T), the mean token cross-entropy instead
-        (fp32; with `chunked_loss` the logits are never held whole)."""
-        x = self.drop(self.pos.embed(self.wte(idx)))  # (B, T, C)
+        (fp32; with `chunked_loss` the logits are never held whole). With a `cache` (generation), the tokens
+        continue the cached ones and their keys and values are added to it."""
+        offset = 0
+        if cache is not None:
+            cache.start()
+            offset = cache.length
+        x = self.drop(self.pos.embed(self.wte(idx), offset))  # (B, T, C)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.h:
+        for i, block in enumerate(self.h):
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
             # dropout draws the same mask): L saved inputs instead of every block's intermediates.
-            x = checkpoint(block, x, self.pos, use_reentrant=False) if recompute else block(x, self.pos)
+            if recompute:
+                x = checkpoint(block, x, self.pos, use_reentrant=False)
+            else:
+                x = block(x, self.pos, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.length += idx.size(1)
         h = self.ln_f(x)
         if targets is None:
             return self.lm_head(h)

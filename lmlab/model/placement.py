@@ -1,6 +1,7 @@
 """Where the norms sit in a block (the residual wiring).
 
-Contract: a `Block(cfg, layer_idx)` subclass with its own `forward(x, pos)`. Each placement says on itself
+Contract: a `Block(cfg, layer_idx)` subclass with its own `forward(x, pos, cache=None)` (`cache`: the layer's KV
+cache when generating, handed to attention). Each placement says on itself
 whether the model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init
 applies to its value/output/FFN weights (`init_gain`). N = norm, F = attention or FFN sublayer.
 """
@@ -19,6 +20,7 @@ from lmlab.registry import build
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.cache import LayerCache
     from lmlab.model.position import Position
 
 
@@ -47,8 +49,8 @@ class Block(nn.Module):
 class PreNorm(Block):
     """Pre-LN (Xiong et al., 2020; GPT-2): x + F(N(x)). Gradients reach every layer through the identity path."""
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), pos))
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), pos, cache))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -57,8 +59,8 @@ class PostNorm(Block):
 
     final_norm = False
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
-        x = self.ln_1(x + self.drop(self.attn(x, pos)))
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        x = self.ln_1(x + self.drop(self.attn(x, pos, cache)))
         return self.ln_2(x + self.drop(self.mlp(x)))
 
 
@@ -67,8 +69,8 @@ class DoubleNorm(Block):
 
     post_norms = True
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
-        x = x + self.drop(self.ln_1_post(self.attn(self.ln_1(x), pos)))
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.ln_1_post(self.attn(self.ln_1(x), pos, cache)))
         return x + self.drop(self.ln_2_post(self.mlp(self.ln_2(x))))
 
 
@@ -76,8 +78,8 @@ class PostNormNonResidual(Block):
     """Post-norm on the branch only: x + N(F(x)) (the 'non-residual post-norm' of the source notes; Swin v2's
     res-post-norm). The identity path stays unnormalised, so the stream grows and a final norm is needed."""
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
-        x = x + self.drop(self.ln_1(self.attn(x, pos)))
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.ln_1(self.attn(x, pos, cache)))
         return x + self.drop(self.ln_2(self.mlp(x)))
 
 
@@ -95,8 +97,8 @@ class DeepNorm(Block):
     def init_gain(n_layer: int) -> float:
         return (8 * n_layer) ** -0.25
 
-    def forward(self, x: torch.Tensor, pos: Position) -> torch.Tensor:
-        x = self.ln_1(self.alpha * x + self.drop(self.attn(x, pos)))
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        x = self.ln_1(self.alpha * x + self.drop(self.attn(x, pos, cache)))
         return self.ln_2(self.alpha * x + self.drop(self.mlp(x)))
 
 

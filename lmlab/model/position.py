@@ -2,9 +2,12 @@
 
 Contract: `Position(dim, head_dim, n_head, max_seq_len, train_len, scaling, *, <own params>)` with three
 hooks, each a no-op unless the scheme overrides it, so `gpt.py` never asks which scheme it has:
-- `embed(x)`: add absolute position information to the token embeddings, x (B, T, C);
-- `rotate(q, k)`: rotate queries and keys, (B, nh, T, hs) each;
-- `attn_bias(T, device, dtype)`: an additive (nh, T, T) bias on the attention logits, or None.
+- `embed(x, offset=0)`: add absolute position information to the token embeddings, x (B, T, C);
+- `rotate(q, k, offset=0)`: rotate queries and keys, (B, nh, T, hs) each;
+- `attn_bias(T, device, dtype, offset=0)`: an additive (nh, T, offset + T) bias on the attention logits, or None.
+`offset` is the position of the first of the T tokens: 0 for a whole text, the number of tokens already in the
+KV cache when generating. `cache_key(length)` says when cached keys go stale: it changes with the text's length
+only for schemes whose frequencies do (dynamic RoPE scalings), and a cache built under another key is rebuilt.
 `extrapolates` says whether the scheme can run past the length it was trained at without a scaling method.
 `scaling` is the `rope_scaling` config; only RoPE accepts anything but `none`.
 """
@@ -32,13 +35,16 @@ class Position(nn.Module):
         super().__init__()
         self.max_seq_len, self.train_len = max_seq_len, train_len
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
-    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
+        return None
+
+    def cache_key(self, length: int) -> object:
         return None
 
     @classmethod
@@ -72,8 +78,8 @@ class Sinusoidal(Position):
         pe[:, 1::2] = torch.cos(t * inv[: self.dim // 2])
         return pe
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.table(x.size(1), x.device).to(x.dtype)
+    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return x + self.table(offset + x.size(1), x.device)[offset:].to(x.dtype)
 
 
 class Learned(Position):
@@ -87,14 +93,14 @@ class Learned(Position):
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.wpe = nn.Embedding(max_seq_len, dim)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.size(1)
+    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        T = offset + x.size(1)
         if T > self.wpe.num_embeddings:
             raise ValueError(
                 f"position=learned has a table of {self.wpe.num_embeddings} positions (model.max_seq_len); it cannot "
                 f"embed a sequence of {T}. Use a scheme that extrapolates (position=rope|alibi|none) for longer inputs."
             )
-        return x + self.wpe.weight[:T]
+        return x + self.wpe.weight[offset:T]
 
 
 class RoPE(Position):
@@ -130,28 +136,47 @@ class RoPE(Position):
     def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self._tables(T, device, dtype)[:2]
 
+    def cache_key(self, length: int) -> object:
+        """Static frequencies never change; dynamic ones at a length where they differ from the last ones."""
+        if not self.dynamic:
+            return None
+        inv_freq, factor = self.frequencies(length)
+        return tuple(inv_freq.tolist()), factor
+
     def _tables(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(cos, sin, signed sin), each (T, d); signed sin = cat(−sin, sin) over the two halves, for `_rotate`."""
-        key = (T, device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
-        if key not in self._cache:
-            if self.dynamic:
-                inv_freq, factor = self.frequencies(T)
-            else:
-                inv_freq, factor = self.inv_freq, self.attention_factor
-            t = torch.arange(T, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, inv_freq.to(device))  # (T, d/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
-            cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
-            half = sin.size(-1) // 2
-            self._cache[key] = (cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
-        return self._cache[key]
+        """(cos, sin, signed sin), each (T, d), for the frequencies of a text of length T; signed sin = cat(−sin,
+        sin) over the two halves, for `_rotate`. Static tables are built once for the longest length asked and
+        sliced (the rows don't depend on T); dynamic ones are kept for the last few lengths."""
+        mode = (device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
+        if self.dynamic:
+            key = (T, *mode)
+            if key not in self._cache:
+                if len(self._cache) >= 8:  # generation asks for every length in turn
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[key] = self._build(T, *self.frequencies(T), device, dtype)
+            return self._cache[key]
+        tables = self._cache.get(mode)
+        if tables is None or tables[0].size(0) < T:
+            tables = self._cache[mode] = self._build(T, self.inv_freq, self.attention_factor, device, dtype)
+        return tuple(t[:T] for t in tables)
+
+    @staticmethod
+    def _build(T: int, inv_freq: torch.Tensor, factor: float, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, ...]:
+        t = torch.arange(T, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(device))  # (T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
+        cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+        half = sin.size(-1) // 2
+        return cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def _apply(self, fn, recurse: bool = True):  # a device/dtype move invalidates the cached tables
         self._cache = {}
         return super()._apply(fn, recurse)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, _, signed_sin = self._tables(q.size(-2), q.device, q.dtype)  # (T, d)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, _, signed_sin = self._tables(offset + q.size(-2), q.device, q.dtype)  # (offset + T, d)
+        cos, signed_sin = cos[offset:], signed_sin[offset:]  # (T, d): the rows of these tokens' positions
         return _rotate(q, cos, signed_sin, self.rot_dim), _rotate(k, cos, signed_sin, self.rot_dim)
 
 
@@ -191,12 +216,12 @@ class ALiBi(Position):
         # CPU at T=4096, nh=4: 613 MB peak for attn_bias, estimate 592 MB; SDPA 579 MB more, estimate 536 MB).
         return T * T * (5 + 8 * n_head) + 8 * batch * n_head * T * T
 
-    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.arange(T, device=device)
-        dist = (t[None, :] - t[:, None]).to(torch.float32)  # (T, T): j - i, <= 0 in the causal part
-        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        bias = self.slopes.to(device)[:, None, None] * dist  # (nh, T, T)
-        return bias.masked_fill(~causal, float("-inf")).to(dtype)
+    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        i = torch.arange(offset, offset + T, device=device)  # the queries' positions
+        j = torch.arange(offset + T, device=device)  # the keys': every token so far
+        dist = (j[None, :] - i[:, None]).to(torch.float32)  # (T, offset + T): j - i, <= 0 in the causal part
+        bias = self.slopes.to(device)[:, None, None] * dist  # (nh, T, offset + T)
+        return bias.masked_fill(dist > 0, float("-inf")).to(dtype)
 
 
 POSITIONS = {"none": NoPE, "sinusoidal": Sinusoidal, "learned": Learned, "rope": RoPE, "alibi": ALiBi}

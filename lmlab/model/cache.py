@@ -1,0 +1,39 @@
+"""The KV cache: keys and values of the tokens a model has already read, so each generated token costs one
+position's forward instead of the whole text's.
+
+`GPT.forward(idx, cache=cache)` reads the T new tokens as positions `cache.length` .. `cache.length + T - 1` and
+appends their keys and values (after the position scheme's rotation). Keys are only valid under the frequencies
+they were rotated with: `key` records the position scheme's `cache_key` at the length the cache was built for, and
+`lmlab.generate` rebuilds the cache when it changes (dynamic RoPE scalings past the trained length), so cached
+generation gives the logits of a full forward over the growing text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One layer's keys and values, (B, nkv, length, hs) each; `offset`: where this forward's tokens start."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.offset = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=-2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=-2)
+        return self.k, self.v
+
+
+class KVCache:
+    def __init__(self, n_layer: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layer)]
+        self.length = 0  # tokens read so far
+        self.key: object = None  # the position scheme's cache_key the keys were rotated under
+
+    def start(self) -> None:
+        """Before a forward: its tokens start where the cached ones end."""
+        for layer in self.layers:
+            layer.offset = self.length

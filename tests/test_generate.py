@@ -1,0 +1,122 @@
+"""Generation: the KV cache gives, token by token, the logits of a full forward over the growing text (greedy, every
+position scheme and RoPE scaling, dynamic ones past the trained length included); sampling rules; the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmlab import compose
+from lmlab.config import GPTConfig
+from lmlab.generate import generate, sample
+from lmlab.model.cache import KVCache
+from lmlab.model.gpt import GPT
+from lmlab.model.position import POSITIONS
+from lmlab.model.rope_scaling import ROPE_SCALINGS
+from lmlab.training import train
+from tests.runs import ROOT, cli, tiny
+
+V, PROMPT, NEW = 40, 5, 19  # the text grows from 5 to 24 tokens
+
+
+def _model(**kw) -> GPT:
+    base = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=24, norm={"name": "rms"})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**base, **kw}).validate()).eval()
+    with torch.no_grad():  # sharp, position-dependent attention: at init it is nearly uniform and hides mistakes
+        for block in model.h:
+            block.attn.c_attn.weight.mul_(10)
+    return model
+
+
+def _greedy_logits(model: GPT, use_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, V, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    seen: list[torch.Tensor] = []
+    out = generate(model, idx, NEW, temperature=0, on_token=lambda t, logits: seen.append(logits),
+                   use_cache=use_cache)
+    return out, torch.stack(seen, dim=1)  # (B, NEW, V)
+
+
+CASES = {f"position={p}": {"position": {"name": p}} for p in POSITIONS}
+CASES |= {f"rope_scaling={s}": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": s}}
+          for s in ROPE_SCALINGS if s != "none"}  # trained at 8: the text runs 3x past it
+CASES |= {
+    "gqa+qk_norm": {"position": {"name": "rope"}, "attention": {"name": "gqa", "qk_norm": True}, "n_kv_head": 2},
+    "mqa+logn_scaling": {"position": {"name": "rope"}, "train_len": 8,
+                         "attention": {"name": "mqa", "logn_scaling": True}},
+    "alibi+post": {"position": {"name": "alibi"}, "placement": {"name": "post"}},
+    "sinusoidal+deepnorm+swiglu": {"position": {"name": "sinusoidal"}, "placement": {"name": "deepnorm"},
+                                   "ffn": {"name": "swiglu"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kv_cache_gives_the_full_forward_logits(case: str) -> None:
+    model = _model(**CASES[case])
+    full_tokens, full = _greedy_logits(model, use_cache=False)
+    cached_tokens, cached = _greedy_logits(model, use_cache=True)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached_tokens, full_tokens)
+
+
+def test_the_reference_is_a_full_forward() -> None:
+    """use_cache=False really is the full forward: its logits at each step are the last row of model(text)."""
+    model = _model(position={"name": "rope"}, train_len=8, rope_scaling={"name": "dynamic_ntk"})
+    tokens, logits = _greedy_logits(model, use_cache=False)
+    for step in (0, 7, NEW - 1):
+        with torch.no_grad():
+            last = model(tokens[:, : PROMPT + step])[:, -1]
+        torch.testing.assert_close(logits[:, step], last, rtol=0, atol=0)
+
+
+def test_a_dynamic_scaling_rebuilds_the_cache_only_past_the_trained_length() -> None:
+    model = _model(position={"name": "rope"}, train_len=8, rope_scaling={"name": "dynamic_ntk"})
+    keys = [model.pos.cache_key(n) for n in range(1, 13)]
+    assert len(set(keys[:8])) == 1 and len(set(keys[7:])) == 5  # lengths 1..8 share the trained frequencies
+    assert _model(position={"name": "rope"}).pos.cache_key(100) is None  # static: never stale
+
+
+def test_cached_keys_continue_where_the_prompt_ends() -> None:
+    model = _model(position={"name": "alibi"})
+    idx = torch.randint(0, V, (1, 10))
+    cache = KVCache(2)
+    with torch.no_grad():
+        a = model(idx[:, :6], cache=cache)
+        b = model(idx[:, 6:], cache=cache)  # 4 tokens at once after 6 cached: the causal mask must be offset
+        full = model(idx)
+    assert cache.length == 10 and cache.layers[0].k.shape[-2] == 10
+    torch.testing.assert_close(torch.cat((a, b), dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_rules() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 2.9, 1.0]])
+    assert sample(logits, temperature=0).tolist() == [0, 1]
+    g = torch.Generator().manual_seed(0)
+    assert all(sample(logits, top_k=1, generator=g).tolist() == [0, 1] for _ in range(20))
+    assert all(sample(logits, top_p=1e-6, generator=g).tolist() == [0, 1] for _ in range(20))
+    draws = torch.stack([sample(logits, top_k=2, generator=g) for _ in range(300)])
+    assert set(draws[:, 0].tolist()) == {0, 1} and set(draws[:, 1].tolist()) == {1, 2}
+    p = logits[1].softmax(-1)  # top_p=0.7 on row 1: 1 (0.47) then 2 (0.43) reach it; 3 and 0 are cut
+    assert p[1] < 0.7 < p[1] + p[2]
+    draws = torch.stack([sample(logits, top_p=0.7, generator=g) for _ in range(300)])
+    assert set(draws[:, 1].tolist()) == {1, 2}
+    a = sample(logits, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, sample(logits, generator=torch.Generator().manual_seed(5)))  # seeded: reproducible
+
+
+def test_generate_cli_streams_a_sample(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=60", "trainer.val_check_interval=60")), run)
+    res = cli(str(ROOT / "generate.py"), f"run={run}", "prompt=The king", "max_new_tokens=20", "seed=3", "n=2",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, _, second = res.stdout.partition("--- sample 2 ---")
+    assert first.startswith("The king") and len(first.strip()) == len("The king") + 20
+    assert second.strip().startswith("The king")
+    again = cli(str(ROOT / "generate.py"), f"run={run}", "prompt=The king", "max_new_tokens=20", "seed=3", "n=2",
+                cwd=tmp_path)
+    assert again.stdout == res.stdout  # the seed decides the samples
+    bad = cli(str(ROOT / "generate.py"), f"run={run}", "top_p=1.5", cwd=tmp_path)
+    assert bad.returncode != 0 and "top_p=1.5" in bad.stderr
