@@ -5,7 +5,7 @@ PYTHON ?= python
 .PHONY: install train test test-all bench
 
 install:
-	@$(PYTHON) -c "import lmlab, lightning, hydra, pytest, transformers, hydra_plugins.hydra_submitit_launcher" 2>/dev/null || \
+	@$(PYTHON) -c "import lmlab, lightning, hydra, pytest, transformers, hydra_plugins.hydra_submitit_launcher, hydra_plugins.hydra_optuna_sweeper, lm_eval, accelerate" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -e '.[dev]'
 
 train: install

@@ -9,7 +9,7 @@ from lmlab.cli import as_lists, quote_paths
 
 # `rope_scaling=none,linear` is one list of methods here, not a sweep; run paths from sweeps hold '=' and ','.
 lists = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths"}
-sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "compare", "out"))]
+sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "compare", "out", "hf"))]
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
@@ -27,10 +27,33 @@ def main(cfg: DictConfig) -> None:
         from lmlab.compare import compare
 
         _, md = compare(cfg.compare)
-        print(md + f"\n-> {Path(cfg.compare) / 'compare.md'}, {Path(cfg.compare) / 'plots'}/")
+        written = [f"{Path(cfg.compare) / f}" for f in ("compare.md", "compare_variants.md", "plots/")]
+        print(md + "\n-> " + ", ".join(p for p in written if Path(p).exists()))
         return
+    if cfg.hf:  # a transformers directory, read as a run (its own eval output goes to out or <hf>/eval)
+        import tempfile
+
+        from lmlab import compose
+        from lmlab.interop.hf import as_run
+
+        data = compose([f"data={cfg.hf_data}", *([f"data.paths=[{','.join(cfg.hf_data_paths)}]"]
+                                                  if cfg.hf_data_paths else [])]).data
+        cfg.out = cfg.out or str(Path(cfg.hf) / "eval")
+        cfg.run = str(as_run(cfg.hf, tempfile.mkdtemp(prefix="lmlab-hf-run-"), OmegaConf.to_container(data)))
     if not cfg.run:
-        raise SystemExit("eval.py needs run=<run dir> or compare=<multirun dir>")
+        raise SystemExit("eval.py needs run=<run dir>, hf=<transformers dir> or compare=<multirun dir>")
+    if cfg.export:
+        if cfg.export != "hf" or not cfg.out:
+            raise SystemExit(f"export={cfg.export!r}: the accepted form is export=hf out=<dir>")
+        from lmlab.interop.hf import export
+
+        print(f"-> {export(cfg.run, cfg.out)}/ (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
+        return
+    if cfg.harness:
+        from lmlab.interop.harness import harness_cli
+
+        harness_cli(cfg)
+        return
     from lmlab.evaluate import evaluate
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731

@@ -1,5 +1,9 @@
-"""python train.py [group=option ...] [key=value ...] — train one GPT variant (see README)."""
+"""python train.py [group=option ...] [key=value ...] — train one GPT variant (see README).
 
+`main` returns the run's objective (lmlab.summary.objective: the best val loss, +inf for a run that diverged, collapsed
+or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`)."""
+
+import math
 import sys
 
 import hydra
@@ -12,14 +16,16 @@ sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("init_from",))]  # sweep jo
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
+    from lmlab.summary import objective
+    from lmlab.tracking import hydra_group
     from lmlab.training import train
 
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
-    group = hc.sweep.dir.replace("/", "_") if sweeping else hc.job.name
+    group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
     try:
         summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group, hydra=hc)
     except Exception:
@@ -28,7 +34,7 @@ def main(cfg: DictConfig) -> None:
         import traceback  # a failed job is recorded in its summary.json; the sweep goes on with the next one
 
         traceback.print_exc()
-        return
+        return math.inf  # the worst value a search can see, not an error that ends it
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
     from lmlab.rundir import is_rank_zero
@@ -36,7 +42,8 @@ def main(cfg: DictConfig) -> None:
     if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
         from lmlab.interrupt import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's error)
 
-        raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))
+        raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
+    return objective(summary)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,20 @@ def _job_dirname(overrides: str) -> str:
     return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
+def _sqlite_url(path: str) -> str:
+    """An SQLite URL for `path` (conf/hparams_search: the Optuna study in the sweep directory), its directory made:
+    the sweeper opens the study before Hydra creates the sweep directory, and SQLite doesn't create directories."""
+    db = Path(path).expanduser().resolve()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver("lmlab.dirname"):
-        OmegaConf.register_new_resolver("lmlab.dirname", _job_dirname)
+    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
 
 
 _register_resolvers()

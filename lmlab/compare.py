@@ -1,16 +1,29 @@
-"""`eval.py compare=<multirun dir>`: one table and a set of plots over the runs of a sweep."""
+"""`eval.py compare=<multirun dir>`: tables and plots over the runs of a sweep.
+
+compare.{md,csv}: one row per run (the overrides that differ, status, figures). Runs that differ only by `seed` are
+one variant: when the seed varies, compare_variants.{md,csv} has one row per variant with n, the seeds, the statuses
+and the mean and sample sd (n − 1) of each figure over its seeds, and the curves plots draw each variant as its mean
+with a ± sd band. When `optim.lr` varies, `best_lr` marks with * the row of each group of rows that share the other
+overrides (an architecture) with the lowest objective: best val loss, +inf for a diverged, collapsed or unfinished run
+(lmlab.summary.objective), over the mean of the seeds in the variants table.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lmlab.plots import plot_curves, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
+from lmlab.summary import objective
+
+SEED, LR = "seed", "optim.lr"
+FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s")  # over seeds
 
 
 def _fmt(v: Any) -> str:
@@ -19,10 +32,13 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def write_table(rows: Sequence[dict[str, Any]], cols: Sequence[str], stem: Path) -> str:
-    """Write stem.md and stem.csv; return the markdown."""
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+def write_table(rows: Sequence[dict[str, Any]], cols: Sequence[str], stem: Path, md_cols: Sequence[str] | None = None,
+                md_cell: Callable[[dict[str, Any], str], str] | None = None) -> str:
+    """Write stem.md and stem.csv; return the markdown. The markdown shows `md_cols` (default: `cols`), each cell
+    `md_cell(row, col)` (default: the value)."""
+    md_cols, md_cell = md_cols or cols, md_cell or (lambda r, c: _fmt(r.get(c)))
+    lines = ["| " + " | ".join(md_cols) + " |", "|" + "---|" * len(md_cols)]
+    lines += ["| " + " | ".join(md_cell(r, c) for c in md_cols) + " |" for r in rows]
     md = "\n".join(lines) + "\n"
     atomic_write(stem.with_suffix(".md"), md)
     buf = io.StringIO()
@@ -39,7 +55,7 @@ def find_runs(sweep_dir: Path) -> list[Path]:
     marks = (SUMMARY, METRICS, LOCK, f"{CHECKPOINTS}/last.ckpt")
     found = {p.parent for mark in marks for p in sweep_dir.rglob(Path(mark).name)
              if "wandb" not in p.parts and "eval" not in p.relative_to(sweep_dir).parts[:-1]}
-    return sorted(r.parent if r.name == CHECKPOINTS else r for r in found)
+    return sorted({r.parent if r.name == CHECKPOINTS else r for r in found})  # a run has marks in both
 
 
 def _incomplete(run: Path) -> dict[str, Any]:
@@ -55,19 +71,77 @@ def _overrides(summary: dict[str, Any]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in summary.get("overrides", []) if "=" in o and not o.startswith("hydra"))
 
 
+def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others: Sequence[str]) -> None:
+    """rows[i]["best_lr"] = "*" on the row with the lowest values[i] among the rows that share the `others` keys, ""
+    elsewhere; no star in a group of one row (nothing was compared: an Optuna search varies every key) or where every
+    value is +inf."""
+    best: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        key = tuple(row.get(k) for k in others)
+        size[key] = size.get(key, 0) + 1
+        if math.isfinite(values[i]) and (key not in best or values[i] < values[best[key]]):
+            best[key] = i
+    starred = {i for key, i in best.items() if size[key] > 1}
+    for i, row in enumerate(rows):
+        row["best_lr"] = "*" if i in starred else ""
+
+
+def _sort_key(value: str) -> tuple:
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequence[str]
+             ) -> tuple[list[dict[str, Any]], list[float]]:
+    """One row per variant (the rows that share `keys`, i.e. differ only by seed): n, seeds, statuses, the mean and
+    sd of each figure over the seeds that have it; and each variant's objective (the mean of its runs')."""
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(tuple(row.get(k) for k in keys), []).append(i)
+    out, objectives = [], []
+    for key, members in groups.items():
+        runs = [rows[i] for i in members]
+        statuses = [r["status"] for r in runs]
+        counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
+        row = {**dict(zip(keys, key)), "n": len(runs),
+               "seeds": ",".join(sorted((str(r.get(SEED, "")) for r in runs), key=_sort_key)),
+               "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items())}
+        for fig in FIGURES:
+            xs = [float(r[fig]) for r in runs if isinstance(r.get(fig), (int, float)) and math.isfinite(r[fig])]
+            row[f"{fig}_mean"] = statistics.fmean(xs) if xs else None
+            row[f"{fig}_sd"] = statistics.stdev(xs) if len(xs) > 1 else None
+        out.append(row)
+        objectives.append(statistics.fmean(values[i] for i in members))  # +inf if any seed failed
+    return out, objectives
+
+
+def _mean_sd(row: dict[str, Any], col: str) -> str:
+    if col not in FIGURES:
+        return _fmt(row.get(col))
+    mean, sd = row.get(f"{col}_mean"), row.get(f"{col}_sd")
+    return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
+
+
 def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
-    """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv} and plots/."""
+    """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
+    seed varies, compare_variants.{md,csv}. Returns the rows and the markdown of the tables."""
     sweep_dir = Path(sweep_dir)
     runs = find_runs(sweep_dir)
     if not runs:
         raise FileNotFoundError(f"compare={sweep_dir}: no run directories (with summary.json) under it")
     summaries = {r: RunDir(r).read_summary() or _incomplete(r) for r in runs}
-    for r, s in summaries.items():
-        if RunLock.holder(r) is not None:
-            s["status"] = "running"  # a resumed run still going has the previous attempt's summary
     overrides = {r: _overrides(s) for r, s in summaries.items()}
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
+    varying.sort(key=lambda k: (k == LR, k == SEED))  # the architecture first, then its lr, then the seed
+    runs = sorted(runs, key=lambda r: [_sort_key(overrides[r].get(k, "")) for k in varying])  # by value: lr 1e-3 < 1e-2
+    summaries = {r: summaries[r] for r in runs}
+    for r, s in summaries.items():
+        if RunLock.holder(r) is not None:
+            s["status"] = "running"  # a resumed run still going has the previous attempt's summary
     rows = []
     for r, s in summaries.items():
         unigram = s.get("unigram_val_loss")
@@ -80,17 +154,36 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
             "run": str(r.relative_to(sweep_dir)),
         })
-    cols = [*varying, "status", "diverged_at_step", "steps", "final_val_loss", "best_val_loss", "loss_vs_unigram",
-            "peak_grad_norm", "tokens_per_s", "run"]
+    values = [objective(s) for s in summaries.values()]
+    by_lr = ["best_lr"] if LR in varying else []
+    if by_lr:
+        mark_best_lr(rows, values, [k for k in varying if k != LR])
+    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "final_val_loss", "best_val_loss",
+            "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run"]
     md = write_table(rows, cols, sweep_dir / "compare")
 
-    names = {r: ",".join(f"{k}={overrides[r].get(k, '')}" for k in varying) or r.name for r in runs}
-    series = {names[r]: read_metrics(r / "metrics.csv") for r in runs if (r / "metrics.csv").exists()}
+    variant_keys = [k for k in varying if k != SEED]
+
+    def name(r: Path, by: Sequence[str]) -> str:
+        return ",".join(f"{k}={overrides[r].get(k, '')}" for k in by) or ("all seeds" if SEED in varying else r.name)
+
+    if SEED in varying:
+        grouped, group_values = variants(rows, values, variant_keys)
+        if by_lr:
+            mark_best_lr(grouped, group_values, [k for k in variant_keys if k != LR])
+        head = [*variant_keys, *by_lr, "n", "seeds", "status"]
+        md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
+            grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
+            md_cols=[*head, *FIGURES], md_cell=_mean_sd)
+    series: dict[str, list] = {}
+    for r in runs:  # the seeds of a variant share its name: plotted as their mean with a ± sd band
+        if (r / METRICS).exists():
+            series.setdefault(name(r, variant_keys), []).append(read_metrics(r / METRICS))
     plots = sweep_dir / "plots"
     plot_curves(series, "train/loss", plots / "train_loss.png", title="training loss")
     plot_curves(series, "val/loss", plots / "val_loss.png", title="validation loss")
     plot_curves(series, "grad/norm", plots / "grad_norm.png", log=True, title="global gradient norm (before clipping)")
-    profiles = {names[r]: s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
+    profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
     return rows, md

@@ -24,6 +24,8 @@ from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import PositiveInt, check_values, parameter_types
 from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint
 
+COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
+
 
 class RunRefused(ValueError):
     """An evaluation that would be meaningless (beyond a scheme's reach), refused with the reason."""
@@ -47,6 +49,14 @@ def load_run(run_dir: str | Path, what: str = "run") -> tuple[dict[str, Any], di
 
         run_cfg = OmegaConf.to_container(OmegaConf.load(run.path / ".hydra" / "config.yaml"), resolve=False)
     return model_cfg, weights, run_cfg
+
+
+def load_model(run_dir: str | Path, what: str = "run") -> GPT:
+    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True), in eval mode."""
+    model_cfg, weights, _ = load_run(run_dir, what)
+    model = GPT(GPTConfig(**model_cfg).validate())
+    model.load_state_dict(weights)
+    return model.eval()
 
 
 def run_note(run_dir: str | Path) -> tuple[str, str | None]:
@@ -187,27 +197,10 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
               "run_status": run_status, "note": note}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
-        if (run_cfg.get("logger") or {}).get("wandb"):
-            log_wandb(result, Path(out_dir), run_dir, run_cfg["logger"]["wandb"])
+        from lmlab.tracking import log_eval
+
+        log_eval(result, Path(out_dir), run_dir, run_cfg, COLUMNS)  # when the run logged to W&B
     return result
-
-
-def log_wandb(result: dict[str, Any], out: Path, run_dir: Path, spec: dict[str, Any]) -> None:
-    """The eval table (and plot) as a W&B run of the training run's project, offline unless the user opted in."""
-    import wandb
-
-    from lmlab.training import wandb_offline_by_default
-
-    wandb_offline_by_default()
-    summary = RunDir(run_dir).read_summary() or {}
-    name = ",".join(summary.get("overrides", [])) or run_dir.name
-    run = wandb.init(project=spec.get("project", "lmlab"), dir=str(run_dir), job_type="eval", name=f"eval:{name}",
-                     config={"run": str(run_dir), "trained_len": result["trained_len"]}, reinit="finish_previous")
-    cols = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]
-    run.log({"eval/extension": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in result["rows"]])})
-    if (png := out / "plots" / "length_extension.png").exists():
-        run.log({"eval/length_extension": wandb.Image(str(png))})
-    run.finish()
 
 
 def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]], out: Path) -> None:
@@ -215,8 +208,7 @@ def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]]
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "eval.json", dumps({**result, "per_position": curves}))
-    cols = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]
-    write_table(result["rows"], cols, out / "eval")
+    write_table(result["rows"], COLUMNS, out / "eval")
     lengths = sorted({r["length"] for r in result["rows"]})
     if len(lengths) > 1 or lengths[0] > result["trained_len"]:
         from lmlab.plots import plot_extension, plot_length_sweep

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+Series = Mapping[str, list[tuple[int, float]]]  # one run's metrics.csv: {metric: [(step, value), ...]}
 
 
 def _plt():
@@ -42,18 +45,40 @@ def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | P
                    title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
 
 
-def plot_curves(runs: Mapping[str, Mapping[str, list[tuple[int, float]]]], metric: str, path: str | Path,
-                log: bool = False, title: str = "") -> Path | None:
-    """One line per run for `metric` (e.g. train/loss), from each run's metrics.csv series; None if no run has
-    more than one point of it (a curve needs two)."""
-    if not any(len(series.get(metric, [])) > 1 for series in runs.values()):
+def seed_band(runs: Sequence[Series], metric: str) -> tuple[list[int], list[float], list[float]]:
+    """Mean and sample sd (n − 1) of `metric` over `runs` (the seeds of one variant) at every step any of them logged;
+    the sd is 0 where only one run has the step (a diverged seed stops early). Non-finite values are left out."""
+    by_step: dict[int, list[float]] = {}
+    for series in runs:
+        for step, value in series.get(metric, []):
+            if math.isfinite(value):
+                by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    mean = [statistics.fmean(by_step[s]) for s in steps]
+    sd = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
+    return steps, mean, sd
+
+
+def plot_curves(runs: Mapping[str, Series | Sequence[Series]], metric: str, path: str | Path, log: bool = False,
+                title: str = "") -> Path | None:
+    """One line per name for `metric` (e.g. train/loss), from metrics.csv series: a name mapped to one run is its
+    curve, a name mapped to several (the seeds of a variant) is their mean with a ± sd band. None if no run has more
+    than one point of it (a curve needs two)."""
+    groups = {name: [r] if isinstance(r, Mapping) else list(r) for name, r in runs.items()}
+    if not any(len(series.get(metric, [])) > 1 for group in groups.values() for series in group):
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, series in runs.items():
-        points = [(s, v) for s, v in series.get(metric, []) if math.isfinite(v)]
-        if points:
-            ax.plot(*zip(*points), label=name, linewidth=1)
+    for name, group in groups.items():
+        steps, mean, sd = seed_band(group, metric)
+        if not steps:
+            continue
+        (line,) = ax.plot(steps, mean, label=name if len(group) == 1 else f"{name} (mean ± sd, n={len(group)})",
+                          linewidth=1)
+        if len(group) > 1:
+            low = [max(m - d, m / 10) if log else m - d for m, d in zip(mean, sd)]  # log axes: no bound <= 0
+            ax.fill_between(steps, low, [m + d for m, d in zip(mean, sd)], color=line.get_color(), alpha=0.2,
+                            linewidth=0)
     if log:
         ax.set_yscale("log")
     return _finish(fig, ax, path, "step", metric, title or metric)

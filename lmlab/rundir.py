@@ -11,7 +11,8 @@ A run directory is a researcher's lab notebook, read weeks later, so every entry
 Layout:
     .hydra/{config,overrides,hydra}.yaml   the config of the latest start (written once the checks have passed)
     checkpoints/last.ckpt, best.ckpt       (+ Lightning's hpc_ckpt_N.ckpt when it saved one under SLURM)
-    metrics.csv  summary.json  tokenizer.json  plots/  eval/  wandb/
+    metrics.csv  summary.json  tokenizer.json  plots/  eval/
+    wandb/                                 the W&B run's files; wandb/lmlab.json: its id, name, group, project
     .lmlab.lock                            while a process trains into the directory
 """
 
@@ -36,8 +37,10 @@ METRICS = "metrics.csv"
 TOKENIZER = "tokenizer.json"
 HYDRA = ".hydra"
 LOCK = ".lmlab.lock"
+WANDB = "wandb"
+WANDB_RUN = "lmlab.json"  # in wandb/: the W&B run of this directory, continued on resume (lmlab/tracking.py)
 # What `overwrite=true` clears: everything a run of lmlab writes (the lock and anything else are left alone).
-RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", "wandb", "tensorboard")
+RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", WANDB, "tensorboard")
 
 
 class CheckpointError(ValueError):
@@ -130,6 +133,23 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / TOKENIZER
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / WANDB
+
+    def read_wandb_run(self) -> dict[str, Any] | None:
+        """The W&B run this directory logs to (id, name, group, project), or None when it has none yet."""
+        path = self.wandb / WANDB_RUN
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+
+    def write_wandb_run(self, info: dict[str, Any]) -> None:
+        atomic_write(self.wandb / WANDB_RUN, dumps(info))
 
     def checkpoint(self) -> Path | None:
         """The checkpoint a resume continues from: the newest of last.ckpt and Lightning's hpc_ckpt_N.ckpt (which

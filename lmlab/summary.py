@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lmlab.rundir import RunDir
 
 STATUSES = ("completed", "diverged", "collapsed", "interrupted", "failed")
+
+
+def objective(summary: Mapping[str, Any] | None) -> float:
+    """What a hyper-parameter search minimises (train.py returns it): the run's best val loss, +inf for a run that
+    did not complete (diverged, collapsed, failed, interrupted, or no summary) or never validated, so a diverging
+    trial is the worst trial of a search, not an error. A val loss reached before a divergence doesn't count."""
+    best = (summary or {}).get("best_val_loss")
+    if (summary or {}).get("status") != "completed" or not isinstance(best, (int, float)) or not math.isfinite(best):
+        return math.inf
+    return float(best)
 
 
 def _ppl(loss: float | None) -> float | None:

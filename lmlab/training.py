@@ -20,16 +20,8 @@ from lmlab.config import COMPUTE_KEYS, arch_config
 from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint
 
 
-def wandb_offline_by_default() -> None:
-    """W&B runs offline unless the user opted in (WANDB_MODE or an API key)."""
-    if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
-
-
 def setup_env(cfg: DictConfig) -> None:
-    """Offline by default: W&B logs to the run dir unless the user opted in; the HF hub is never reached."""
-    wandb_offline_by_default()
-    os.environ.setdefault("WANDB_SILENT", "true")
+    """The HF hub is never reached (W&B's mode is lmlab.tracking's); warnings; threads; malloc."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import warnings
@@ -71,7 +63,7 @@ def check_config(cfg: DictConfig) -> None:
 
     from lmlab.lit import validate_optim
     from lmlab.memory import check_attention_fits
-    from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values
+    from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, Range, check_values
 
     gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256).validate()
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
@@ -79,7 +71,7 @@ def check_config(cfg: DictConfig) -> None:
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
         "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
-        "data.num_workers": NonNegativeInt,
+        "data.num_workers": NonNegativeInt, "perf.peak_flops": PositiveFloat | None,
     }
     absent = object()
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
@@ -100,23 +92,6 @@ def check_config(cfg: DictConfig) -> None:
         warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
                       f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
                       f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
-
-
-def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str, group: str, resume_step: int | None) -> list:
-    from hydra.utils import instantiate
-
-    from lmlab.metrics_csv import MetricsCSV
-
-    loggers = [MetricsCSV(run_dir, resume_step)]  # run_dir/metrics.csv, always
-    for key, spec in (cfg.logger or {}).items():
-        extra: dict[str, Any] = {}
-        if spec._target_.endswith("WandbLogger"):
-            extra = {"save_dir": str(run_dir), "name": run_name, "group": group,
-                     "offline": os.environ.get("WANDB_MODE", "offline") != "online"}
-        elif spec._target_.endswith("TensorBoardLogger"):
-            extra = {"save_dir": str(run_dir), "name": "tensorboard", "version": ""}
-        loggers.append(instantiate(spec, **{k: v for k, v in extra.items() if spec.get(k) is None}))
-    return loggers
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
@@ -151,17 +126,29 @@ def resume_checkpoint(run: RunDir, mode: str, overwrite: bool) -> Path | None:
 
 def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
     """For `init_from=<run dir>`: use the source run's tokenizer, and scale RoPE relative to the length the
-    source was trained at. Returns the source's model config and weights (None without init_from)."""
+    source was trained at. For `init_from=<transformers dir>` (save_pretrained, e.g. from eval.py export=hf), the
+    config takes that model's architecture too. Returns the source's model config and weights (None without
+    init_from)."""
     if not cfg.get("init_from"):
         return None
     source = RunDir(cfg.init_from)
     if not source.path.is_dir():
         raise FileNotFoundError(f"init_from={source.path}: no such run directory")
-    state = load_checkpoint(source.last, f"init_from={source.path}")
-    model_cfg = dict(state["hyper_parameters"]["model"])
-    weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
-        cfg.data.tokenizer = str(source.tokenizer)
+    from lmlab.interop.hf import is_hf_dir
+
+    if is_hf_dir(source.path):  # a transformers checkpoint: its architecture is the one studied
+        from lmlab.interop.hf import adopt, load_hf_dir
+
+        model, tokenizer = load_hf_dir(source.path)
+        adopt(cfg, model.cfg)
+        model_cfg, weights = model.cfg.to_dict(), model.state_dict()
+        cfg.data.tokenizer = str(tokenizer)
+    else:
+        state = load_checkpoint(source.last, f"init_from={source.path}")
+        model_cfg = dict(state["hyper_parameters"]["model"])
+        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
+            cfg.data.tokenizer = str(source.tokenizer)
     if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
         cfg.rope_scaling.original_max_len = model_cfg.get("train_len") or model_cfg["max_seq_len"]
     return {"model": model_cfg, "weights": weights, "path": str(source.path)}
@@ -194,10 +181,11 @@ def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
                          f"position=learned cannot change model.max_seq_len") from None
 
 
-def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str = "default",
+def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str | None = None,
           callbacks: list | None = None, hydra: Any = None) -> dict[str, Any]:
-    """Train as `cfg` says, writing everything into `run_dir`; return the summary. `callbacks`: extra Lightning
-    callbacks (library use); `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it).
+    """Train as `cfg` says, writing everything into `run_dir`; return the summary. `group`: the W&B group (None:
+    named after the run directory, lmlab.tracking.group_name); `callbacks`: extra Lightning callbacks (library use);
+    `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it).
 
     The summary's `status` says how the run ended; an interrupted run (a signal) returns with status
     `interrupted` after saving its checkpoint, and train.py turns that into a non-zero exit code."""
@@ -219,7 +207,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
         stop.restore()
 
 
-def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str, callbacks: list,
+def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str | None, callbacks: list,
            hydra: Any, stop) -> dict[str, Any]:
     import lightning.pytorch as L
     from hydra.utils import instantiate
@@ -231,9 +219,11 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.interrupt import RunInterrupted, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
+    from lmlab.perf import Throughput, flops_per_token
     from lmlab.progress import progress_bar
     from lmlab.rundir import atomic_checkpoint_io
     from lmlab.summary import STATUSES, record, summarize
+    from lmlab.tracking import Tracking
 
     # --- everything that can refuse the start, before the run directory is touched ---
     source = prepare_init_from(cfg)
@@ -279,15 +269,17 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         if saved is None or not run.tokenizer.is_file():  # a resume has checked it builds the run's tokenizer
             data.save_tokenizer(run.tokenizer)
 
-    run_name = ",".join(o for o in overrides if not o.startswith("hydra")) or "default"
     checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor="val/loss", mode="min",
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
-    loggers = build_loggers(cfg, run.path, run_name, group, resume_step if saved is not None else None)
-    callbacks = [checkpoint, monitor, stop, *callbacks]
+    throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
+                            OmegaConf.select(cfg, "perf.peak_flops", default=None))
+    callbacks = [checkpoint, monitor, throughput, stop, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
+    tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),
+                              resume_step=resume_step if saved is not None else None)
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run.path), use_distributed_sampler=False,
-                                     logger=loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
+                                     logger=tracking.loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
     stop.take_over(trainer)
 
     start, status, error = time.time(), "completed", None
@@ -321,6 +313,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary["signal"] = stop.signum or None
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous)
+        tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum
         requeued = requeue_on_slurm(signum)

@@ -1,7 +1,8 @@
-"""Shared fixtures: one CPU thread and a fixed seed for every test, and a tiny GPTConfig factory."""
+"""Shared fixtures: one CPU thread and a fixed seed for every test, W&B offline, and a tiny GPTConfig factory."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ from lmlab.config import GPTConfig
 from tests.runs import write_corpus
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
+
+# No test reaches W&B's servers, whatever credentials the machine has; subprocesses (train.py) inherit it.
+os.environ["WANDB_MODE"] = "offline"
 
 
 @pytest.fixture(autouse=True)

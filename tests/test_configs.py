@@ -11,7 +11,8 @@ from lmlab import CONF_DIR, build_model, compose
 from lmlab.config import arch_config
 from lmlab.training import check_config
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search: _global_ files (their own tests)
+                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 

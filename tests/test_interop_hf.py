@@ -175,7 +175,35 @@ def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path)
     text = "The king shall speak.\nThou lord"  # corpus characters (others are <unk>), within the 32 positions
     ids = Tokenizer.from_file(str(run / "tokenizer.json")).encode(text).ids
     assert tok(text)["input_ids"] == ids and tok.decode(ids) == text
-    from lmlab.interop.hf import load_model
+    from lmlab.evaluate import load_model
 
     idx = torch.tensor([ids])
     torch.testing.assert_close(_logits(hf, idx), _logits(load_model(run), idx), rtol=1e-5, atol=1e-5)
+
+
+def test_a_transformers_directory_is_studied_with_lmlabs_tools(corpus: Path, tmp_path: Path) -> None:
+    """eval.py hf=<dir> scores an exported model as eval.py run= scores its run; train.py init_from=<dir> takes its
+    architecture and weights (with lr ~ 0, the val loss is the source's)."""
+    cache = tmp_path / "cache"
+    run = tmp_path / "run"
+    args = tiny(corpus, cache, "trainer.max_steps=20", "trainer.val_check_interval=20", "norm=rms", "ffn=swiglu",
+                "position=rope", "attention=gqa", "model.n_kv_head=1")  # a Llama-like run
+    source = train(compose(args), run)
+    out = tmp_path / "hf"
+    assert cli(str(ROOT / "eval.py"), f"run={run}", "export=hf", f"out={out}", cwd=tmp_path).returncode == 0
+    res = cli(str(ROOT / "eval.py"), f"run={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli(str(ROOT / "eval.py"), f"hf={out}", "hf_data=text_files", f"hf_data_paths=[{corpus}]", "max_windows=32",
+              cwd=tmp_path)  # the run evaluated its first data.val_windows=32 windows
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    ours = json.loads((run / "eval" / "eval.json").read_text())["rows"][0]["loss"]
+    theirs = json.loads((out / "eval" / "eval.json").read_text())["rows"][0]["loss"]
+    assert theirs == pytest.approx(ours, abs=1e-5)
+    plain = [a for a in tiny(corpus, cache) if not a.startswith("trainer.max_steps")]  # the default architecture
+    summary = train(compose([*plain, f"init_from={out}", "optim.lr=1e-12", "trainer.max_steps=1",
+                             "trainer.val_check_interval=1"]), tmp_path / "from_hf")
+    assert summary["model"]["norm"]["name"] == "rms" and summary["model"]["ffn"]["name"] == "swiglu"
+    assert summary["model"]["n_kv_head"] == 1
+    assert summary["final_val_loss"] == pytest.approx(source["final_val_loss"], abs=1e-4)

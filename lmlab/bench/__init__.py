@@ -16,6 +16,7 @@ that repeat; the table gives medians and min-max over repeats. Needs the `bench`
 from __future__ import annotations
 
 from lmlab.bench.cli import main, run
-from lmlab.bench.peers import CONFIGS, PEER_ARCH, describe, hf_peer, matmul_params
+from lmlab.bench.peers import CONFIGS, PEER_ARCH, describe, hf_peer
+from lmlab.perf import matmul_params
 
 __all__ = ["CONFIGS", "PEER_ARCH", "describe", "hf_peer", "main", "matmul_params", "run"]

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from lmlab.bench.breakdown import step_breakdown
 from lmlab.bench.loop import lightning_loop_cost
-from lmlab.bench.peers import CONFIGS, describe, hf_peer, matmul_params
-from lmlab.bench.report import FLOPS_FORMULA, check_targets, render
+from lmlab.bench.peers import CONFIGS, describe, hf_peer
+from lmlab.bench.report import check_targets, render
 from lmlab.bench.timing import Contestant, matmul_gflops, peak_step_bytes, spread, timed
+from lmlab.perf import FLOPS_FORMULA, flops_per_token, matmul_params
 
 
 def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device: torch.device
@@ -101,8 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_block = [batches[i % len(batches)] for i in range(eval_steps)]
 
     n_matmul = matmul_params(ours.model)
-    attn = gcfg.n_layer * T * gcfg.n_head * gcfg.head_dim
-    flops = {"train": 6 * n_matmul + 12 * attn, "eval": 2 * n_matmul + 4 * attn}  # per token
+    flops = flops_per_token(ours.model, T)  # per token, as training's perf/mfu counts them
     mm_dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     mm_n = args.mm_size or (8192 if device.type == "cuda" else 2048)
     ceilings: list[float] = []

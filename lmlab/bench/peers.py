@@ -52,7 +52,3 @@ def describe(gcfg) -> str:
             f"d {gcfg.d_model} x {gcfg.n_head} heads ({gcfg.kv_heads} kv), ffn {gcfg.ffn_hidden}, bias "
             f"{str(gcfg.bias).lower()}, tied {str(gcfg.tie_embeddings).lower()}")
 
-
-def matmul_params(model: nn.Module) -> int:
-    """N in 6·N: weights that take part in a matmul (Linear layers, the tied head once); lookups don't count."""
-    return sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}.values())

@@ -8,7 +8,6 @@ from typing import Any
 TARGETS = {"llama": {"train": (1.00, 0.95), "eval": (1.00, 0.95)},
            "gpt2": {"train": (1.10, None), "eval": (1.10, None)},
            "small": {"train": (1.15, None), "eval": (1.15, None)}}
-FLOPS_FORMULA = "train 6*N + 12*L*T*d FLOPs/token, eval 2*N + 4*L*T*d (N = matmul weights, tied head once)"
 
 
 def check_targets(out: dict[str, Any]) -> list[dict[str, Any]]:

@@ -315,6 +315,8 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     lmlab `GPT`, or a run directory (its last checkpoint)."""
     import transformers
 
+    from lmlab.evaluate import load_model
+
     model = load_model(model_or_run_dir) if isinstance(model_or_run_dir, (str, Path)) else model_or_run_dir
     config = hf_config(model.cfg)
     fam = family(model.cfg)
@@ -337,16 +339,6 @@ def from_hf(hf_model: Any) -> GPT:
     model = GPT(cfg)
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in hf_model.state_dict().items()}
     model.load_state_dict(_invert(state, model, fam))
-    return model.eval()
-
-
-def load_model(run_dir: str | Path) -> GPT:
-    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True)."""
-    from lmlab.evaluate import load_run
-
-    model_cfg, weights, _ = load_run(run_dir)
-    model = GPT(GPTConfig(**model_cfg).validate())
-    model.load_state_dict(weights)
     return model.eval()
 
 
@@ -379,3 +371,59 @@ def tokenizer_fast(path: str | Path) -> Any:
         if found:
             named[key] = found
     return PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A save_pretrained directory (config.json and weights), not an lmlab run directory."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "checkpoints").exists()
+
+
+def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
+    """(lmlab GPT, tokenizer.json) of a transformers directory, read offline."""
+    import os
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(path)
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer.json (lmlab reads fast tokenizers; save the tokenizer with "
+                                f"save_pretrained)")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return from_hf(hf), tokenizer
+
+
+def adopt(cfg: Any, arch: GPTConfig) -> None:
+    """Make a composed config describe `arch` (a transformers checkpoint's architecture), keeping what a run may
+    choose: the length it runs at (except for a learned table) and a RoPE scaling the user asked for."""
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        for key in ("n_layer", "d_model", "n_head", "n_kv_head", "bias", "tie_embeddings"):
+            cfg.model[key] = getattr(arch, key)
+        if arch.position["name"] == "learned":
+            cfg.model.max_seq_len = arch.max_seq_len
+        cfg.model.train_len = arch.train_len
+        for group in ("norm", "placement", "activation", "ffn", "position", "attention", "init"):
+            cfg[group] = OmegaConf.create(dict(getattr(arch, group)))
+        if cfg.rope_scaling.name == "none":
+            cfg.rope_scaling = OmegaConf.create(dict(arch.rope_scaling))
+
+
+def as_run(hf_dir: str | Path, run_dir: str | Path, data: dict[str, Any]) -> Path:
+    """Write a transformers directory as an lmlab run directory (checkpoint, tokenizer, summary with its data
+    config), so eval's length sweep, generate.py and lm-eval read it like any run: `eval.py hf=<dir>`."""
+    from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write
+
+    model, tokenizer = load_hf_dir(hf_dir)
+    run = RunDir(run_dir)
+    (run.path / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+             "hyper_parameters": {"model": model.cfg.to_dict()}, "global_step": 0}
+    torch.save(state, run.path / CHECKPOINTS / LAST)
+    atomic_write(run.tokenizer, Path(tokenizer).read_bytes())
+    run.write_summary({"status": "completed", "steps": 0, "imported_from": str(hf_dir), "model": model.cfg.to_dict(),
+                       "config": {"data": {**data, "tokenizer": str(run.tokenizer)}, "seed": 0}, "overrides": []})
+    return run.path

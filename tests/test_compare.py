@@ -1,0 +1,138 @@
+"""`eval.py compare=`: runs that differ only by `seed` are one variant (compare_variants: mean, sd and n of each
+figure; compare: one row per run, as before), the curves plots draw each variant's seed band (mean +- sd over seeds
+per step), and the best learning rate of each architecture is marked (best_lr)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from lmlab.compare import compare, find_runs
+from lmlab.plots import seed_band
+from tests.runs import ROOT, cli, tiny
+
+
+def _fake_run(sweep: Path, overrides: list[str], status: str = "completed", best: float = 2.0, final: float = 2.1,
+              losses: tuple[float, ...] = (4.0, 3.0, 2.5)) -> Path:
+    """A run directory as train.py leaves it: summary.json and metrics.csv (train/loss every step)."""
+    run = sweep / ",".join(overrides)
+    run.mkdir(parents=True)
+    summary = {"status": status, "steps": len(losses), "overrides": overrides, "final_val_loss": final,
+               "best_val_loss": best, "unigram_val_loss": 3.0, "peak_grad_norm": 1.5, "tokens_per_s": 1000.0,
+               "diverged_at_step": 2 if status == "diverged" else None}
+    (run / "summary.json").write_text(json.dumps(summary))
+    rows = "".join(f"{s},{v}\n" for s, v in enumerate(losses))
+    (run / "metrics.csv").write_text("step,train/loss\n" + rows)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")  # compare must find the run once, not twice
+    return run
+
+
+def _read(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_runs_that_differ_only_by_seed_are_one_variant(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    figures = {("pre", "1"): (2.0, 2.2), ("pre", "2"): (2.2, 2.3), ("post", "1"): (2.5, 2.6), ("post", "2"): (2.9, 3.0)}
+    for (placement, seed), (best, final) in figures.items():
+        _fake_run(sweep, ["model.n_layer=2", f"placement={placement}", f"seed={seed}"], best=best, final=final)
+    assert len(find_runs(sweep)) == 4
+    compare(sweep)
+    per_run = _read(sweep / "compare.csv")
+    assert len(per_run) == 4 and {r["seed"] for r in per_run} == {"1", "2"}  # the per-seed table, as before
+    assert [r["placement"] for r in per_run] == ["post", "post", "pre", "pre"]  # sorted by the overrides' values
+    variants = {r["placement"]: r for r in _read(sweep / "compare_variants.csv")}
+    assert set(variants) == {"pre", "post"} and "seed" not in next(iter(variants.values()))
+    for placement, row in variants.items():
+        bests = [figures[(placement, s)][0] for s in ("1", "2")]
+        finals = [figures[(placement, s)][1] for s in ("1", "2")]
+        assert row["n"] == "2" and row["seeds"] == "1,2" and row["status"] == "completed"
+        assert float(row["best_val_loss_mean"]) == pytest.approx(statistics.mean(bests))
+        assert float(row["best_val_loss_sd"]) == pytest.approx(statistics.stdev(bests))  # sample sd (n - 1)
+        assert float(row["final_val_loss_mean"]) == pytest.approx(statistics.mean(finals))
+        assert float(row["loss_vs_unigram_mean"]) == pytest.approx(statistics.mean(finals) - 3.0)
+        assert float(row["tokens_per_s_mean"]) == 1000.0 and float(row["tokens_per_s_sd"]) == 0.0
+    md = (sweep / "compare_variants.md").read_text()
+    assert "± " in md and "| pre |" in md  # mean ± sd in one cell
+    assert (sweep / "plots" / "train_loss.png").stat().st_size > 1000
+
+
+def test_a_variant_of_one_run_has_no_sd_and_mixed_statuses_are_counted(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _fake_run(sweep, ["norm=layer", "seed=1"])
+    _fake_run(sweep, ["norm=layer", "seed=2"], status="diverged", best=None, final=None)
+    _fake_run(sweep, ["norm=rms", "seed=1"], best=1.9)
+    compare(sweep)
+    variants = {r["norm"]: r for r in _read(sweep / "compare_variants.csv")}
+    assert variants["rms"]["n"] == "1" and variants["rms"]["best_val_loss_sd"] == ""
+    layer = variants["layer"]
+    assert layer["n"] == "2" and "completed 1" in layer["status"] and "diverged 1" in layer["status"]
+    assert float(layer["best_val_loss_mean"]) == 2.0  # over the seeds that have the figure
+
+
+def test_best_lr_is_marked_per_architecture_and_per_variant(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    losses = {("pre", "0.001"): (2.3, 2.4), ("pre", "0.003"): (2.0, 2.1), ("pre", "0.01"): (None, None),
+              ("post", "0.001"): (2.5, 2.5), ("post", "0.003"): (2.4, 2.9), ("post", "0.01"): (3.3, 3.3)}
+    for (placement, lr), per_seed in losses.items():
+        for seed, best in zip((1, 2), per_seed):
+            _fake_run(sweep, [f"placement={placement}", f"optim.lr={lr}", f"seed={seed}"],
+                      status="diverged" if best is None else "completed", best=best or 5.0)
+    compare(sweep)
+    variants = _read(sweep / "compare_variants.csv")
+    starred = {(r["placement"], r["optim.lr"]) for r in variants if r["best_lr"] == "*"}
+    assert starred == {("pre", "0.003"), ("post", "0.001")}  # post: 2.5 on average beats 2.65
+    per_run = _read(sweep / "compare.csv")  # per run, the lr is compared among the runs of the same seed
+    starred = {(r["placement"], r["optim.lr"], r["seed"]) for r in per_run if r["best_lr"] == "*"}
+    assert starred == {("pre", "0.003", "1"), ("pre", "0.003", "2"), ("post", "0.003", "1"), ("post", "0.001", "2")}
+
+
+def test_no_best_lr_without_lrs_to_compare(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _fake_run(sweep, ["norm=layer"])
+    _fake_run(sweep, ["norm=rms"])
+    compare(sweep)
+    assert "best_lr" not in _read(sweep / "compare.csv")[0]
+    search = tmp_path / "search"  # an Optuna search varies every key: no two runs share the other overrides
+    _fake_run(search, ["optim.lr=0.001", "schedule.warmup_steps=10"], best=2.0)
+    _fake_run(search, ["optim.lr=0.002", "schedule.warmup_steps=50"], best=1.9)
+    compare(search)
+    assert [r["best_lr"] for r in _read(search / "compare.csv")] == ["", ""]
+
+
+def test_seed_band_is_the_mean_and_sd_over_seeds_per_step() -> None:
+    a = {"train/loss": [(0, 4.0), (1, 3.0), (2, 2.0)]}
+    b = {"train/loss": [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.5)]}  # a step the other seed doesn't have
+    steps, mean, sd = seed_band([a, b], "train/loss")
+    assert steps == [0, 1, 2, 3]
+    assert mean == pytest.approx([4.5, 3.5, 2.5, 2.5])
+    assert sd[:3] == pytest.approx([statistics.stdev([4.0, 5.0])] * 3) and sd[3] == 0.0  # one seed: no band
+
+
+def test_cli_two_seed_sweep_gives_one_row_per_variant(corpus: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.val_"))]
+    res = cli(str(ROOT / "train.py"), "-m", "seed=1,2", "placement=pre,post", *args, "trainer.max_steps=6",
+              "trainer.val_check_interval=3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli(str(ROOT / "eval.py"), f"compare={sweep}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "compare_variants.md" in res.stdout
+    per_run = _read(sweep / "compare.csv")
+    variants = _read(sweep / "compare_variants.csv")
+    assert len(per_run) == 4 and sorted(r["placement"] for r in variants) == ["post", "pre"]
+    for row in variants:
+        runs = [r for r in per_run if r["placement"] == row["placement"]]
+        bests = [float(r["best_val_loss"]) for r in runs]
+        assert row["n"] == "2" and row["seeds"] == "1,2"
+        assert float(row["best_val_loss_mean"]) == pytest.approx(statistics.mean(bests), rel=1e-3)
+        assert float(row["best_val_loss_sd"]) == pytest.approx(statistics.stdev(bests), rel=1e-2, abs=1e-4)
+        assert bests[0] != bests[1]  # the seeds really differ
+    for png in ("train_loss.png", "val_loss.png", "grad_norm.png"):
+        assert (sweep / "plots" / png).stat().st_size > 1000, png
