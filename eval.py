@@ -12,7 +12,7 @@ lists = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths"}
 sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "compare", "out", "hf"))]
 
 
-@hydra.main(config_path="conf", config_name="eval", version_base="1.3")
+@hydra.main(config_path="lmlab/conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 

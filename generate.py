@@ -10,7 +10,7 @@ from lmlab.cli import quote_paths
 sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("run",))]  # sweep job dirs hold '=' and ','
 
 
-@hydra.main(config_path="conf", config_name="generate", version_base="1.3")
+@hydra.main(config_path="lmlab/conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from lmlab.generate import run_generate
 

@@ -15,7 +15,7 @@ from lmlab.cli import quote_paths
 sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("init_from",))]  # sweep job dirs hold '=' and ','
 
 
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@hydra.main(config_path="lmlab/conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 

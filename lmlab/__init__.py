@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from torch import nn
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the checkout links conf/ to it)
 
 
 def _job_dirname(overrides: str) -> str:

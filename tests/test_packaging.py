@@ -1,0 +1,32 @@
+"""The installed package, not only the checkout: a wheel carries conf/, so `from lmlab import compose` works from it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tests.runs import ROOT
+
+
+def test_a_wheel_ships_the_configs_and_compose_works_from_it(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    wheel = next(dist.glob("lmlab-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"lmlab/conf/{p.relative_to(ROOT / 'lmlab' / 'conf')}" for p in (ROOT / "lmlab" / "conf").rglob("*.yaml")}
+    assert "lmlab/conf/train.yaml" in shipped and shipped <= names
+    env = tmp_path / "venv"  # the wheel over the machine's packages, away from the checkout
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], check=True, timeout=120)
+    subprocess.run([str(env / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    code = ("import lmlab; from lmlab import compose; cfg = compose(['norm=rms', 'experiment=postnorm_warmup']); "
+            "print(lmlab.__file__); print(cfg.norm.name, cfg.placement.name)")
+    res = subprocess.run([str(env / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    where, names_line = res.stdout.strip().splitlines()[-2:]
+    assert str(env) in where  # the installed copy, not the checkout
+    assert names_line == "rms post"
