@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightning.pytorch.callbacks import Callback
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the king queen lord lady sword crown night day love death speak hear thou thee shall will not".split()
 
@@ -40,3 +42,14 @@ def metric(run: Path, name: str) -> dict[int, float]:
 def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class CtrlC(Callback):
+    """Presses Ctrl-C before the step `at` starts (Lightning turns it into SystemExit after its shutdown)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            raise KeyboardInterrupt

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
 from lmlab.training import train
-from tests.runs import ROOT, metric, tiny
+from tests.runs import ROOT, CtrlC, metric, tiny
 from tests.runs import cli as _cli
 
 
@@ -40,24 +40,13 @@ def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
     assert len(steps) == len(set(steps))  # one row per step
 
 
-class _CtrlC(Callback):
-    """Presses Ctrl-C before the step `at` starts."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.global_step == self.at:
-            raise KeyboardInterrupt
-
-
 def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     straight = tmp_path / "straight"
     train(compose(tiny(corpus, cache)), straight)
     resumed = tmp_path / "resumed"
     with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache)), resumed, callbacks=[_CtrlC(at=17)])  # between two checkpoints
+        train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlC(at=17)])  # between two checkpoints
     interrupted = json.loads((resumed / "summary.json").read_text())
     assert interrupted["status"] == "interrupted" and interrupted["steps"] == 17
     summary = train(compose(tiny(corpus, cache, "resume=true")), resumed)

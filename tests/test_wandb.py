@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch.callbacks import Callback
 
 from lmlab import CONF_DIR, compose
 from lmlab.training import train
-from tests.runs import ROOT, cli, metric, tiny
+from tests.runs import ROOT, CtrlC, cli, metric, tiny
 
 STEPS = ["trainer.max_steps=6", "trainer.val_check_interval=3"]
 
@@ -107,20 +106,11 @@ def test_a_submitit_sweep_gives_one_wandb_run_per_job(corpus: Path, tmp_path: Pa
     assert all(r[0]["summary"]["status"] == "completed" for r in runs)
 
 
-class _CtrlC(Callback):
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.global_step == self.at:
-            raise KeyboardInterrupt
-
-
 def test_a_resumed_run_continues_its_wandb_run(corpus: Path, tmp_path: Path) -> None:
     cache, run = tmp_path / "cache", tmp_path / "run"
     args = [a for a in wandb_tiny(corpus, cache) if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=10"]
     with pytest.raises(SystemExit):
-        train(compose(args), run, callbacks=[_CtrlC(at=7)])
+        train(compose(args), run, callbacks=[CtrlC(at=7)])
     summary = train(compose([*args, "resume=true"]), run)
     assert summary["status"] == "completed" and summary["steps"] == 10
     first, second = wandb_runs(run)
