@@ -1,0 +1,214 @@
+"""The config half of the transformers interop (lmlab.interop.hf): which lmlab architectures transformers represents
+exactly (`family`), and the config fields both ways (`hf_config`, `lmlab_config`). Anything else is refused naming
+the axis and value (`NotRepresentable`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmlab.config import GPTConfig
+
+# lmlab activation -> transformers ACT2FN name (exact same function), and back.
+_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
+_ACTS_BACK = {**{v: k for k, v in _ACTS.items()}, "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "swish": "silu"}
+_GLU_GATES = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+# lmlab rope_scaling -> transformers rope_type; the rest (static ntk, dynamic_yarn) has no transformers form.
+_ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn",
+               "ntk_by_parts": "yarn", "llama3": "llama3"}
+
+
+class NotRepresentable(ValueError):
+    """An lmlab architecture that transformers cannot represent exactly."""
+
+
+def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentable:
+    return NotRepresentable(f"{axis}={value!r} has no {family} form in transformers ({family} needs {accepted}); "
+                            f"export refused rather than written as another architecture")
+
+
+def family(cfg: GPTConfig) -> str:
+    """'llama' or 'gpt2', or NotRepresentable naming the first axis that fits neither."""
+    pos = cfg.position["name"]
+    if pos == "rope":
+        return _check_llama(cfg)
+    if pos == "learned":
+        return _check_gpt2(cfg)
+    raise _refuse("position", pos, "Llama or GPT-2", "position=rope (Llama) or position=learned (GPT-2)")
+
+
+def _check_common(cfg: GPTConfig, fam: str) -> None:
+    if cfg.placement["name"] != "pre":
+        raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
+    attn = cfg.attention
+    for key, plain in (("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0)):
+        if attn.get(key, plain) != plain:
+            raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={plain}")
+
+
+def _check_llama(cfg: GPTConfig) -> str:
+    _check_common(cfg, "Llama")
+    if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
+        raise _refuse("norm", cfg.norm["name"], "Llama", "norm=rms with a gain")
+    if _glu_act(cfg) is None:
+        raise _refuse("ffn", cfg.ffn["name"], "Llama", "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
+    if cfg.position.get("rotary_pct", 1.0) != 1.0:
+        raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], "Llama", "rotary_pct=1")
+    if cfg.rope_scaling["name"] not in _ROPE_TYPES:
+        raise _refuse("rope_scaling", cfg.rope_scaling["name"], "Llama", f"one of {sorted(_ROPE_TYPES)}")
+    return "llama"
+
+
+def _check_gpt2(cfg: GPTConfig) -> str:
+    _check_common(cfg, "GPT-2")
+    if cfg.norm["name"] != "layer" or not cfg.norm.get("affine", True):
+        raise _refuse("norm", cfg.norm["name"], "GPT-2", "norm=layer with a gain")
+    if cfg.ffn["name"] != "mlp":
+        raise _refuse("ffn", cfg.ffn["name"], "GPT-2", "ffn=mlp")
+    if cfg.activation["name"] not in _ACTS:
+        raise _refuse("activation", cfg.activation["name"], "GPT-2", f"one of {sorted(_ACTS)}")
+    if cfg.kv_heads != cfg.n_head:
+        raise _refuse("attention", cfg.attention["name"], "GPT-2", "attention=mha")
+    return "gpt2"
+
+
+def _glu_act(cfg: GPTConfig) -> str | None:
+    name = cfg.ffn["name"]
+    gate = _GLU_GATES.get(name) or (cfg.activation["name"] if name == "glu" else None)
+    return _ACTS.get(gate) if gate else None
+
+
+# --- config ------------------------------------------------------------------------------------------------
+
+def _rope_parameters(cfg: GPTConfig) -> tuple[dict[str, Any], int]:
+    """transformers' rope_parameters and max_position_embeddings for an lmlab RoPE config."""
+    s = dict(cfg.rope_scaling)
+    name = s.pop("name")
+    theta = float(cfg.position.get("theta", 10000.0))
+    original = s.get("original_max_len") or cfg.train_len
+    params: dict[str, Any] = {"rope_type": _ROPE_TYPES[name], "rope_theta": theta}
+    if name == "none":
+        return params, cfg.max_seq_len
+    factor = s.get("factor") or cfg.max_seq_len / original
+    if name == "linear":
+        return {**params, "factor": float(factor)}, cfg.max_seq_len
+    if name == "dynamic_ntk":  # transformers takes the trained length from max_position_embeddings
+        return {**params, "factor": float(s.get("factor", 1.0))}, original
+    if name == "llama3":
+        return {**params, "factor": float(factor), "original_max_position_embeddings": original,
+                "low_freq_factor": float(s.get("low_freq_factor", 1.0)),
+                "high_freq_factor": float(s.get("high_freq_factor", 4.0))}, cfg.max_seq_len
+    params |= {"factor": float(factor), "original_max_position_embeddings": original,
+               "beta_fast": float(s.get("beta_fast", 32.0)), "beta_slow": float(s.get("beta_slow", 1.0)),
+               "truncate": bool(s.get("truncate", True))}
+    if name == "ntk_by_parts":  # YaRN's frequencies with attention factor 1
+        return {**params, "attention_factor": 1.0}, cfg.max_seq_len
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if s.get(key) is not None:
+            params[key] = float(s[key])
+    return params, cfg.max_seq_len
+
+
+def hf_config(cfg: GPTConfig) -> Any:
+    """The transformers config of the same architecture (LlamaConfig or GPT2Config)."""
+    import transformers
+
+    fam = family(cfg)
+    if fam == "llama":
+        rope, max_pos = _rope_parameters(cfg)
+        return transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_act=_glu_act(cfg), max_position_embeddings=max_pos,
+            rms_norm_eps=float(cfg.norm.get("eps", 1e-6)), tie_word_embeddings=cfg.tie_embeddings,
+            attention_bias=cfg.bias, mlp_bias=cfg.bias, rope_parameters=rope, attention_dropout=0.0,
+        )
+    return transformers.GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function=_ACTS[cfg.activation["name"]],
+        layer_norm_epsilon=float(cfg.norm.get("eps", 1e-5)), tie_word_embeddings=cfg.tie_embeddings,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def _exact_ffn(hidden: int, d_model: int, ratio: float) -> dict[str, Any]:
+    """hidden_mult and multiple_of that make GPTConfig derive exactly `hidden`."""
+    return {"hidden_mult": hidden / (ratio * d_model), "multiple_of": 1}
+
+
+def lmlab_config(hf: Any) -> GPTConfig:
+    """The GPTConfig of a transformers LlamaConfig or GPT2Config."""
+    kind = hf.model_type
+    if kind == "llama":
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if head_dim * hf.num_attention_heads != hf.hidden_size:
+            raise NotRepresentable(f"head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
+                                   f"hidden_size={hf.hidden_size}: lmlab's heads split d_model")
+        if hf.attention_bias != hf.mlp_bias:
+            raise NotRepresentable(f"attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias}: lmlab has one "
+                                   f"model.bias for every Linear")
+        act = _ACTS_BACK.get(hf.hidden_act)
+        if act is None:
+            raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
+        named = {gate: name for name, gate in _GLU_GATES.items()}
+        ffn = {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size, hf.hidden_size, 2 / 3)}
+        rope, max_len, train_len = _rope_scaling_back(hf)
+        return GPTConfig(
+            vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
+            n_head=hf.num_attention_heads, n_kv_head=hf.num_key_value_heads, max_seq_len=max_len,
+            train_len=train_len, bias=bool(hf.attention_bias), tie_embeddings=bool(hf.tie_word_embeddings),
+            norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "pre"},
+            activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": rope.pop("theta")},
+            rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads)},
+            init={"name": "gpt2"},
+        )
+    if kind == "gpt2":
+        act = _ACTS_BACK.get(hf.activation_function)
+        if act is None:
+            raise NotRepresentable(f"activation_function={hf.activation_function!r}: lmlab's are {sorted(_ACTS_BACK)}")
+        if getattr(hf, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf, "scale_attn_weights", True):
+            raise NotRepresentable("GPT-2 attention scaled otherwise than 1/sqrt(head_dim) has no lmlab form")
+        hidden = hf.n_inner or 4 * hf.n_embd
+        return GPTConfig(
+            vocab_size=hf.vocab_size, n_layer=hf.n_layer, d_model=hf.n_embd, n_head=hf.n_head,
+            max_seq_len=hf.n_positions, bias=True, tie_embeddings=bool(hf.tie_word_embeddings),
+            norm={"name": "layer", "eps": float(hf.layer_norm_epsilon), "affine": True, "bias": True},
+            placement={"name": "pre"}, activation={"name": act},
+            ffn={"name": "mlp", **_exact_ffn(hidden, hf.n_embd, 1)},
+            position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
+            init={"name": "gpt2"},
+        )
+    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like and GPT-2-like models")
+
+
+def _attention_name(n_head: int, n_kv_head: int) -> str:
+    return "mha" if n_kv_head == n_head else "mqa" if n_kv_head == 1 else "gqa"
+
+
+def _rope_scaling_back(hf: Any) -> tuple[dict[str, Any], int, int]:
+    """(lmlab rope_scaling spec with a 'theta' entry, max_seq_len, train_len) from a LlamaConfig."""
+    p = dict(hf.rope_parameters or {})
+    kind, theta = p.get("rope_type", "default"), float(p.get("rope_theta", 10000.0))
+    max_pos = hf.max_position_embeddings
+    if kind == "default":
+        return {"name": "none", "theta": theta}, max_pos, max_pos
+    if kind == "linear":
+        factor = float(p["factor"])
+        return {"name": "linear", "factor": factor, "theta": theta}, max_pos, max_pos
+    if kind == "dynamic":
+        return {"name": "dynamic_ntk", "factor": float(p.get("factor", 1.0)), "theta": theta}, max_pos, max_pos
+    original = int(p.get("original_max_position_embeddings") or max_pos)
+    if kind == "llama3":
+        return {"name": "llama3", "factor": float(p["factor"]), "original_max_len": original,
+                "low_freq_factor": float(p.get("low_freq_factor", 1.0)),
+                "high_freq_factor": float(p.get("high_freq_factor", 4.0)), "theta": theta}, max_pos, original
+    if kind == "yarn":
+        spec = {"name": "yarn", "factor": p.get("factor"), "original_max_len": original,
+                "beta_fast": float(p.get("beta_fast") or 32.0), "beta_slow": float(p.get("beta_slow") or 1.0),
+                "truncate": bool(p.get("truncate", True)), "theta": theta}
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if p.get(key) is not None:
+                spec[key] = float(p[key])
+        if spec["factor"] is not None:
+            spec["factor"] = float(spec["factor"])
+        return spec, max_pos, original
+    raise NotRepresentable(f"rope_type={kind!r}: lmlab's RoPE scalings map from {sorted(set(_ROPE_TYPES.values()))}")
