@@ -33,10 +33,21 @@ def _sqlite_url(path: str) -> str:
     return f"sqlite:///{db}"
 
 
+def _slurm_count(key: str, value: object) -> int:
+    """A launcher count from a trainer key (resolver `lmlab.slurm_count`, conf/hydra/launcher/slurm.yaml): SLURM
+    needs the tasks and GPUs per node before the job starts, so `auto`, a list of device ids or 0 are refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: hydra/launcher=slurm needs a number >= 1 here (one SLURM task per GPU: "
+                         f"--ntasks-per-node and --gpus-per-node are trainer.devices, --nodes is trainer.num_nodes); "
+                         f"e.g. {key}=8")
+    return value
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url)):
+    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url),
+                     ("lmlab.slurm_count", _slurm_count)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

@@ -72,10 +72,12 @@ def check_config(cfg: DictConfig) -> None:
         "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
         "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
         "data.num_workers": NonNegativeInt, "perf.peak_flops": PositiveFloat | None,
+        "trainer.num_nodes": PositiveInt,
     }
     absent = object()
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+    check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), str(cfg.trainer.get("strategy", "auto"))
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
@@ -92,6 +94,34 @@ def check_config(cfg: DictConfig) -> None:
         warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
                       f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
                       f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
+
+
+def check_launch(devices: Any, num_nodes: int) -> None:
+    """Under a launcher that starts one process per device itself (srun in a SLURM job, torchrun), Lightning takes
+    the ranks from the environment, and `trainer.devices` x `trainer.num_nodes` must be the launcher's layout:
+    `trainer.devices` a number of processes per node (not auto), `trainer.num_nodes` the number of nodes."""
+    import torch
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = os.environ
+    if torch.distributed.is_available() and torch.distributed.is_torchelastic_launched():
+        launcher, per_node, nodes = "torchrun", env.get("LOCAL_WORLD_SIZE"), None
+        if per_node and env.get("WORLD_SIZE"):
+            nodes = str(int(env["WORLD_SIZE"]) // max(1, int(per_node)))
+        per_node_flag, nodes_flag = "--nproc_per_node", "--nnodes"
+    elif SLURMEnvironment.detect():
+        launcher, per_node, nodes = "SLURM (srun)", env.get("SLURM_NTASKS_PER_NODE"), env.get("SLURM_NNODES")
+        per_node_flag, nodes_flag = "--ntasks-per-node", "--nodes"
+    else:
+        return
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        hint = f"trainer.devices={per_node}" if per_node and per_node.isdigit() else "trainer.devices=<GPUs per node>"
+        raise ValueError(f"trainer.devices={devices!r} must be a number of devices per node under {launcher}, which "
+                         f"starts one process per device and gives each its rank; use {hint}")
+    for key, value, flag, have in (("trainer.devices", devices, per_node_flag, per_node),
+                                   ("trainer.num_nodes", num_nodes, nodes_flag, nodes)):
+        if have is not None and have.isdigit() and int(have) != value:
+            raise ValueError(f"{key}={value} but {launcher} started {flag}={have}; use {key}={have}")
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).

@@ -16,8 +16,10 @@ def test_a_wheel_ships_the_configs_and_compose_works_from_it(tmp_path: Path) -> 
                     str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
     wheel = next(dist.glob("lmlab-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"lmlab/conf/{p.relative_to(ROOT / 'lmlab' / 'conf')}" for p in (ROOT / "lmlab" / "conf").rglob("*.yaml")}
+    conf = ROOT / "lmlab" / "conf"
+    shipped = {f"lmlab/conf/{p.relative_to(conf)}" for p in conf.rglob("*.yaml")}
     assert "lmlab/conf/train.yaml" in shipped and shipped <= names
+    assert "hydra_plugins/lmlab_slurm/__init__.py" in names  # hydra/launcher=slurm_dry_run's launcher
     env = tmp_path / "venv"  # the wheel over the machine's packages, away from the checkout
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], check=True, timeout=120)
     subprocess.run([str(env / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], check=True,
