@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value, check_values, option_params
+from lmlab.registry import PositiveFloat, PositiveInt, Range, build, check_value, check_values, option_params
 
-ARCH_GROUPS = ("norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
+ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
@@ -38,6 +38,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
+    block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
     activation: dict = field(default_factory=lambda: {"name": "gelu"})
@@ -49,6 +50,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         from lmlab.model.attention import ATTENTIONS
+        from lmlab.model.block import BLOCKS
         from lmlab.model.ffn import FFNS
 
         types = _field_types()
@@ -77,6 +79,10 @@ class GPTConfig:
         multiple_of = self.ffn.get("multiple_of", 64)
         raw = FFNS[ffn_name].hidden_ratio * self.ffn.get("hidden_mult", 4) * self.d_model
         self.ffn_hidden = max(multiple_of, multiple_of * round(raw / multiple_of))
+
+        # The attention geometry the position scheme is built for: (n_head, head_dim), or one head of GAU's key size.
+        kind = build("block", BLOCKS, self.block, self)
+        self.attn_heads, self.attn_head_dim = kind.heads, kind.head_dim
 
     def validate(self) -> GPTConfig:
         """Resolve every option and build the model on the meta device; raise ValueError naming the bad key."""

@@ -66,17 +66,30 @@ class Divergence:
 
 
 def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Parameter groups named as the metrics are: layer_XX/attn, layer_XX/ffn, layer_XX/norm, embed, head."""
+    """Parameter groups named as the metrics are: layer_XX/<sublayer> (each sublayer's own `sublayer` name: attn and
+    ffn for a transformer layer, gau for a GAU), layer_XX/norm (the rest of the block), embed, head."""
     groups: dict[str, list[nn.Parameter]] = {"embed": list(model.wte.parameters()) + list(model.pos.parameters())}
     for i, block in enumerate(model.h):
-        attn, ffn = set(block.attn.parameters()), set(block.mlp.parameters())
-        groups[f"layer_{i:02d}/attn"] = list(attn)
-        groups[f"layer_{i:02d}/ffn"] = list(ffn)
-        groups[f"layer_{i:02d}/norm"] = [p for p in block.parameters() if p not in attn and p not in ffn]
+        taken: set[nn.Parameter] = set()
+        for attr in block.sublayer_names:
+            module = getattr(block, attr)
+            params = list(module.parameters())
+            groups[f"layer_{i:02d}/{getattr(module, 'sublayer', attr)}"] = params
+            taken.update(params)
+        groups[f"layer_{i:02d}/norm"] = [p for p in block.parameters() if p not in taken]
     embed = {id(p) for p in groups["embed"]}
     groups["head"] = [p for p in list(model.ln_f.parameters()) + list(model.lm_head.parameters())
                       if id(p) not in embed]  # a tied head is counted once, with the embeddings
     return groups
+
+
+def attention_sublayer(block: nn.Module) -> nn.Module | None:
+    """The block's first sublayer with attention weights to show (`probs`), or None."""
+    for attr in block.sublayer_names:
+        module = getattr(block, attr)
+        if hasattr(module, "probs"):
+            return module
+    return None
 
 
 def _sq(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -136,7 +149,8 @@ class StabilityMonitor(Callback):
         self.groups = layer_groups(model)
         for i, block in enumerate(model.h):
             self._hooks.append(block.register_forward_hook(self._act_hook(i)))
-            self._hooks.append(block.attn.register_forward_pre_hook(self._attn_hook(i)))
+            if (attn := attention_sublayer(block)) is not None:
+                self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i)))
 
     def on_fit_end(self, trainer, pl_module) -> None:
         for h in self._hooks:
@@ -218,15 +232,20 @@ class StabilityMonitor(Callback):
 
     @torch.no_grad()
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:
-        """Mean attention entropy (nats, over heads, queries and sampled sequences) and max logit per layer."""
+        """Mean attention entropy (nats, over heads, queries and sampled sequences) and max logit per layer. The
+        entropy only for scores whose rows are distributions (`score.sums_to_one`; relu²/n rows are not)."""
         model, out = pl_module.model, {}
         sums, counts, maxes = [], [], []
         for i in sorted(self._attn_in):
             x = self._attn_in[i]
             if x.size(0):
-                p, max_logit = model.h[i].attn.probs(x, model.pos)  # (B, nh, T, T), (B, nh)
-                entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
-                sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
+                attn = attention_sublayer(model.h[i])
+                p, max_logit = attn.probs(x, model.pos)  # (B, nh, T, T), (B, nh)
+                if attn.score.sums_to_one:
+                    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
+                    sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
+                else:  # rows that are not distributions have no entropy: none is logged for this layer
+                    sums.append(torch.zeros(())), counts.append(0.0)
                 maxes.append(max_logit.max().float())
             else:  # this rank holds none of the sampled sequences
                 sums.append(torch.zeros(())), counts.append(0.0), maxes.append(torch.tensor(float("-inf")))
@@ -236,8 +255,11 @@ class StabilityMonitor(Callback):
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
-        for i, (ent, m) in enumerate(zip((total / n).tolist(), mx.tolist())):
-            out[f"attn/entropy/layer_{i:02d}"], out[f"attn/max_logit/layer_{i:02d}"] = ent, m
+        distributions = [attention_sublayer(block).score.sums_to_one for block in model.h]
+        for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):
+            if distributions[i]:
+                out[f"attn/entropy/layer_{i:02d}"] = ent
+            out[f"attn/max_logit/layer_{i:02d}"] = m
         return out
 
     def _log_profile(self, trainer) -> None:

@@ -34,6 +34,18 @@ def test_every_option_composes_and_builds(group: str, option: str, monkeypatch) 
         assert model(torch.randint(0, 40, (1, 8))).shape == (1, 8, 40)
 
 
+@pytest.mark.parametrize("overrides", [["attention.score=relu2"], ["attention.score=softmax_plus"],
+                                       ["block=gau", "block.score=relu2", "position=rope"],
+                                       ["block=gau", "model=tiny_gau", "position=alibi", "placement=post"]])
+def test_scores_and_blocks_compose_and_build(overrides: list[str]) -> None:
+    cfg = compose(overrides)
+    check_config(cfg)
+    model = build_model(cfg, vocab_size=40)
+    assert model(torch.randint(0, 40, (1, 8))).shape == (1, 8, 40)
+    gcfg = arch_config(cfg, vocab_size=40)
+    assert gcfg.to_dict()["block"]["name"] == cfg.block.name
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])

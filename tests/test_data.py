@@ -327,11 +327,12 @@ def test_hf_reads_a_local_dataset_like_text_files(tmp_path: Path, corpus: list[P
     hf = make_dm(tmp_path, name="hf", dataset=str(tmp_path / "corpus"), paths=None)
     files = make_dm(tmp_path)
     assert np.array_equal(hf.train_tokens, files.train_tokens)  # lines + newline == the files
-    assert (
-        set(CORPORA)
-        == {p.stem for p in (Path(__file__).parents[1] / "conf" / "data").glob("*.yaml")}
-        == {"shakespeare", "text_files", "hf"}
-    )
+    stems = {p.stem for p in (Path(__file__).parents[1] / "conf" / "data").glob("*.yaml")}
+    assert set(CORPORA) == {"shakespeare", "text_files", "hf"} <= stems  # one YAML per corpus loader
+    from lmlab import compose
+
+    for preset in stems - set(CORPORA):  # presets (bpe50k: a tokenizer on a corpus) extend a loader's YAML
+        assert compose([f"data={preset}"]).data.name in CORPORA, preset
 
 
 def test_hf_offline_error_is_clear(tmp_path: Path) -> None:

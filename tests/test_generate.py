@@ -15,6 +15,7 @@ from lmlab.model.cache import KVCache
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
+from lmlab.model.score import SCORES
 from lmlab.training import train
 from tests.runs import ROOT, cli, tiny
 
@@ -26,8 +27,11 @@ def _model(**kw) -> GPT:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**base, **kw}).validate()).eval()
     with torch.no_grad():  # sharp, position-dependent attention: at init it is nearly uniform and hides mistakes
-        for block in model.h:
-            block.attn.c_attn.weight.mul_(10)
+        for name, p in model.named_parameters():  # attention's q, k, v; GAU's scales of Q and K
+            if name.endswith("attn.c_attn.weight"):
+                p.mul_(10)
+            elif name.endswith(("q_gamma", "k_gamma")):
+                p.mul_(4)
     return model
 
 
@@ -47,6 +51,14 @@ CASES |= {
     "mqa+logn_scaling": {"position": {"name": "rope"}, "train_len": 8,
                          "attention": {"name": "mqa", "logn_scaling": True}},
     "alibi+post": {"position": {"name": "alibi"}, "placement": {"name": "post"}},
+    **{f"score={s}": {"position": {"name": "rope"}, "train_len": 8, "attention": {"name": "mha", "score": s}}
+       for s in SCORES},
+    **{f"block=gau+score={s}": {"position": {"name": "rope"}, "train_len": 8, "activation": {"name": "silu"},
+                                "block": {"name": "gau", "s": 16, "expansion": 2, "score": s}} for s in SCORES},
+    "gqa+alibi+relu2": {"position": {"name": "alibi"}, "attention": {"name": "gqa", "score": "relu2"},
+                        "n_kv_head": 2},
+    "gau+alibi+post": {"position": {"name": "alibi"}, "placement": {"name": "post"},
+                       "block": {"name": "gau", "s": 16, "score": "relu2"}},
     "sinusoidal+deepnorm+swiglu": {"position": {"name": "sinusoidal"}, "placement": {"name": "deepnorm"},
                                    "ffn": {"name": "swiglu"}},
 }

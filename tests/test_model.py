@@ -1,6 +1,7 @@
 """The whole GPT over a small cartesian product of axes (all norms × placements, all positions × FFNs, every
-activation, every attention): logits shape, causality, loss at init ≈ ln V, gradients reach every parameter; the
-parameter-count formula; and validate() errors that name the key."""
+activation, every attention and score, every block × placement, GAU × score × rope/alibi): logits shape, causality,
+loss at init ≈ ln V, gradients reach every parameter; the parameter-count formula; and validate() errors that name
+the key."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch.nn.functional as F
 from lmlab.config import GPTConfig, arch_config
 from lmlab.model.activation import ACTIVATIONS
 from lmlab.model.attention import ATTENTIONS
+from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS
 from lmlab.model.gpt import GPT
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.score import SCORES
 
 V, T, B = 50, 12, 2
 BASE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
@@ -28,6 +31,10 @@ COMBOS = (
        for p in sorted(POSITIONS) for f in sorted(FFNS)]
     + [{"activation": {"name": a}} for a in sorted(ACTIVATIONS)]
     + [{"attention": {"name": a}, "n_kv_head": 2 if a == "gqa" else None} for a in sorted(ATTENTIONS)]
+    + [{"attention": {"name": "mha", "score": s}} for s in sorted(SCORES)]
+    + [{"block": {"name": b}, "placement": {"name": p}} for b in sorted(BLOCKS) for p in sorted(PLACEMENTS)]
+    + [{"block": {"name": "gau", "s": 16, "score": s}, "position": {"name": p}} for s in sorted(SCORES)
+       for p in ("rope", "alibi")]
 )
 
 

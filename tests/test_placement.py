@@ -1,5 +1,6 @@
-"""Placements: each block's forward against SPEC's formula, with the attention and FFN sublayers replaced by known
-functions (zero, identity, and a nonlinear one) and the block's own norms (with distinct, non-trivial weights);
+"""Placements: each block's forward against SPEC's formula, with the attention and FFN sublayers (or block=gau's one
+sublayer) replaced by known functions (zero, identity, and a nonlinear one) and the block's own norms (with distinct,
+non-trivial weights);
 `final_norm` and the model's ln_f; DeepNorm's α = (2L)^(1/4) and init gain β = (8L)^(-1/4)."""
 
 from __future__ import annotations
@@ -37,30 +38,30 @@ SUBLAYERS = {
 }
 
 
-def _formula(name: str, b: nn.Module, A, M, x: torch.Tensor) -> torch.Tensor:
-    """SPEC's residual wiring, with N = the block's own norm modules."""
+def _step(name: str, b: nn.Module, F, x: torch.Tensor, j: int) -> torch.Tensor:
+    """SPEC's residual wiring of sublayer j, with N = the block's own norm modules ln_j (and ln_j_post)."""
+    N = getattr(b, f"ln_{j}")
     if name == "pre":  # x + F(N(x))
-        x = x + A(b.ln_1(x))
-        return x + M(b.ln_2(x))
+        return x + F(N(x))
     if name == "post":  # N(x + F(x))
-        x = b.ln_1(x + A(x))
-        return b.ln_2(x + M(x))
+        return N(x + F(x))
     if name == "double":  # x + N(F(N(x)))
-        x = x + b.ln_1_post(A(b.ln_1(x)))
-        return x + b.ln_2_post(M(b.ln_2(x)))
+        return x + getattr(b, f"ln_{j}_post")(F(N(x)))
     if name == "post_nonres":  # x + N(F(x))
-        x = x + b.ln_1(A(x))
-        return x + b.ln_2(M(x))
+        return x + N(F(x))
     if name == "deepnorm":  # N(αx + F(x)), α = (2L)^(1/4)
-        a = (2 * N_LAYER) ** 0.25
-        x = b.ln_1(a * x + A(x))
-        return b.ln_2(a * x + M(x))
-    pytest.fail(f"placement {name!r} has no SPEC formula in tests/test_placement.py: add it to _formula")
+        return N((2 * N_LAYER) ** 0.25 * x + F(x))
+    pytest.fail(f"placement {name!r} has no SPEC formula in tests/test_placement.py: add it to _step")
 
 
-def _block(name: str, norm: str = "layer") -> nn.Module:
+def _formula(name: str, b: nn.Module, A, M, x: torch.Tensor) -> torch.Tensor:
+    """A transformer layer: the attention step, then the FFN step."""
+    return _step(name, b, M, _step(name, b, A, x, 1), 2)
+
+
+def _block(name: str, norm: str = "layer", block: str = "transformer") -> nn.Module:
     cfg = GPTConfig(vocab_size=50, n_layer=N_LAYER, d_model=D, n_head=2, norm={"name": norm},
-                    placement={"name": name})
+                    placement={"name": name}, block={"name": block})
     block = build("placement", PLACEMENTS, cfg.placement, cfg, 1)
     with torch.no_grad():  # distinct affine parameters per norm, so swapped norms are caught
         for p in block.parameters():
@@ -88,6 +89,18 @@ def test_block_formula_with_real_sublayers(name: str) -> None:
     x = torch.randn(2, 5, D)
     expected = _formula(name, block, lambda h: attn(h, pos), mlp, x)
     torch.testing.assert_close(block(x, pos), expected, **TOL)
+
+
+@pytest.mark.parametrize("sub", sorted(SUBLAYERS))
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_gau_block_is_one_step(name: str, sub: str) -> None:
+    """block=gau: one sublayer, wired by the same placement with its own norm ln_1 (and ln_1_post)."""
+    block = _block(name, "rms", block="gau")
+    assert block.sublayer_names == ("gau",) and not hasattr(block, "ln_2") and not hasattr(block, "attn")
+    G = SUBLAYERS[sub][0]
+    block.gau = Sub(G)
+    x = torch.randn(2, 5, D) * 2 + 0.5
+    torch.testing.assert_close(block(x, None), _step(name, block, G, x, 1), **TOL)
 
 
 def test_zero_sublayers_pre_and_double_are_identity() -> None:

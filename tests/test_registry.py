@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from lmlab.config import GPTConfig
 from lmlab.model.activation import ACTIVATIONS
 from lmlab.model.attention import ATTENTIONS
+from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS
 from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS
@@ -22,6 +23,7 @@ from lmlab.registry import build, option_params
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {
+    "block": BLOCKS,
     "norm": NORMS,
     "placement": PLACEMENTS,
     "activation": ACTIVATIONS,

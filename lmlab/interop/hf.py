@@ -201,7 +201,7 @@ def adopt(cfg: Any, arch: GPTConfig) -> None:
         if arch.position["name"] == "learned":
             cfg.model.max_seq_len = arch.max_seq_len
         cfg.model.train_len = arch.train_len
-        for group in ("norm", "placement", "activation", "ffn", "position", "attention", "init"):
+        for group in ("block", "norm", "placement", "activation", "ffn", "position", "attention", "init"):
             cfg[group] = OmegaConf.create(dict(getattr(arch, group)))
         if cfg.rope_scaling.name == "none":
             cfg.rope_scaling = OmegaConf.create(dict(arch.rope_scaling))

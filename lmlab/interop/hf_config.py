@@ -37,10 +37,12 @@ def family(cfg: GPTConfig) -> str:
 
 
 def _check_common(cfg: GPTConfig, fam: str) -> None:
+    if cfg.block.get("name", "transformer") != "transformer":
+        raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
-    for key, plain in (("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0)):
+    for key, plain in (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0)):
         if attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={plain}")
 

@@ -1,9 +1,10 @@
 """Causal self-attention and its key/value-head sharing options.
 
-Contract: `Attention(cfg, *, qk_norm, logn_scaling, temperature)`; `forward(x, pos, cache=None)` maps (B, T, C) ->
-(B, T, C), where `pos` is the model's Position (its `rotate` and `attn_bias` hooks) and `cache` this layer's
-`LayerCache` when generating (the keys and values of the tokens before these T). The options differ only in how
-many key/value heads they keep (`kv_heads`), which `GPTConfig` resolves once.
+Contract: `Attention(cfg, *, score, qk_norm, logn_scaling, temperature)`; `forward(x, pos, cache=None)` maps
+(B, T, C) -> (B, T, C), where `pos` is the model's Position (its `rotate` and `attn_bias` hooks) and `cache` this
+layer's `LayerCache` when generating (the keys and values of the tokens before these T). The options differ only in
+how many key/value heads they keep (`kv_heads`), which `GPTConfig` resolves once. `score` picks how logits become
+weights (`lmlab.model.score`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.registry import PositiveFloat
+from lmlab.model.score import SCORES, attend, explicit_weights, key_counts, log_ratio, scale_queries
+from lmlab.registry import PositiveFloat, build
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -27,20 +29,30 @@ class MHA(nn.Module):
     """Multi-head attention (Vaswani et al., 2017), one key/value head per query head.
 
     Fast path: one fused QKV matmul and `F.scaled_dot_product_attention(is_causal=True)`; a materialised
-    mask only when the position scheme adds a bias (ALiBi). Flags:
+    mask only when the position scheme adds a bias (ALiBi). Keys:
+    - score: how logits become weights (`lmlab.model.score`: softmax, softmax_plus, relu2); the scores that
+      are not a softmax run explicitly, with the (T, T) matrix held;
     - qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al., 2023), bounding logits;
     - logn_scaling: multiply q at position n > L (L = the trained length) by log_L(n), keeping the attention
-      entropy roughly constant as the context grows (Chiang & Cholak, 2022; Su, 2021);
+      entropy roughly constant as the context grows (Chiang & Cholak, 2022; Su, 2021). Zero-shot: at n <= L the
+      model is unchanged; score=softmax_plus trains with the factor at every length instead (not both at once);
     - temperature: logits / temperature (on top of 1/sqrt(head_dim)).
     """
+
+    sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
+    mixes_tokens = True  # called as (x, pos, cache) by the block
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
         return n_head
 
-    def __init__(self, cfg: GPTConfig, *, qk_norm: bool = False, logn_scaling: bool = False,
+    def __init__(self, cfg: GPTConfig, *, score: str = "softmax", qk_norm: bool = False, logn_scaling: bool = False,
                  temperature: PositiveFloat = 1.0) -> None:
         super().__init__()
+        self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
+        if logn_scaling and self.score.query_scale(torch.ones(1)) is not None:
+            raise ValueError(f"attention.logn_scaling=true with attention.score={score!r}, which already scales "
+                             f"the logits by log_L(n); use one of the two")
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.train_len, self.logn_scaling = cfg.train_len, logn_scaling
         self.scale = 1.0 / (math.sqrt(self.head_dim) * temperature)
@@ -48,6 +60,7 @@ class MHA(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         self.c_attn.fused = (q_dim, kv_dim, kv_dim)  # the q, k, v rows (read by the inits and by `qkv`)
+        self.c_attn.value_parts = (False, False, True)  # DeepNet's gain goes to v, not q and k (lmlab.model.init)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
@@ -66,9 +79,9 @@ class MHA(nn.Module):
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
         q, k = pos.rotate(q, k, offset)
         if self.logn_scaling and offset + T > self.train_len:
-            n = torch.arange(offset + 1, offset + T + 1, device=x.device, dtype=torch.float32)
-            q = q * (n.log() / math.log(self.train_len)).clamp_min(1.0).to(q.dtype)[:, None]  # (T, 1)
-        return q, k, v
+            n = key_counts(T, offset, x.device)
+            q = q * log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype)[:, None]  # (T, 1)
+        return scale_queries(q, self.score, offset), k, v
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -76,26 +89,17 @@ class MHA(nn.Module):
         q, k, v = self.qkv(x, pos, offset)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, offset + T, hs): every token so far
-        bias = pos.attn_bias(T, x.device, q.dtype, offset)  # (nh, T, offset + T), -inf where j > i, or None
-        if bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
-            bias = torch.ones(T, offset + T, dtype=torch.bool, device=x.device).tril(offset)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
-            enable_gqa=self.n_kv_head != self.n_head)  # (B, nh, T, hs)
+        y = attend(q, k, v, self.score, self.scale, pos, offset,
+                   self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def probs(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention probabilities and the max logit per head, computed explicitly (for monitoring)."""
-        T = x.size(1)
+        """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
+        head (B, nh), computed explicitly (for monitoring)."""
         q, k, _ = self.qkv(x, pos)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
-        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T)
-        bias = pos.attn_bias(T, x.device, logits.dtype)
-        if bias is None:
-            bias = torch.full((T, T), float("-inf"), device=x.device, dtype=logits.dtype).triu(1)
-        logits = logits + bias
-        return logits.softmax(dim=-1), logits.amax(dim=(-2, -1))
+        weights, logits = explicit_weights(q, k, self.score, self.scale, pos)
+        return weights, logits.amax(dim=(-2, -1))
 
 
 class GQA(MHA):

@@ -21,6 +21,7 @@ class MLP(nn.Module):
     """The original Transformer FFN (Vaswani et al., 2017): W2 act(W1 x + b1) + b2."""
 
     hidden_ratio = 1.0
+    sublayer = "ffn"  # the monitor's name for it (grad/norm/layer_XX/ffn)
 
     def __init__(self, dim: int, hidden: int, *, activation: Mapping[str, Any], bias: bool = False) -> None:
         super().__init__()
@@ -41,6 +42,7 @@ class GLU(nn.Module):
     """
 
     hidden_ratio = 2 / 3
+    sublayer = "ffn"
     gate: str | None = None  # set by SwiGLU / GeGLU / ReGLU: the gate is fixed whatever `activation` says
 
     def __init__(self, dim: int, hidden: int, *, activation: Mapping[str, Any], bias: bool = False) -> None:

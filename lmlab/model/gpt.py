@@ -24,7 +24,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.head_dim, cfg.n_head,
+        self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))

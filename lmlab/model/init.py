@@ -1,8 +1,9 @@
 """Weight initialisation schemes.
 
 Contract: `init(model, *, <own params>)` re-initialises every weight of a GPT in place. Schemes read what
-they need from the modules: `is_residual_proj` on the projections that write into the residual stream, and
-the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1 otherwise).
+they need from the modules: `is_residual_proj` on the projections that write into the residual stream,
+`fused` (the row blocks of a fused projection) and `value_parts` (which of them carry values rather than queries or
+keys), and the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1 otherwise).
 Norm weights keep their constructors' values (ones; ScaleNorm's sqrt(d)); biases are zeroed.
 """
 
@@ -33,10 +34,11 @@ def _zero_biases(model: nn.Module) -> None:
 
 @torch.no_grad()
 def gpt2(model: nn.Module, *, std: PositiveFloat = 0.02) -> None:
-    """GPT-2 (Radford et al., 2019): N(0, std) everywhere, residual projections scaled by 1/sqrt(2L)."""
-    n_layer = len(model.h)
+    """GPT-2 (Radford et al., 2019): N(0, std) everywhere, residual projections scaled by 1/sqrt(N), N = the number
+    of sublayers writing into the residual stream (2L for attention + FFN layers, L for GAU layers)."""
+    n_writes = sum(len(block.sublayer_names) for block in model.h)
     for module in _linears_and_embeddings(model):
-        scale = 1 / math.sqrt(2 * n_layer) if getattr(module, "is_residual_proj", False) else 1.0
+        scale = 1 / math.sqrt(n_writes) if getattr(module, "is_residual_proj", False) else 1.0
         nn.init.normal_(module.weight, mean=0.0, std=std * scale)
     _zero_biases(model)
 
@@ -52,11 +54,14 @@ def small(model: nn.Module) -> None:
     _zero_biases(model)
 
 
-def _xavier(weight: torch.Tensor, module: nn.Module, gain: float) -> None:
-    """Xavier normal per matrix: a fused projection (QKV, GLU gate+up) is initialised as its separate parts."""
+def _xavier(weight: torch.Tensor, module: nn.Module, gain: float, parts: tuple[bool, ...] | None = None) -> None:
+    """Xavier normal per matrix: a fused projection (QKV, GLU gate+up) is initialised as its separate parts (only
+    those flagged in `parts`, when given)."""
     start = 0
-    for rows in getattr(module, "fused", (weight.size(0),)):
-        nn.init.xavier_normal_(weight[start:start + rows], gain=gain)
+    blocks = getattr(module, "fused", (weight.size(0),))
+    for rows, chosen in zip(blocks, parts or (True,) * len(blocks)):
+        if chosen:
+            nn.init.xavier_normal_(weight[start:start + rows], gain=gain)
         start += rows
 
 
@@ -77,19 +82,24 @@ def xavier(model: nn.Module, *, gain: PositiveFloat = 1.0) -> None:
 @torch.no_grad()
 def deepnet(model: nn.Module) -> None:
     """DeepNet (Wang et al., 2022): Xavier normal, with gain β = block.init_gain(L) on the value, output and
-    FFN weights (q and k keep gain 1). β = (8L)^(-1/4) under placement=deepnorm, 1 elsewhere."""
+    FFN weights (q and k keep gain 1). β = (8L)^(-1/4) under placement=deepnorm, 1 elsewhere.
+
+    Found by markers: a residual projection, the `value_parts` of a fused projection (attention's v, GAU's u and v),
+    and every other Linear of a sublayer that does not mix tokens (the FFN)."""
     xavier(model)
     n_layer = len(model.h)
     for block in model.h:
         beta = block.init_gain(n_layer)
-        attn = block.attn
-        d, kv = attn.n_head * attn.head_dim, attn.n_kv_head * attn.head_dim
-        v = attn.c_attn.weight[d + kv:]  # (kv, C): the value rows of the fused QKV matrix
-        nn.init.xavier_normal_(v, gain=beta)
-        nn.init.xavier_normal_(attn.c_proj.weight, gain=beta)
-        for module in block.mlp.modules():
-            if isinstance(module, nn.Linear):
-                _xavier(module.weight, module, beta)
+        for name in block.sublayer_names:
+            sub = getattr(block, name)
+            for module in sub.modules():
+                if isinstance(module, nn.Linear):
+                    values = getattr(module, "value_parts", None)
+                    if values is None:
+                        values = (not getattr(sub, "mixes_tokens", False),) * len(getattr(module, "fused", (0,)))
+                    if getattr(module, "is_residual_proj", False):
+                        values = (True,) * len(values)
+                    _xavier(module.weight, module, beta, values)
 
 
 INITS = {"gpt2": gpt2, "deepnet": deepnet, "small": small, "xavier": xavier}

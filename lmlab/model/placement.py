@@ -1,20 +1,23 @@
-"""Where the norms sit in a block (the residual wiring).
+"""Where the norms sit around each sublayer (the residual wiring).
 
-Contract: a `Block(cfg, layer_idx)` subclass with its own `forward(x, pos, cache=None)` (`cache`: the layer's KV
-cache when generating, handed to attention). Each placement says on itself
-whether the model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init
-applies to its value/output/FFN weights (`init_gain`). N = norm, F = attention or FFN sublayer.
+Contract: a `Block(cfg, layer_idx)` subclass with its own `sublayer(x, f, j)`: how sublayer j (1-based, `f` already
+bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual stream. The
+`block` group supplies the sublayers (attention + FFN, or one GAU); `Block.forward(x, pos, cache=None)` applies the
+placement to each in turn, so every placement works with every block. Each placement says on itself whether the
+model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init applies to its value/output
+weights (`init_gain`). N = norm, F = a sublayer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lmlab.model.attention import ATTENTIONS
-from lmlab.model.ffn import FFNS
+from lmlab.model.block import BLOCKS
 from lmlab.model.norm import NORMS
 from lmlab.registry import build
 
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
     from lmlab.config import GPTConfig
     from lmlab.model.cache import LayerCache
     from lmlab.model.position import Position
+
+Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Block(nn.Module):
@@ -31,27 +36,39 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.ln_1 = build("norm", NORMS, cfg.norm, cfg.d_model)
-        self.attn = build("attention", ATTENTIONS, cfg.attention, cfg)
-        self.ln_2 = build("norm", NORMS, cfg.norm, cfg.d_model)
-        self.mlp = build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden, activation=cfg.activation,
-                         bias=cfg.bias)
+        sublayers = build("block", BLOCKS, cfg.block, cfg).sublayers()
+        self.sublayer_names = tuple(sublayers)  # attribute names, in order (transformer: attn, mlp)
+        for j, (name, module) in enumerate(sublayers.items(), 1):
+            setattr(self, f"ln_{j}", build("norm", NORMS, cfg.norm, cfg.d_model))
+            setattr(self, name, module)
         if self.post_norms:
-            self.ln_1_post = build("norm", NORMS, cfg.norm, cfg.d_model)
-            self.ln_2_post = build("norm", NORMS, cfg.norm, cfg.d_model)
+            for j in range(1, len(sublayers) + 1):
+                setattr(self, f"ln_{j}_post", build("norm", NORMS, cfg.norm, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
 
     @staticmethod
     def init_gain(n_layer: int) -> float:
         return 1.0
 
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+        for j, name in enumerate(self.sublayer_names, 1):
+            module = getattr(self, name)
+            f = partial(module, pos=pos, cache=cache) if getattr(module, "mixes_tokens", False) else module
+            x = self.sublayer(x, f, j)
+        return x
+
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def norm(self, j: int, post: bool = False) -> nn.Module:
+        return getattr(self, f"ln_{j}_post" if post else f"ln_{j}")
+
 
 class PreNorm(Block):
     """Pre-LN (Xiong et al., 2020; GPT-2): x + F(N(x)). Gradients reach every layer through the identity path."""
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), pos, cache))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return x + self.drop(f(self.norm(j)(x)))
 
 
 class PostNorm(Block):
@@ -59,9 +76,8 @@ class PostNorm(Block):
 
     final_norm = False
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
-        x = self.ln_1(x + self.drop(self.attn(x, pos, cache)))
-        return self.ln_2(x + self.drop(self.mlp(x)))
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return self.norm(j)(x + self.drop(f(x)))
 
 
 class DoubleNorm(Block):
@@ -69,18 +85,16 @@ class DoubleNorm(Block):
 
     post_norms = True
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.ln_1_post(self.attn(self.ln_1(x), pos, cache)))
-        return x + self.drop(self.ln_2_post(self.mlp(self.ln_2(x))))
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return x + self.drop(self.norm(j, post=True)(f(self.norm(j)(x))))
 
 
 class PostNormNonResidual(Block):
     """Post-norm on the branch only: x + N(F(x)) (the 'non-residual post-norm' of the source notes; Swin v2's
     res-post-norm). The identity path stays unnormalised, so the stream grows and a final norm is needed."""
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.ln_1(self.attn(x, pos, cache)))
-        return x + self.drop(self.ln_2(self.mlp(x)))
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return x + self.drop(self.norm(j)(f(x)))
 
 
 class DeepNorm(Block):
@@ -97,9 +111,8 @@ class DeepNorm(Block):
     def init_gain(n_layer: int) -> float:
         return (8 * n_layer) ** -0.25
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
-        x = self.ln_1(self.alpha * x + self.drop(self.attn(x, pos, cache)))
-        return self.ln_2(self.alpha * x + self.drop(self.mlp(x)))
+    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return self.norm(j)(self.alpha * x + self.drop(f(x)))
 
 
 PLACEMENTS = {"pre": PreNorm, "post": PostNorm, "double": DoubleNorm, "post_nonres": PostNormNonResidual,

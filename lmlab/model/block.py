@@ -1,0 +1,59 @@
+"""What a layer is made of (the `block` axis): named sublayers, each wired into the residual stream by the
+`placement` group (`x + F(N(x))`, `N(x + F(x))`, ... applied per sublayer).
+
+Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is
+built for (RoPE's rotated size, ALiBi's slopes), and `sublayers()`, the layer's modules in order, by attribute name.
+A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens`
+(called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers
+(`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lmlab.model.attention import ATTENTIONS
+from lmlab.model.ffn import FFNS
+from lmlab.model.gau import GAU
+from lmlab.registry import PositiveFloat, PositiveInt, build
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
+
+
+class Transformer:
+    """The transformer layer (Vaswani et al., 2017): attention (the `attention` group), then the FFN (`ffn`)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        self.cfg = cfg
+        self.heads, self.head_dim = cfg.n_head, cfg.head_dim
+
+    def sublayers(self) -> dict[str, nn.Module]:
+        cfg = self.cfg
+        return {"attn": build("attention", ATTENTIONS, cfg.attention, cfg),
+                "mlp": build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden, activation=cfg.activation,
+                             bias=cfg.bias)}
+
+
+class GAUBlock:
+    """One Gated Attention Unit per layer (FLASH, Hua et al., 2022; `lmlab.model.gau`), replacing attention + FFN:
+    key size `s`, expansion e = `expansion` · d_model, attention weights from `score`. The default score is GAU-α's
+    softmax_plus (Su, 2022, the source note): FLASH's relu²/n generalised poorly to other lengths in Su's tests.
+    One layer has d·s + 3·d·e + 4s parameters, about half an attention + FFN pair (12d²) at FLASH's sizes (s ≪ d):
+    match a transformer's size with about twice the layers (conf/model/tiny_gau.yaml)."""
+
+    def __init__(self, cfg: GPTConfig, *, s: PositiveInt = 128, expansion: PositiveFloat = 2.0,
+                 score: str = "softmax_plus") -> None:
+        self.cfg, self.s, self.score = cfg, s, score
+        self.e = max(1, round(expansion * cfg.d_model))
+        self.heads, self.head_dim = 1, s
+
+    def sublayers(self) -> dict[str, nn.Module]:
+        cfg = self.cfg
+        return {"gau": GAU(cfg.d_model, self.s, self.e, score=self.score, activation=cfg.activation, bias=cfg.bias,
+                           train_len=cfg.train_len, dropout=cfg.dropout)}
+
+
+BLOCKS = {"transformer": Transformer, "gau": GAUBlock}

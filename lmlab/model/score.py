@@ -1,0 +1,130 @@
+"""Attention score functions: how the scaled logits q·k/√d (+ the position bias) become attention weights.
+
+Contract: `Score(train_len)` with
+- `weights(logits, mask, n)`: logits (..., T, S) (scaled, position bias added), mask (T, S) True where query i may
+  read key j (causal: j <= offset + i), n (T,) the number of keys each query reads (offset + i + 1) -> weights
+  (..., T, S), exactly 0 where the mask is False;
+- `query_scale(n)`: a factor (T,) on each query before the dot product, or None;
+- `sums_to_one`: whether each row of weights sums to one (the monitor reports an entropy only then);
+- `sdpa`: whether the weights are softmax(logits) after `query_scale`, so `F.scaled_dot_product_attention` (fused,
+  no (T, S) matrix held) computes them.
+Used by the attention (`attention.score`) and by the GAU block (`block.score`) through `attend` below, the way
+the FFN uses `activation`. n counts keys per query, so a score stays causal and the KV cache (queries starting at
+`offset`) gives the full forward's outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lmlab.model.position import Position
+
+
+def log_ratio(n: torch.Tensor, train_len: int) -> torch.Tensor:
+    """log_L(n) = ln n / ln L: the entropy-invariance factor (Su, 2021; Chiang & Cholak, 2022) for a query reading n
+    keys, L = the trained length. Shared by `attention.logn_scaling` (clamped >= 1, past L only) and softmax_plus."""
+    return n.log() / math.log(train_len)
+
+
+def key_counts(T: int, offset: int, device: torch.device) -> torch.Tensor:
+    """n_i = offset + i + 1: how many keys query i (at position offset + i) reads under the causal mask, (T,)."""
+    return torch.arange(offset + 1, offset + T + 1, device=device, dtype=torch.float32)
+
+
+class Softmax:
+    """softmax(q·k/√d + bias) over the keys each query reads (Vaswani et al., 2017)."""
+
+    sums_to_one = True
+    sdpa = True
+
+    def __init__(self, train_len: int) -> None:
+        self.train_len = train_len
+
+    def query_scale(self, n: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def weights(self, logits: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+class SoftmaxPlus(Softmax):
+    """Entropy-invariant softmax, trained with it (Su, 2021, the 'softmax_plus' of GAU-α): softmax(log_L(n) · q·k/√d
+    + bias), n = the keys query i reads (i + 1), L = the trained length (`train_len`). The factor multiplies the
+    content logits (the query), not a position bias, as `logn_scaling` does. It is < 1 for n < L (the first query,
+    n = 1, reads its single key with weight 1 whatever the logits), 1 at n = L and > 1 beyond, so the model learns
+    with it at every length, unlike the zero-shot `logn_scaling`, which only acts past L."""
+
+    def __init__(self, train_len: int) -> None:
+        if train_len < 2:
+            raise ValueError(f"attention score softmax_plus needs a trained length >= 2 (log base L; got {train_len})")
+        super().__init__(train_len)
+
+    def query_scale(self, n: torch.Tensor) -> torch.Tensor:
+        return log_ratio(n, self.train_len)
+
+
+class ReLU2(Softmax):
+    """relu²(q·k/√d + bias) / n (FLASH, Hua et al., 2022): no normalisation, rows don't sum to one.
+
+    n is per query: the number of keys it reads (i + 1 at position i), as Su's post on GAU defines it for causal
+    language models. The FLASH paper divides by the (fixed) training length; a divisor fixed to the text's length
+    would make a query's output depend on how many tokens follow it, so cached generation (one token at a time) would
+    not reproduce the full forward. Masked entries are 0 (the mask is applied after relu²)."""
+
+    sums_to_one = False
+    sdpa = False
+
+    def weights(self, logits: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        a = F.relu(logits.masked_fill(~mask, 0.0)).square() / n[:, None].to(logits.dtype)  # (..., T, S)
+        return a.masked_fill(~mask, 0.0)
+
+
+def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
+    """(T, offset + T) bool: query i (at position offset + i) reads keys 0 .. offset + i."""
+    return torch.ones(T, offset + T, dtype=torch.bool, device=device).tril(offset)
+
+
+def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
+                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d) with S = offset + T (key heads
+    already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`."""
+    T = q.size(-2)
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, S)
+    bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, S) with -inf above the diagonal, or None
+    mask = causal_mask(T, offset, q.device)
+    if bias is not None:
+        logits = logits + bias.masked_fill(~mask, 0.0)
+    return score.weights(logits, mask, key_counts(T, offset, q.device)), logits.masked_fill(~mask, float("-inf"))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, scale: float, pos: Position,
+           offset: int = 0, dropout_p: float = 0.0) -> torch.Tensor:
+    """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv).
+    `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels (causal when there is no bias
+    and no cached prefix, a materialised mask otherwise); the others are computed explicitly."""
+    T = q.size(-2)
+    groups = q.size(1) // k.size(1)
+    if score.sdpa:
+        bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, S), -inf where j > i, or None
+        if bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
+            bias = causal_mask(T, offset, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
+    if groups != 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset)
+    return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
+
+
+def scale_queries(q: torch.Tensor, score: Softmax, offset: int) -> torch.Tensor:
+    """q (..., T, d) times the score's per-query factor, if it has one."""
+    factor = score.query_scale(key_counts(q.size(-2), offset, q.device))
+    return q if factor is None else q * factor.to(q.dtype)[:, None]
+
+
+SCORES = {"softmax": Softmax, "softmax_plus": SoftmaxPlus, "relu2": ReLU2}
