@@ -3,9 +3,12 @@
 `Divergence` decides when a run has failed (a result, not a crash). `StabilityMonitor` logs, with names that
 group into W&B panels: per-layer gradient norms before clipping (split attn / ffn, plus embeddings and head),
 parameter norms, update ratios ‖Δθ‖/‖θ‖, residual-stream RMS after each block, attention entropy and max
-logit on a sampled batch, the loss above the unigram plateau, and the gradient-norm profile at init
-(Xiong et al., 2020, Fig. 3). Under DDP the gradients are already all-reduced; under FSDP each rank holds a
-shard, so squared norms are summed across ranks: either way the logged figures are the global ones.
+logit on a sampled batch, the loss above the unigram plateau, the gradient-norm profile at init
+(Xiong et al., 2020, Fig. 3), and the two figures of "incremental explosion" (Admin, Liu et al., 2020; DeepNet,
+Wang et al., 2022): how far one update moves the model's output, `update/output_change`, and how large each
+sublayer's output is against its input, `act/ratio/layer_XX/<sublayer>`. Under DDP the gradients are already
+all-reduced; under FSDP each rank holds a shard, so squared norms are summed across ranks: either way the logged
+figures are the global ones.
 """
 
 from __future__ import annotations
@@ -116,10 +119,35 @@ def _write(trainer, metrics: dict[str, float], step: int) -> None:
 
 
 class StabilityMonitor(Callback):
+    """Every `every_n_steps`, besides the gradient, parameter and update norms:
+
+    - `update/output_change` = ‖f(x; θ_{t+1}) − f(x; θ_t)‖ / ‖f(x; θ_t)‖, f the logits, x a fixed probe: the first
+      `probe_samples` sequences of the first training batch (rank 0's, i.e. the global batch's first rows; kept in
+      the checkpoint, so a resumed run measures on the same sequences). DeepNet's measure of an update's size, the
+      one that explodes in a deep Post-LN model. f(x; θ_t) is taken in `on_before_optimizer_step` (the gradients are
+      in, the weights not yet changed) and f(x; θ_{t+1}) in `on_train_batch_end`: two forward passes on the probe,
+      in eval mode (no dropout: only θ changes) under no_grad, in fp32 (a small change would drown in bf16's
+      rounding). Costs two forwards of `probe_samples` sequences and one (probe, T, vocab) logits tensor held
+      across the step.
+    - `act/ratio/layer_XX/<sublayer>` = ‖F(x)‖ / ‖x‖ over the whole batch, F each module carrying a `sublayer`
+      marker (attn, ffn, gau), x *the sublayer's own input*, both read by one forward hook on the training
+      forward. Its own input rather than the residual stream: it is what the module sees under every placement,
+      and under the post-norm placements (post, deepnorm, post_nonres) it *is* the stream, so the figure is Su's
+      ‖GAU(x_l)‖/‖x_l‖ in x_{l+1} = LN(x_l + GAU(x_l)) and DeepNet's F(x)/x; under pre-norm it is the sublayer's
+      gain on the normalised stream (the stream's own size is `act/rms/layer_XX`). Squared sums are added over
+      ranks before the ratio: one process's figure on the global batch.
+    """
+
     def __init__(self, *, every_n_steps: int = 10, attn_every_n_steps: int = 100, attn_samples: int = 4,
-                 init_profile: bool = True, unigram: float | None = None, plot_dir: str | None = None) -> None:
+                 init_profile: bool = True, probe_samples: int = 2, unigram: float | None = None,
+                 plot_dir: str | None = None) -> None:
         self.every, self.attn_every, self.attn_samples = every_n_steps, attn_every_n_steps, attn_samples
         self.init_profile, self.unigram, self.plot_dir = init_profile, unigram, plot_dir
+        self.probe_samples = probe_samples
+        self.probe: torch.Tensor | None = None  # (probe_samples, T) token ids, fixed for the whole run
+        self._out_before: torch.Tensor | None = None  # f(probe; θ_t) while a measured step is under way
+        self._ratio: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (‖F(x)‖², ‖x‖²)
+        self._ratios_due = False
         self.profile: dict[str, float] | None = None  # layer -> grad norm at step 0
         self._act: dict[int, torch.Tensor] = {}
         self._attn_in: dict[int, torch.Tensor] = {}
@@ -138,10 +166,26 @@ class StabilityMonitor(Callback):
         return dict(zip(groups, sq.sqrt().tolist()))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile}  # a resumed run's summary keeps its gradient profile at init
+        # a resumed run's summary keeps its gradient profile at init, and its output change the same probe
+        return {"profile": self.profile, "probe": self.probe}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.profile = state_dict.get("profile", self.profile)
+        self.probe = state_dict.get("probe", self.probe)
+
+    @torch.no_grad()
+    def _probe_logits(self, pl_module) -> torch.Tensor:
+        """f(probe; θ) in eval mode, fp32, without recording (the hooks must not see the probe)."""
+        model, recording, ratios = pl_module.model, self._recording, self._ratios_due
+        self._recording = self._ratios_due = False
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.autocast(device_type=pl_module.device.type, enabled=False):
+                return model(self.probe.to(pl_module.device)).float()
+        finally:
+            model.train(was_training)
+            self._recording, self._ratios_due = recording, ratios
 
     # -- hooks -------------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -151,6 +195,10 @@ class StabilityMonitor(Callback):
             self._hooks.append(block.register_forward_hook(self._act_hook(i)))
             if (attn := attention_sublayer(block)) is not None:
                 self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i)))
+            for attr in block.sublayer_names:
+                module = getattr(block, attr)
+                name = f"act/ratio/layer_{i:02d}/{getattr(module, 'sublayer', attr)}"
+                self._hooks.append(module.register_forward_hook(self._ratio_hook(name)))
 
     def on_fit_end(self, trainer, pl_module) -> None:
         for h in self._hooks:
@@ -161,6 +209,12 @@ class StabilityMonitor(Callback):
         def hook(module, args, out):
             if self._recording:
                 self._act[i] = out.detach().float().pow(2).mean()
+        return hook
+
+    def _ratio_hook(self, name: str):
+        def hook(module, args, out):
+            if self._ratios_due:
+                self._ratio[name] = (out.detach().float().pow(2).sum(), args[0].detach().float().pow(2).sum())
         return hook
 
     def _attn_hook(self, i: int):
@@ -178,6 +232,10 @@ class StabilityMonitor(Callback):
         local = batch[0].size(0)
         self._attn_k = max(0, min(local, self.attn_samples - trainer.global_rank * local))
         self._act, self._attn_in = {}, {}
+        self._ratios_due, self._ratio = self._due(trainer.global_step, self.every), {}
+        if self.probe is None and self.every > 0:
+            # rank 0's first rows are the global batch's first: every rank probes the same sequences
+            self.probe = trainer.strategy.broadcast(batch[0][: self.probe_samples].detach().cpu(), src=0)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         step = trainer.global_step
@@ -202,6 +260,8 @@ class StabilityMonitor(Callback):
                                                                if k.startswith(layer + "/")))
             self._before = {layer: [p.detach().clone() for k in self.groups if k.startswith(layer + "/")
                                     for p in self.groups[k]] for layer in layers}
+            if self.probe is not None:
+                self._out_before = self._probe_logits(pl_module)
             _write(trainer, metrics, step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -218,6 +278,16 @@ class StabilityMonitor(Callback):
             for j, layer in enumerate(layers):
                 metrics[f"update/ratio/{layer}"] = math.sqrt(sq[j] / max(float(sq[len(layers) + j]), 1e-30))
             self._before = None
+        if self._out_before is not None:
+            after = self._probe_logits(pl_module)
+            change = (after - self._out_before).norm() / self._out_before.norm().clamp_min(1e-30)
+            metrics["update/output_change"] = float(change)
+            self._out_before = None
+        if self._ratio:
+            names = list(self._ratio)
+            sq = torch.stack([torch.stack(self._ratio[k]) for k in names])  # (sublayers, 2): ‖F(x)‖², ‖x‖²
+            sq = trainer.strategy.reduce(sq, reduce_op="sum") if trainer.world_size > 1 else sq
+            metrics.update({k: math.sqrt(out / max(inp, 1e-30)) for k, (out, inp) in zip(names, sq.tolist())})
         if self._act:
             ms = torch.stack([self._act[i] for i in sorted(self._act)])
             ms = trainer.strategy.reduce(ms, reduce_op="mean") if trainer.world_size > 1 else ms
@@ -227,6 +297,7 @@ class StabilityMonitor(Callback):
         if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
             metrics["train/loss_vs_unigram"] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
+        self._ratios_due, self._ratio = False, {}
         if metrics:
             _write(trainer, metrics, step)
 

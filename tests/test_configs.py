@@ -11,10 +11,11 @@ from lmlab import CONF_DIR, build_model, compose
 from lmlab.config import arch_config
 from lmlab.training import check_config
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search: _global_ files (their own tests)
-                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search"))
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search, recipe: _global_ files (own tests)
+                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -50,6 +51,62 @@ def test_scores_and_blocks_compose_and_build(overrides: list[str]) -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])
     check_config(cfg)
+
+
+# (norm, norm.affine, placement, ffn, position, attention, block, block score, model.bias, model.tie_embeddings)
+RECIPE_AXES = {
+    "gpt2": ("layer", True, "pre", "mlp", "learned", "mha", "transformer", None, True, True),
+    "llama": ("rms", True, "pre", "swiglu", "rope", "gqa", "transformer", None, False, False),
+    "roformer_v2": ("rms", False, "post", "mlp", "rope", "mha", "transformer", None, False, True),
+    "gau_alpha": ("rms", False, "post", "mlp", "rope", "mha", "gau", "softmax_plus", False, True),
+}
+
+
+def _axes(cfg) -> tuple:
+    return (cfg.norm.name, cfg.norm.affine, cfg.placement.name, cfg.ffn.name, cfg.position.name, cfg.attention.name,
+            cfg.block.name, cfg.block.get("score"), cfg.model.bias, cfg.model.tie_embeddings)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_sets_its_axes_and_builds(recipe: str) -> None:
+    """One override sets several axes; the model builds (on meta) with every one of them."""
+    assert RECIPES == sorted(RECIPE_AXES)
+    cfg = compose([f"recipe={recipe}"])
+    assert _axes(cfg) == RECIPE_AXES[recipe]
+    check_config(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg, vocab_size=40)
+    assert (model.lm_head.weight is model.wte.weight) == cfg.model.tie_embeddings
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear)) != cfg.model.bias
+    if recipe == "gau_alpha":
+        assert model.cfg.activation["name"] == "silu"
+    if not cfg.norm.affine:  # no gain on any norm
+        assert not [n for n, _ in model.named_parameters() if ".ln_" in n or n.startswith("ln_f")]
+
+
+@pytest.mark.parametrize(("overrides", "axis", "value"), [
+    (["recipe=llama", "norm=layer"], "norm", "layer"),
+    (["norm=layer", "recipe=llama"], "norm", "layer"),  # the command line wins wherever the recipe is given
+    (["recipe=llama", "position=alibi"], "position", "alibi"),
+    (["recipe=gpt2", "ffn=swiglu"], "ffn", "swiglu"),
+    (["recipe=roformer_v2", "placement=pre"], "placement", "pre"),
+    (["recipe=gau_alpha", "block.score=relu2"], "block", "relu2"),
+    (["recipe=roformer_v2", "norm.affine=true"], "norm", True),
+    (["recipe=llama", "model.tie_embeddings=true"], "model", True),
+])
+def test_a_recipe_stays_overridable_axis_by_axis(overrides: list[str], axis: str, value) -> None:
+    cfg = compose(overrides)
+    got = {"norm": cfg.norm.name if isinstance(value, str) else cfg.norm.affine, "position": cfg.position.name,
+           "ffn": cfg.ffn.name, "placement": cfg.placement.name, "block": cfg.block.get("score"),
+           "model": cfg.model.tie_embeddings}[axis]
+    assert got == value
+    check_config(cfg)
+    rest = compose([o for o in overrides if o.startswith("recipe=")])  # the other axes keep the recipe's choice
+    changed = {"norm": 0, "position": 4, "ffn": 3, "placement": 2, "block": 7, "model": 9}[axis]
+    if isinstance(value, bool) and axis == "norm":
+        changed = 1
+    kept = [a for j, a in enumerate(_axes(cfg)) if j != changed]
+    assert kept == [a for j, a in enumerate(_axes(rest)) if j != changed]
 
 
 def test_compose_matches_cli_defaults() -> None:

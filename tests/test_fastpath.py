@@ -6,6 +6,7 @@ close to fp32; and `python -m lmlab.bench` runs end to end with the peers at exa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -281,6 +282,8 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert loop["ratio_amortised"]["median"] >= loop["ratio"]["median"] > 0
     lm, hf = saved["results"]["lmlab"], saved["results"]["hf LlamaForCausalLM"]
     assert lm["params"] == hf["params"] and lm["peak_mem_mb"] > 0 and hf["peak_mem_mb"] > 0
+    for r in (lm, hf):  # AdamW in fp32: two moments (8 bytes a parameter) + a 4-byte step per tensor (< 100 here)
+        assert 8 * r["params"] < r["optim_state_bytes"] < 8 * r["params"] + 4 * 100
     # 6·N + 12·L·T·d with N = the Linear weights: 1 layer of (qkv 32·96 + o 32·32 + swiglu 32·2·64 + 64·32) + head 32·64
     n = 32 * 96 + 32 * 32 + 3 * 32 * 64 + 32 * 64
     assert saved["matmul_params"] == n
@@ -293,6 +296,39 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
         assert math.isclose(sum(b["seconds"].values()), saved["results"][name]["train_step_s"], rel_tol=1e-9)
         assert b["seconds"]["matmul"] > 0 and b["seconds"]["attention"] > 0 and b["seconds"]["optimizer"] > 0
         assert math.isclose(b["matmul_gflops"], 6 * n * 2 * 16 / b["seconds"]["matmul"] / 1e9)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "amos"])
+def test_bench_optimizer_state_bytes(optim: str) -> None:
+    """The bench's optimizer-state figure after one step: AdamW = 2 fp32 moments per parameter + a 4-byte step per
+    tensor; Adafactor's factored second moment and Amos's three scalars per tensor are a small fraction of that."""
+    from omegaconf import OmegaConf
+
+    from lmlab.bench.timing import Contestant
+    from lmlab.lit import configure_optimization
+
+    conf = Path(__file__).resolve().parents[1] / "lmlab" / "conf"
+    spec = OmegaConf.to_container(OmegaConf.load(conf / "optim" / f"{optim}.yaml"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+
+    def loss(batch):
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+    c = Contestant(optim, model, loss, configure_optimization(model, spec, {"name": "constant"}, 10), 1.0,
+                   contextlib.nullcontext)
+    assert c.optimizer_state_bytes() == 0  # no state before the first step
+    c.train_step((torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))))
+    got = c.optimizer_state_bytes()
+    if optim == "adamw":
+        assert got == 8 * n + 4 * len(params)
+    elif optim == "amos":
+        assert got == 3 * 4 * len(params)
+    else:
+        assert 0 < got < 0.1 * 8 * n  # 5,176 vs 214,328 bytes here
 
 
 def test_bench_breakdown_classes() -> None:

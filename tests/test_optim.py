@@ -242,3 +242,138 @@ def test_schedule_drives_lambda_lr(name: str) -> None:
         opt.step()
         sched.step()
     assert lrs[:4] == pytest.approx([0.125, 0.25, 0.375, 0.5])
+
+
+# ---- AdamW with learning-rate-independent weight decay -------------------------------------------------------
+
+
+def test_adamw_independent_wd_decays_by_wd_times_schedule_not_lr() -> None:
+    """independent_wd: zero-gradient steps shrink by (1 − s_t·wd), s_t the schedule's multiplier, whatever lr is;
+    torch's AdamW (independent_wd=false) shrinks by (1 − lr·s_t·wd)."""
+    for independent, lr in ((True, 0.01), (True, 0.3), (False, 0.01)):
+        w = torch.nn.Parameter(torch.full((2, 2), 2.0))
+        opt = OPTIMIZERS["adamw"]([{"params": [w], "weight_decay": 0.1}], lr=lr, independent_wd=independent)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: [1.0, 0.5, 0.5][s])  # a schedule: 1, then 0.5
+        for _ in range(2):
+            w.grad = torch.zeros_like(w)
+            opt.step()
+            sched.step()
+        expected = 2.0 * (1 - 0.1) * (1 - 0.05) if independent else 2.0 * (1 - lr * 0.1) * (1 - lr * 0.05)
+        torch.testing.assert_close(w.detach(), torch.full((2, 2), expected), rtol=1e-6, atol=0)
+    # independent: 2·0.9·0.95 = 1.71 for both lr = 0.01 and lr = 0.3; coupled at lr 0.01: 2·0.999·0.9995
+    assert 2.0 * (1 - 0.1) * (1 - 0.05) == pytest.approx(1.71)
+
+
+def test_adamw_independent_wd_keeps_adams_step() -> None:
+    """The gradient part is AdamW's: first step −lr·sign(g) (bias-corrected), plus the independent decay."""
+    w = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [3.0, 0.5]]))
+    g = torch.tensor([[0.3, -0.1], [0.0, 2.0]])
+    opt = OPTIMIZERS["adamw"]([{"params": [w], "weight_decay": 0.01}], lr=0.1, eps=1e-12, independent_wd=True)
+    w.grad = g.clone()
+    opt.step()
+    expected = torch.tensor([[1.0 * 0.99 - 0.1, -2.0 * 0.99 + 0.1], [3.0 * 0.99, 0.5 * 0.99 - 0.1]])
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-6, atol=1e-6)
+
+
+# ---- Amos ---------------------------------------------------------------------------------------------------
+
+
+def test_amos_scale_rule() -> None:
+    from lmlab.optim import Amos
+
+    assert Amos.scale(torch.empty(6, 16)) == pytest.approx(0.25)  # 1/sqrt(fan_in), fan_in = in_features = 16
+    assert Amos.scale(torch.empty(3, 4, 9)) == pytest.approx(1 / 3)  # last dim is the input dim
+    assert Amos.scale(torch.empty(7), vector_scale=0.5) == 0.5  # biases, norm gains: a fixed scale
+    assert Amos.scale(torch.empty(()), vector_scale=0.2) == 0.2
+
+
+def test_amos_two_steps_match_the_papers_equations_by_hand() -> None:
+    """Algorithm 1 of Tian & Parikh (2022), one scalar second moment per tensor, written out number by number:
+    v_t = β·v + (1−β)·mean(g²); v̂ = v_t/(1−β^t); c_t = (1 + c·√ξ·b)^(−½); d_t = 1/(1 + d·√(ξ·η̃)·b);
+    γ_t = c_t·ξ²·mean(g²)/v̂; θ ← θ − d_t·(ξ·η̃·g/√v̂ + ½·γ_t·θ); b ← b·(1 + γ_t) + γ_t."""
+    xi, beta, c, d = 0.5, 0.9, 0.25, 0.25  # a large ξ so that the decay terms are visible after two steps
+    W = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [0.5, 4.0]]))  # η̃ = 1/√2 (fan_in 2)
+    bias = torch.nn.Parameter(torch.tensor([0.2, -0.4]))  # η̃ = vector_scale = 0.5
+    opt = OPTIMIZERS["amos"]([{"params": [W, bias], "weight_decay": 0.0}], lr=xi, beta=beta, c=c, d=d, eps=0.0,
+                             vector_scale=0.5)
+    gW = [[[2.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [1.0, 0.0]]]  # steps 1 and 2
+    gb = [[0.4, -0.2], [0.0, 0.6]]
+
+    def by_hand(theta: list[float], grads: list[list[float]], eta: float) -> list[float]:
+        v = b = 0.0
+        for t, g in enumerate(grads, start=1):
+            m2 = sum(x * x for x in g) / len(g)
+            v = beta * v + (1 - beta) * m2
+            v_hat = v / (1 - beta ** t)
+            c_t = (1 + c * math.sqrt(xi) * b) ** -0.5
+            d_t = 1 / (1 + d * math.sqrt(xi * eta) * b)
+            gamma = c_t * xi ** 2 * m2 / v_hat
+            theta = [th - d_t * (xi * eta * x / math.sqrt(v_hat) + 0.5 * gamma * th) for th, x in zip(theta, g)]
+            b = b * (1 + gamma) + gamma
+        return theta
+
+    # step 1 by hand for W: m2 = 1, v = 0.1, v̂ = 1, c1 = d1 = 1, γ1 = 0.25: θ − (0.5/√2·g + 0.125·θ)
+    step1 = [1.0 - (0.5 / math.sqrt(2) * 2.0 + 0.125), -2.0 * 0.875, 0.5 * 0.875, 4.0 * 0.875]
+    assert by_hand([1.0, -2.0, 0.5, 4.0], [gW[0][0] + gW[0][1]], 1 / math.sqrt(2)) == pytest.approx(step1)
+    for step in range(2):
+        W.grad, bias.grad = torch.tensor(gW[step]), torch.tensor(gb[step])
+        opt.step()
+    flat = [x for g in gW for x in [g[0] + g[1]]]
+    expected_W = by_hand([1.0, -2.0, 0.5, 4.0], flat, 1 / math.sqrt(2))
+    expected_b = by_hand([0.2, -0.4], gb, 0.5)
+    torch.testing.assert_close(W.detach().flatten(), torch.tensor(expected_W), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias.detach(), torch.tensor(expected_b), rtol=1e-5, atol=1e-6)
+    b_W = opt.state[W]["b"].item()
+    assert b_W > 0.25  # the decay accumulator grew past γ1 = 0.25: the next steps' decay factors are < 1
+
+
+def test_amos_trains_a_quadratic() -> None:
+    """f(W) = ½‖W − A‖² on a 4x8 matrix from 0: 300 Amos steps at the YAML's settings cut f by 90%+."""
+    torch.manual_seed(0)
+    A = torch.randn(4, 8) * 0.3
+    W = torch.nn.Parameter(torch.zeros(4, 8))
+    spec = {**_yaml("optim", "amos"), "lr": 0.1}
+    from lmlab.lit import optimizer_spec
+
+    opt = build("optim", OPTIMIZERS, optimizer_spec(spec), [{"params": [W], "weight_decay": 0.0}])
+    losses = []
+    for _ in range(300):
+        opt.zero_grad()
+        loss = 0.5 * (W - A).pow(2).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+    assert all(math.isfinite(x) for x in losses)
+
+
+# ---- Adafactor ----------------------------------------------------------------------------------------------
+
+
+def test_adafactor_builds_steps_and_factors_its_state() -> None:
+    """torch's Adafactor: a matrix keeps a row and a column second moment (rows + cols numbers, not rows·cols)."""
+    torch.manual_seed(0)
+    W, bias = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.zeros(16))
+    opt = _optimizer("adafactor", [{"params": [W], "weight_decay": 0.0}, {"params": [bias], "weight_decay": 0.0}])
+    assert isinstance(opt, torch.optim.Adafactor)
+    W0 = W.detach().clone()
+    loss = (W.sum(1) + bias).pow(2).sum()
+    loss.backward()
+    opt.step()
+    assert not torch.equal(W.detach(), W0) and torch.isfinite(W).all()
+    assert opt.state[W]["row_var"].numel() + opt.state[W]["col_var"].numel() == 16 + 8
+    after = (W.sum(1) + bias).pow(2).sum().item()
+    assert after < loss.item()
+
+
+# ---- inverse square root ------------------------------------------------------------------------------------
+
+
+def test_inverse_sqrt_values() -> None:
+    inv = SCHEDULES["inverse_sqrt"]
+    assert [inv(s, 100, warmup_steps=4) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert inv(4, 100, warmup_steps=4) == pytest.approx(1.0)  # lr · sqrt(4/4)
+    assert inv(16, 100, warmup_steps=4) == pytest.approx(0.5)  # lr · sqrt(4/16)
+    assert inv(400, 100, warmup_steps=4) == pytest.approx(0.1)  # no end: it keeps falling past max_steps
+    # warmup 0: lr / sqrt(step + 1), the full rate at the first step (sqrt(0/step) would be 0 everywhere)
+    assert [inv(s, 100, warmup_steps=0) for s in (0, 3, 99)] == pytest.approx([1.0, 0.5, 0.1])

@@ -28,12 +28,14 @@ def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     for name in ("train/loss", "val/loss", "val/ppl", "lr", "grad/norm", "grad/norm/layer_00/attn",
                  "grad/norm/layer_01/ffn", "grad/norm/embed", "param/norm/layer_00", "update/ratio/layer_01",
-                 "act/rms/layer_01", "attn/entropy/layer_00", "attn/max_logit/layer_01", "train/loss_vs_unigram"):
+                 "act/rms/layer_01", "attn/entropy/layer_00", "attn/max_logit/layer_01", "train/loss_vs_unigram",
+                 "update/output_change", "act/ratio/layer_00/attn", "act/ratio/layer_01/ffn"):
         assert name in header, name
     # Each figure sits at the step it was measured at (monitor every 5, attention every 10), never re-emitted at the
     # logging steps in between; the training curve is on every step (log_every_n_steps=1).
     for name, every in (("param/norm/layer_00", 5), ("update/ratio/layer_01", 5), ("act/rms/layer_01", 5),
-                        ("grad/norm/layer_00/attn", 5), ("attn/entropy/layer_00", 10)):
+                        ("grad/norm/layer_00/attn", 5), ("attn/entropy/layer_00", 10), ("update/output_change", 5),
+                        ("act/ratio/layer_00/attn", 5), ("act/ratio/layer_01/ffn", 5)):
         assert sorted(metric(run, name)) == list(range(0, 30, every)), name
     assert sorted(metric(run, "train/loss")) == list(range(30))
     steps = [row.split(",")[0] for row in (run / "metrics.csv").read_text().splitlines()[1:]]
@@ -127,7 +129,8 @@ def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tm
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     for name in ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/layer_01/ffn", "grad/norm/embed",
                  "param/norm/layer_01", "update/ratio/layer_00", "act/rms/layer_01", "attn/entropy/layer_00",
-                 "attn/max_logit/layer_01", "val/loss"):
+                 "attn/max_logit/layer_01", "val/loss", "update/output_change", "act/ratio/layer_00/attn",
+                 "act/ratio/layer_01/ffn"):
         a, b = metric(one, name), metric(two, name)
         assert a.keys() == b.keys() and a, name
         for step in a:

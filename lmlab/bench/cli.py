@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_step_s": statistics.median(c.train_s), "eval_step_s": statistics.median(c.eval_s),
         "train_tok_s": B * T / statistics.median(c.train_s), "eval_tok_s": B * T / statistics.median(c.eval_s),
         "train_mfu": statistics.median(mfu[f"{c.name}/train"]), "eval_mfu": statistics.median(mfu[f"{c.name}/eval"]),
-        "peak_mem_mb": None if args.no_memory else c.peak_bytes / 2 ** 20, "warmup_s": first_s[c.name]}
+        "peak_mem_mb": None if args.no_memory else c.peak_bytes / 2 ** 20, "warmup_s": first_s[c.name],
+        "optim_state_bytes": c.optimizer_state_bytes()}  # after the timed steps: the state exists
         for c in contestants}
     ratios = {f"train_vs_{peer_kind}": spread([h / o for o, h in zip(ours.train_s, peer.train_s)]),
               f"eval_vs_{peer_kind}": spread([h / o for o, h in zip(ours.eval_s, peer.eval_s)])}

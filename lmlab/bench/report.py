@@ -50,11 +50,12 @@ def render(out: dict[str, Any]) -> str:
              f"ceiling: {out['ceiling']['op']} = {ceiling['median']:.1f} GFLOP/s (median; {ceiling['min']:.1f}-"
              f"{ceiling['max']:.1f})", "",
              f"{'model':<24}{'params':>12}{'train tok/s':>13}{'train MFU':>11}{'eval tok/s':>12}{'eval MFU':>10}"
-             f"{'peak MiB':>10}"]
+             f"{'peak MiB':>10}{'optim MiB':>11}"]
     for name, r in out["results"].items():
         mem = f"{r['peak_mem_mb']:.1f}" if r["peak_mem_mb"] is not None else "-"
         lines.append(f"{name:<24}{r['params']:>12,}{r['train_tok_s']:>13.0f}{r['train_mfu']:>11.1%}"
-                     f"{r['eval_tok_s']:>12.0f}{r['eval_mfu']:>10.1%}{mem:>10}")
+                     f"{r['eval_tok_s']:>12.0f}{r['eval_mfu']:>10.1%}{mem:>10}"
+                     f"{r.get('optim_state_bytes', 0) / 2 ** 20:>11.2f}")
     lines += ["", "paired ratios (lmlab speed-up; > 1 = lmlab faster / smaller), median (min-max):"]
     for key, r in out["ratios"].items():
         lines.append(f"  {key:<22}" + (f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if isinstance(r, dict)

@@ -43,6 +43,12 @@ class Contestant:
             self.loss(batch)
         self.model.train()
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (moments, step counters), each storage once: 0 before the first
+        step; for AdamW in fp32, 8 bytes per parameter (two moments) plus a 4-byte step per tensor."""
+        tensors = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
     def live_bytes(self) -> int:
         """Bytes the model holds between steps: parameters, buffers and optimizer state, each storage once."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
