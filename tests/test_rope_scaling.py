@@ -299,3 +299,50 @@ def test_odd_rotary_dim_names_the_key(name: str) -> None:
 def test_factor_below_one_names_the_key(name: str) -> None:
     with pytest.raises(ValueError, match=r"rope_scaling\.factor"):
         rope_frequencies(DIM, BASE, {"name": name, "factor": 0.5}, max_seq_len=4 * L, seq_len=4 * L)
+
+
+# ---- YaRN's ramp: the paper's Definition 2 (linear in r = L/λ) as an option --------------------------------------
+
+
+def test_yarn_ratio_ramp_is_the_papers_definition_2() -> None:
+    """d 8, base 1e4, L 64, s 4, α = 1, β = 32: θ_j = 1e4^(−2j/8), r_j = 64·θ_j/(2π), γ = clamp((r − 1)/31, 0, 1),
+    θ'_j = (1 − γ)·θ_j/4 + γ·θ_j, worked out here pair by pair."""
+    from lmlab.model.rope_scaling import yarn
+
+    expected = []
+    for j in range(4):
+        theta = 1e4 ** (-2 * j / 8)
+        r = 64 * theta / (2 * math.pi)
+        gamma = min(max((r - 1) / 31, 0.0), 1.0)
+        expected.append((1 - gamma) * theta / 4 + gamma * theta)
+    # r = 10.19, 1.019, 0.102, 0.0102: pair 0 on the ramp, pair 1 just on it, pairs 2 and 3 fully interpolated
+    inv_freq, attention = yarn(8, 1e4, 256, 256, factor=4.0, original_max_len=64, ramp="ratio")
+    torch.testing.assert_close(inv_freq, torch.tensor(expected), rtol=1e-6, atol=0)
+    assert attention == pytest.approx(0.1 * math.log(4) + 1)
+
+
+def test_the_two_ramps_agree_outside_the_ramp_and_differ_on_it() -> None:
+    from lmlab.model.rope_scaling import ntk_by_parts
+
+    d, base, L, s = 64, 1e4, 2048, 4.0
+    index, _ = ntk_by_parts(d, base, 8192, 8192, factor=s, original_max_len=L)
+    ratio, _ = ntk_by_parts(d, base, 8192, 8192, factor=s, original_max_len=L, ramp="ratio")
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    r = L * theta / (2 * math.pi)
+    fast, slow = r > 64, r < 0.5  # well past either end of the ramp
+    torch.testing.assert_close(ratio[fast].double(), theta[fast], rtol=1e-6, atol=0)
+    torch.testing.assert_close(index[fast].double(), theta[fast], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ratio[slow].double(), theta[slow] / s, rtol=1e-6, atol=0)
+    torch.testing.assert_close(index[slow].double(), theta[slow] / s, rtol=1e-6, atol=0)
+    assert ((ratio - index).abs() / index).max() > 0.3  # inside the ramp the paper's and HF's differ a lot
+
+
+def test_the_ratio_ramp_is_refused_by_the_transformers_export() -> None:
+    from lmlab.config import GPTConfig
+    from lmlab.interop.hf import NotRepresentable, hf_config
+
+    cfg = GPTConfig(vocab_size=20, n_layer=1, d_model=32, n_head=4, max_seq_len=32, train_len=16,
+                    norm={"name": "rms"}, ffn={"name": "swiglu"}, position={"name": "rope"},
+                    rope_scaling={"name": "yarn", "factor": 2.0, "ramp": "ratio"})
+    with pytest.raises(NotRepresentable, match="rope_scaling.ramp='ratio'"):
+        hf_config(cfg)

@@ -57,6 +57,8 @@ def _check_llama(cfg: GPTConfig) -> str:
         raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], "Llama", "rotary_pct=1")
     if cfg.rope_scaling["name"] not in _ROPE_TYPES:
         raise _refuse("rope_scaling", cfg.rope_scaling["name"], "Llama", f"one of {sorted(_ROPE_TYPES)}")
+    if cfg.rope_scaling.get("ramp", "index") != "index":  # transformers' YaRN ramps in the pair index
+        raise _refuse("rope_scaling.ramp", cfg.rope_scaling["ramp"], "Llama", "rope_scaling.ramp=index")
     return "llama"
 
 

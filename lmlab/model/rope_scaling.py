@@ -21,7 +21,7 @@ llama3 blends can differ in the last ulp), so "scaling that does not scale" is t
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import Tensor
@@ -108,13 +108,27 @@ def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+Ramp = Literal["index", "ratio"]
+
+
 def _yarn_inv_freq(
-    dim: int, base: float, scale: float, original_max_len: int, beta_fast: float, beta_slow: float, truncate: bool
+    dim: int, base: float, scale: float, original_max_len: int, beta_fast: float, beta_slow: float, truncate: bool,
+    ramp_in: Ramp = "index",
 ) -> Tensor:
-    """NTK-by-parts: high-frequency pairs (j ≤ low) unchanged, low-frequency pairs (j ≥ high) divided by s, a ramp
-    between. Same float32 expression as HF (ramp built as 1 − (1 − ramp)) for bitwise parity."""
+    """NTK-by-parts: high-frequency pairs unchanged, low-frequency pairs divided by s, a linear ramp between.
+
+    `index` (the default; transformers and the reference code): linear in the pair index j between the correction
+    pairs where a pair turns beta_fast and beta_slow times over L; same float32 expression as HF (ramp built as
+    1 − (1 − ramp)) for bitwise parity. `ratio`: the paper's Definition 2, linear in r = L/λ_j (λ_j = 2π/θ_j the
+    pair's wavelength), γ = clamp((r − beta_slow) / (beta_fast − beta_slow), 0, 1), θ'_j = (1 − γ)·θ_j/s + γ·θ_j.
+    The two agree outside the ramp and differ inside it (r is exponential in j)."""
     if scale == 1:
         return _default_inv_freq(dim, base)
+    if ramp_in == "ratio":
+        theta = _default_inv_freq(dim, base)
+        r = original_max_len * theta / (2 * math.pi)  # rotations of each pair over the trained length
+        gamma = ((r - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)
+        return (1 - gamma) * theta / scale + gamma * theta
     low, high = yarn_correction_range(dim, base, original_max_len, beta_fast, beta_slow, truncate)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
@@ -180,26 +194,26 @@ dynamic_ntk.dynamic = True
 def ntk_by_parts(
     dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
     original_max_len: PositiveInt | None = None, beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0,
-    truncate: bool = True,
+    truncate: bool = True, ramp: Ramp = "index",
 ) -> tuple[Tensor, float]:
     """NTK-by-parts (bloc97 2023; YaRN paper §3.2, Peng et al. 2023, arXiv 2309.00071): YaRN's frequencies without
     its attention temperature, to separate the two effects in ablations."""
     scale = _static_scale(factor, max_seq_len, original_max_len)
     length = _trained_len(max_seq_len, original_max_len)
-    return _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate), 1.0
+    return _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate, ramp), 1.0
 
 
 def yarn(
     dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
     original_max_len: PositiveInt | None = None, beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0,
     attention_factor: PositiveFloat | None = None, mscale: float | None = None, mscale_all_dim: float | None = None,
-    truncate: bool = True,
+    truncate: bool = True, ramp: Ramp = "index",
 ) -> tuple[Tensor, float]:
     """YaRN (Peng et al., 2023, arXiv 2309.00071): NTK-by-parts frequencies plus cos/sin scaled by 0.1 ln s + 1,
     which sharpens attention back to the entropy it had at the trained length. Ramp on the original L and base."""
     scale = _static_scale(factor, max_seq_len, original_max_len)
     length = _trained_len(max_seq_len, original_max_len)
-    inv_freq = _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate)
+    inv_freq = _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate, ramp)
     return inv_freq, _yarn_attention(scale, attention_factor, mscale, mscale_all_dim)
 
 
@@ -207,13 +221,13 @@ def dynamic_yarn(
     dim: int, base: float, max_seq_len: int, seq_len: int, *, original_max_len: PositiveInt | None = None,
     beta_fast: PositiveFloat = 32.0, beta_slow: PositiveFloat = 1.0, mscale: float | None = None,
     mscale_all_dim: float | None = None,
-    truncate: bool = True,
+    truncate: bool = True, ramp: Ramp = "index",
 ) -> tuple[Tensor, float]:
     """Dynamic-YaRN (Peng et al., 2023, arXiv 2309.00071 §3.3): YaRN with s = max(1, seq_len / L) per forward, so
     inputs within the trained length see the trained model exactly (frequencies and attention factor 1)."""
     length = _trained_len(max_seq_len, original_max_len)
     scale = max(1.0, seq_len / length)
-    inv_freq = _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate)
+    inv_freq = _yarn_inv_freq(dim, base, scale, length, beta_fast, beta_slow, truncate, ramp)
     return inv_freq, _yarn_attention(scale, None, mscale, mscale_all_dim)
 
 
