@@ -181,3 +181,30 @@ def test_reset_parameters_is_seeded(name: str) -> None:
     b = _model({"name": name})
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), n
+
+
+def test_deepnorm_with_xavier_is_deepnet_and_gpt2_says_it_drops_beta(tiny_cfg) -> None:
+    """One override gives the method: placement=deepnorm's β = (8L)^(-1/4) is applied by the Xavier inits (xavier and
+    deepnet give the same weights), and an init that cannot apply it warns instead of silently dropping it."""
+    import warnings
+
+    from lmlab.model.gpt import GPT
+
+    cfg = dict(n_layer=6, d_model=64, n_head=4, placement={"name": "deepnorm"}, norm={"name": "layer"})
+    torch.manual_seed(0)
+    a = GPT(tiny_cfg(**cfg, init={"name": "xavier"}))
+    torch.manual_seed(0)
+    b = GPT(tiny_cfg(**cfg, init={"name": "deepnet"}))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    beta = (8 * 6) ** -0.25
+    proj = a.h[3].mlp.c_proj.weight  # an FFN output matrix: Xavier std sqrt(2 / (fan_in + fan_out)) times β
+    expected = beta * math.sqrt(2 / sum(proj.shape))
+    assert proj.std().item() == pytest.approx(expected, rel=0.1)
+    q_rows = a.h[3].attn.c_attn.weight[:64]  # queries keep gain 1
+    assert q_rows.std().item() == pytest.approx(math.sqrt(2 / (64 + 64)), rel=0.1)
+    with pytest.warns(UserWarning, match=r"init=gpt2 does not apply the placement's init gain β=0\.3799 .*init=xavier"):
+        GPT(tiny_cfg(**cfg, init={"name": "gpt2"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GPT(tiny_cfg(**{**cfg, "placement": {"name": "pre"}}, init={"name": "gpt2"}))  # β = 1: nothing to say
