@@ -264,21 +264,20 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     data.setup("fit")
     gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
-    saved, resume_step = None, 0
+    saved, resume_step, previous = None, 0, None  # previous: the summary a resume continues
     if ckpt is not None:
         what = f"resume={mode} ({ckpt})"
         saved = load_checkpoint(ckpt, what, mmap=True)
         check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout", *COMPUTE_KEYS))
         resume_step = int(saved["global_step"])
-        previous = run.read_summary() or {}
+        previous = run.read_summary()
         ended = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
             "completed" if resume_step >= cfg.trainer.max_steps else None)
-        if ended and previous.get("status") in FINISHED:  # nothing to do: a no-op that leaves every file as it was
+        if ended and (previous or {}).get("status") in FINISHED:  # a no-op: every file stays as it was
             print(f"{run.path}: the run has ended ({previous['status']} at step {previous.get('steps')}; "
                   f"trainer.max_steps={cfg.trainer.max_steps}): nothing to resume")
             return previous
-    previous = run.read_summary() if saved is not None else None
     unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
     lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
