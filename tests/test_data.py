@@ -162,10 +162,10 @@ def test_split_is_exact_and_deterministic(tmp_path: Path, corpus: list[Path]) ->
     assert np.array_equal(dm.val_tokens, stream[cut:])
     assert dm.train_tokens.dtype == np.uint16
     # Blocks are the packed sides, remainders (< one block each) dropped.
-    train_blocks, block = dm.train_dataset.blocks, dm.seq_len + 1
+    train_blocks, block = np.asarray(dm.train_dataset.blocks), dm.seq_len + 1
     assert train_blocks.shape == (cut // block, block)
     assert np.array_equal(train_blocks.ravel(), stream[: len(train_blocks) * block])
-    assert np.array_equal(dm.val_blocks.ravel(), stream[cut : cut + len(dm.val_blocks) * block])
+    assert np.array_equal(np.asarray(dm.val_blocks).ravel(), stream[cut : cut + len(dm.val_blocks) * block])
     assert len(dm.val_blocks) == (len(stream) - cut) // block
     # A second module (fresh process state, same caches) gives identical data; so does a fresh cache dir.
     for cache in (tmp_path / "cache", tmp_path / "cache2"):
@@ -178,7 +178,7 @@ def test_no_block_straddles_the_split(tmp_path: Path) -> None:
     text, tok = positional(tmp_path, 1000)
     dm = make_dm(tmp_path, [tmp_path / "pos"], seq_len=9, val_fraction=0.25, tokenizer=tok)
     assert np.array_equal(dm.train_tokens, np.arange(750)) and np.array_equal(dm.val_tokens, np.arange(750, 1000))
-    train, val = dm.train_dataset.blocks, dm.val_blocks
+    train, val = np.asarray(dm.train_dataset.blocks), np.asarray(dm.val_blocks)
     assert train.max() < 750 <= val.min()  # ids are positions
     assert (np.diff(train, axis=1) == 1).all() and (np.diff(val, axis=1) == 1).all()  # contiguous windows
     assert len(np.unique(np.concatenate([train.ravel(), val.ravel()]))) == train.size + val.size  # no overlap

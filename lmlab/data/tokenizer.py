@@ -11,6 +11,7 @@ tokens are used, because either would break that.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,15 +23,18 @@ from lmlab.data.corpus import fingerprint
 UNK = "<unk>"
 
 
-def train_char(texts: list[str], *, vocab_size: int) -> Tokenizer:
-    """One token per Unicode character; vocab = the sorted characters of the training text, then `<unk>`.
+def train_char(texts: list[str], *, vocab_size: int, eod: str | None = None) -> Tokenizer:
+    """One token per Unicode character; vocab = the sorted characters of the training text, then `<unk>`
+    (then the end-of-document token, when `eod` is set).
 
     `vocab_size` is ignored: the text decides it. Characters first seen in validation map to `<unk>`.
-    `<unk>` is a plain vocab entry, not an added token, so a literal "<unk>" in the text still
-    encodes character by character.
+    `<unk>` and `eod` are plain vocab entries, not added tokens, so a literal "<unk>" in the text still
+    encodes character by character, and the end-of-document id appears only where lmlab puts it.
     """
     chars = sorted(set().union(*map(set, texts)))
     vocab = {c: i for i, c in enumerate(chars)} | {UNK: len(chars)}
+    if eod is not None:
+        vocab[eod] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # Oniguruma has no (?s) flag; [\s\S] is "any code point, newline included" in every regex dialect.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -38,13 +42,18 @@ def train_char(texts: list[str], *, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def train_bpe(texts: list[str], *, vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style): never produces `<unk>`, so any text round-trips exactly."""
+def train_bpe(texts: list[str], *, vocab_size: int, eod: str | None = None) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): never produces `<unk>`, so any text round-trips exactly.
+
+    `eod` becomes a special token inside `vocab_size` (as GPT-2's <|endoftext|>): like GPT-2's, a literal
+    occurrence of it in a document is read as the end-of-document token.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False,
+                                  special_tokens=[eod] if eod is not None else [])
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return tok
 
@@ -83,20 +92,26 @@ def check_tokenizer(kind: str, *, vocab_size: int) -> None:
     _tokenizer_path(kind)
 
 
-def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: str | Path) -> Tokenizer:
+def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: str | Path,
+                    eod: str | None = None) -> Tokenizer:
     """Train `kind` on `texts` (or load it from the cache), or load `kind` itself if it is a tokenizer.json path.
 
     The returned tokenizer is always the one read back from disk, so its serialization (and hence
-    every hash taken of it downstream) is the same on the first and on every later run.
+    every hash taken of it downstream) is the same on the first and on every later run. With `eod`, a
+    loaded tokenizer that lacks that token gets it as a special token.
     """
     check_tokenizer(kind, vocab_size=vocab_size)
     if kind not in TOKENIZERS:
-        return load_tokenizer(kind)
+        tok = load_tokenizer(kind)
+        if eod is not None and tok.token_to_id(eod) is None:
+            tok.add_special_tokens([eod])
+        return tok
     if kind == "char":
         vocab_size = 0  # not a parameter of char: keep it out of the cache key
-    path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}-{fingerprint(texts)[:20]}.json"
+    eod_key = "" if eod is None else f"-eod{hashlib.sha256(eod.encode()).hexdigest()[:8]}"
+    path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}{eod_key}-{fingerprint(texts)[:20]}.json"
     if not path.is_file():
-        save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size), path)
+        save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size, eod=eod), path)
     return Tokenizer.from_file(str(path))
 
 

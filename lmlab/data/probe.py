@@ -1,0 +1,181 @@
+"""`data=position_probe`: Su's position probe — can the model tell where it is when every input is the same?
+
+Su (2022, "a theoretical defect of relative position encodings", kexue.fm/archives/9105): a model that can locate
+itself maps the input [0, 0, ..., 0] to the output [1, 2, ..., n]. Here the input is n copies of token 0 and the
+target at position i (0-based) is i + 1 — Su's [1, ..., n], the 1-based position. The vocabulary is 0 .. n
+(n = `model.max_seq_len`): 0 is the input token and never a target, 1 .. n are the positions. Chance accuracy is
+1/n: a model that sees the same thing everywhere gives the same answer everywhere, right at one position.
+
+Why it separates the schemes: with identical inputs, every position's values are identical, so an attention whose
+weights sum to one (softmax, softmax_plus) outputs that same value at every position whatever the weights are — a
+scheme acting only on the weights (none, rope, alibi) leaves every position identical, layer after layer. A scheme
+that changes the input (learned, sinusoidal) does not; nor does a score whose rows do not sum to one (relu2) when the
+weights vary with distance (rope, alibi). relu2 without positions is position-blind too, under lmlab's causal
+divisor n = i + 1: i + 1 equal weights relu²(c)/(i + 1) sum to relu²(c) at every i.
+
+The metrics (`position_metrics`, per position and their means) are measured at every validation on the fixed
+validation windows by `ProbeMetrics`, logged as `probe/accuracy` and `probe/error` and written to `probe.json` in
+the run directory; their means go into summary.json (`probe_accuracy`, `probe_error`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+NAME = "position_probe"
+PROBE_FILE = "probe.json"
+INPUT_TOKEN = 0
+_KEYS = {"name", "batch_size", "val_windows", "num_workers"}  # conf/data/position_probe.yaml
+
+
+def probe_pair(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) of one window, (seq_len,) each: all INPUT_TOKEN, and the positions 1 .. seq_len."""
+    return (torch.full((seq_len,), INPUT_TOKEN, dtype=torch.long),
+            torch.arange(1, seq_len + 1, dtype=torch.long))
+
+
+def position_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """Per position (over the windows) and mean (over positions) of: accuracy (argmax == target), error |argmax −
+    target| and p_true (the probability of the target); and the mean prediction per position. logits (N, T, V),
+    targets (N, T). Ties in the argmax go to the lowest class (torch.argmax)."""
+    pred = logits.argmax(-1)  # (N, T)
+    p_true = logits.float().softmax(-1).gather(-1, targets[..., None]).squeeze(-1)  # (N, T)
+    per = {"accuracy": (pred == targets).float().mean(0), "error": (pred - targets).abs().float().mean(0),
+           "p_true": p_true.mean(0), "prediction": pred.float().mean(0)}
+    out: dict[str, Any] = {"position": targets[0].tolist(), "windows": int(targets.size(0))}
+    out |= {k: v.tolist() for k, v in per.items()}
+    out |= {f"mean_{k}": float(per[k].mean()) for k in ("accuracy", "error", "p_true")}
+    return out
+
+
+class _Repeat(IterableDataset):
+    """The one training pair, forever (every example of the task is the same sequence)."""
+
+    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.pair = pair
+
+    def __iter__(self):
+        while True:
+            yield self.pair
+
+
+class PositionProbeDataModule(pl.LightningDataModule):
+    """The probe with the surface the training loop reads from a data module (lmlab.training): vocab_size,
+    train/val dataloaders, unigram_entropy, save_tokenizer, tokenizer_kind/_sha256, state_dict; plus `callbacks`
+    (the metrics) and `figures` (their means for summary.json). `data` is the composed `data` group, `seq_len`
+    `model.max_seq_len`."""
+
+    tokenizer_kind = NAME
+
+    def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
+        super().__init__()
+        spec = {"batch_size": 1, "val_windows": 1, "num_workers": 0, **dict(data)}
+        if unknown := sorted(set(spec) - _KEYS):
+            raise ValueError(f"data={NAME} does not take {unknown}; it takes {sorted(_KEYS - {'name'})}")
+        for key in ("batch_size", "val_windows"):
+            if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
+                raise ValueError(f"data.{key}={spec[key]!r} must be an integer >= 1")
+        if int(seq_len) < 2:
+            raise ValueError(f"model.max_seq_len={seq_len} must be at least 2 for data={NAME} (one position is "
+                             f"always right)")
+        self.batch_size, self.val_windows_n = spec["batch_size"], spec["val_windows"]
+        self.num_workers = int(spec["num_workers"])
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.vocab_size = self.seq_len + 1  # the input token 0 and the positions 1 .. seq_len
+        self.tokenizer = self._tokenizer()
+        self.tokenizer_sha256 = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
+        self.last: dict[str, Any] | None = None  # the latest measurement (ProbeMetrics)
+
+    def _tokenizer(self):
+        """Words "0" .. "n" (whitespace-separated) -> ids 0 .. n, so eval/generate can read and write the task."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({str(i): i for i in range(self.vocab_size)}, unk_token=str(INPUT_TOKEN)))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return tok
+
+    def prepare_data(self) -> None:  # nothing to fetch
+        pass
+
+    def setup(self, stage: str | None = None) -> None:
+        pass
+
+    def val_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed validation windows, (val_windows, seq_len) each: the same in every run and every call."""
+        x, y = probe_pair(self.seq_len)
+        return x.repeat(self.val_windows_n, 1), y.repeat(self.val_windows_n, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Repeat(probe_pair(self.seq_len)), batch_size=self.batch_size, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*self.val_inputs()), batch_size=self.batch_size, shuffle=False)
+
+    def unigram_entropy(self, split: str = "val") -> float:
+        """The targets are the positions 1 .. n once each: ln n, the loss of the best position-blind model."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r}; choose 'train' or 'val'")
+        return math.log(self.seq_len)
+
+    def save_tokenizer(self, path: str | Path) -> None:
+        from lmlab.rundir import atomic_write
+
+        atomic_write(path, self.tokenizer.to_str())
+
+    def callbacks(self, run_dir: str | Path) -> list[Callback]:
+        return [ProbeMetrics(self, Path(run_dir))]
+
+    def figures(self) -> dict[str, Any]:
+        """What summary.json records of the probe: the latest means (None before any validation)."""
+        last = self.last or {}
+        return {"probe_accuracy": last.get("mean_accuracy"), "probe_error": last.get("mean_error"),
+                "probe_p_true": last.get("mean_p_true"), "probe_chance_accuracy": 1.0 / self.seq_len,
+                "probe_step": last.get("step")}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer_sha256": self.tokenizer_sha256, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state and state.get("seq_len") != self.seq_len:
+            raise ValueError(f"the checkpoint's probe has model.max_seq_len={state.get('seq_len')}, the config "
+                             f"{self.seq_len}; resume with the run's config")
+
+
+class ProbeMetrics(Callback):
+    """At every validation (not the sanity check): the per-position metrics of the model on the probe's validation
+    windows, logged (`probe/accuracy`, `probe/error`) and written to <run>/probe.json (rank 0)."""
+
+    def __init__(self, data: PositionProbeDataModule, run_dir: Path) -> None:
+        self.data, self.path = data, run_dir / PROBE_FILE
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        x, y = self.data.val_inputs()
+        logits = pl_module(x.to(pl_module.device)).cpu()
+        result = {"step": int(trainer.global_step), "seq_len": self.data.seq_len,
+                  "chance_accuracy": 1.0 / self.data.seq_len, **position_metrics(logits, y)}
+        self.data.last = result
+        pl_module.log("probe/accuracy", torch.tensor(result["mean_accuracy"]))
+        pl_module.log("probe/error", torch.tensor(result["mean_error"]))
+        if trainer.is_global_zero:
+            from lmlab.rundir import atomic_write
+
+            atomic_write(self.path, json.dumps(result, indent=1))
+
+
+def read_probe(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run's probe.json, or None if it has none."""
+    path = Path(run_dir) / PROBE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,341 @@
+"""Token shards: a corpus tokenized once into flat uint16/uint32 files plus an index, then memory-mapped.
+
+Layout, under `<cache_dir>/shards/<key>/` (the key hashes the corpus fingerprint and the tokenizer recipe):
+
+    tokenizer.json            the tokenizer the shards were made with (the run directory gets a copy)
+    shard-00000.bin ...       the token ids, native byte order, no header (np.memmap reads them)
+    shard-00000.docs.npy      where each document ends in that shard (token offsets, end exclusive)
+    shard-00000.json          written last: the shard is complete (a resumed preparation skips it)
+    index.json                written last of all: the shards, in order, with their token counts
+
+Invariants (tests/test_shards.py checks each):
+- The token stream is the documents' tokens in corpus order, each document followed by the end-of-document
+  id when `eod` is set. Documents are cut into shards by characters read, never by process, so 1 and N
+  processes, and a preparation resumed after a kill, write byte-identical shards.
+- Memory is bounded whatever the corpus size: documents arrive as pieces, at most `2 × num_proc` shards'
+  worth of text is in flight, and nothing ever holds the whole corpus.
+- One preparation per key: a lock file next to the directory; a second job waits, then reads the index.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_ENCODE_CHARS = 1 << 20  # characters per tokenizer call: bounds the tokenizer's own per-token objects
+
+
+# --- the token stream, as training reads it ---
+
+
+class TokenStream:
+    """The concatenation of memory-mapped shards, read by global token offset; `[a:b]` gives a view."""
+
+    def __init__(self, arrays: list[np.ndarray], start: int = 0, stop: int | None = None) -> None:
+        self.arrays = arrays
+        self.offsets = np.cumsum([0] + [len(a) for a in arrays]).tolist()
+        self.start, self.stop = start, self.offsets[-1] if stop is None else stop
+        self.dtype = arrays[0].dtype if arrays else np.dtype("uint16")
+
+    @classmethod
+    def open(cls, directory: Path, index: dict[str, Any]) -> TokenStream:
+        dtype = np.dtype(index["dtype"])
+        arrays = [np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
+                  for s in index["shards"] if s["tokens"] > 0]
+        return cls(arrays)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, key: slice) -> TokenStream:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("TokenStream takes contiguous slices; use read(a, b) for the tokens")
+        a, b, _ = key.indices(len(self))
+        return TokenStream(self.arrays, self.start + a, self.start + max(a, b))
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of this view (a zero-copy memmap slice when they lie in one shard)."""
+        a, b = self.start + a, self.start + b
+        i = bisect.bisect_right(self.offsets, a) - 1
+        parts = []
+        while a < b:
+            take = min(b, self.offsets[i + 1]) - a
+            parts.append(self.arrays[i][a - self.offsets[i]: a - self.offsets[i] + take])
+            a, i = a + take, i + 1
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, self.dtype)
+
+    def chunks(self, size: int = 1 << 24) -> Iterator[np.ndarray]:
+        for a in range(0, len(self), size):
+            yield self.read(a, min(a + size, len(self)))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.read(0, len(self))
+        return out if dtype is None else out.astype(dtype)
+
+
+class BlockView:
+    """Non-overlapping blocks of a stream, shape (n, block): row i is tokens [i·block, (i+1)·block)."""
+
+    def __init__(self, stream: TokenStream, block: int, n: int | None = None) -> None:
+        self.stream, self.block = stream, block
+        self.n = len(stream) // block if n is None else n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.block)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            a, b, step = key.indices(self.n)
+            if step != 1:
+                raise TypeError("BlockView takes contiguous slices")
+            return BlockView(self.stream[a * self.block:], self.block, max(0, b - a))
+        if not -self.n <= key < self.n:
+            raise IndexError(f"block {key} of {self.n}")
+        key %= self.n
+        return self.stream.read(key * self.block, (key + 1) * self.block)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.stream.read(0, self.n * self.block).reshape(self.n, self.block)
+        return out if dtype is None else out.astype(dtype)
+
+    def target_counts(self, vocab_size: int, rows: int = 1 << 16) -> np.ndarray:
+        """Counts of every token id among the targets (each row but its first token), in chunks of rows."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for r in range(0, self.n, rows):
+            k = min(rows, self.n - r)
+            chunk = self.stream.read(r * self.block, (r + k) * self.block).reshape(k, self.block)
+            counts += np.bincount(chunk[:, 1:].ravel(), minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+# --- preparation ---
+
+
+def shard_key(**recipe: Any) -> str:
+    return hashlib.sha256(json.dumps({"format": FORMAT, **recipe}, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def preparation_lock(directory: Path) -> Iterator[None]:
+    """Exclusive while preparing `directory`; a second job of the sweep waits here, then finds the index."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            log.warning(f"waiting for another job preparing the token shards {directory} ({f.read().strip()})")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {os.uname().nodename} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_index(directory: Path) -> dict[str, Any] | None:
+    path = directory / "index.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def safe_pieces(pieces: Iterable[str], size: int, anywhere: bool) -> Iterator[str]:
+    """Re-cut a document's pieces to about `size` characters where tokenizing the parts equals tokenizing the whole.
+
+    `anywhere` (char tokenizers): any cut. Otherwise a cut is made only after a newline with a non-space on
+    both sides ("x\\n|y"): GPT-2-style pre-tokenizers never join a lone newline to either neighbour there, so
+    no pre-token spans the cut. A document without such a place stays whole.
+    """
+    if anywhere:
+        yield from pieces
+        return
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        while len(buf) >= size:
+            cut = _last_safe_cut(buf)
+            if cut <= 0:
+                break
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+def _last_safe_cut(text: str) -> int:
+    i = len(text) - 1
+    while (i := text.rfind("\n", 0, i)) > 0:
+        if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+            return i + 1
+    return -1
+
+
+def units(documents: Iterable[Iterable[str]], shard_chars: int, anywhere: bool
+          ) -> Iterator[list[tuple[str, bool]]]:
+    """Group (piece, ends a document) pairs into shards of at least `shard_chars` characters (the last may be less)."""
+    unit: list[tuple[str, bool]] = []
+    size = 0
+    for doc in documents:
+        pending = None
+        for piece in safe_pieces(doc, min(shard_chars, _ENCODE_CHARS), anywhere):
+            if pending is not None:
+                unit.append((pending, False))
+                size += len(pending)
+            pending = piece
+        unit.append((pending or "", True))
+        size += len(pending or "")
+        if size >= shard_chars:
+            yield unit
+            unit, size = [], 0
+    if unit:
+        yield unit
+
+
+class Encoder:
+    """text -> ids as the tokenizer gives them; char tokenizers through a code-point table (same ids, no objects)."""
+
+    def __init__(self, tokenizer_json: str) -> None:
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        spec = json.loads(tokenizer_json)
+        self.table: np.ndarray | None = None
+        if is_char_tokenizer(spec):
+            vocab, unk = spec["model"]["vocab"], spec["model"]["vocab"][spec["model"]["unk_token"]]
+            chars = {ord(c): i for c, i in vocab.items() if len(c) == 1}
+            self.table = np.full(max(chars, default=0) + 1, unk, dtype=np.int64)
+            self.table[list(chars)] = list(chars.values())
+            self.unk = unk
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        if self.table is not None:
+            out = []
+            for t in texts:
+                cps = np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32)
+                inside = cps < len(self.table)
+                out.append(np.where(inside, self.table[np.where(inside, cps, 0)], self.unk))
+            return out
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def is_char_tokenizer(spec: dict[str, Any]) -> bool:
+    """lmlab's `char` tokenizer shape (also from a path): one token per code point, no added tokens, no normalizer."""
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("model", {}).get("type") == "WordLevel" and not spec.get("added_tokens")
+            and spec.get("normalizer") is None and pre.get("type") == "Split"
+            and pre.get("pattern", {}).get("Regex") == r"[\s\S]")
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_json: str, eod_id: int | None, dtype: str, directory: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process = one core: num_proc says how many
+    _worker.update(encode=Encoder(tokenizer_json), eod=eod_id, dtype=np.dtype(dtype), dir=Path(directory))
+
+
+def _write_shard(k: int, unit: list[tuple[str, bool]]) -> dict[str, int]:
+    """Tokenize one shard's pieces and write it; the .json sidecar last, so a killed shard is redone."""
+    encode, eod, dtype, directory = _worker["encode"], _worker["eod"], _worker["dtype"], _worker["dir"]
+    parts: list[np.ndarray] = []
+    doc_ends: list[int] = []
+    n = 0
+    batch: list[tuple[str, bool]] = []
+
+    def flush() -> None:
+        nonlocal n
+        for ids, (_, ends) in zip(encode([t for t, _ in batch]), batch, strict=True):
+            parts.append(ids.astype(dtype))
+            n += len(ids)
+            if ends:
+                if eod is not None:
+                    parts.append(np.array([eod], dtype=dtype))
+                    n += 1
+                doc_ends.append(n)
+        batch.clear()
+
+    chars = 0
+    for text, ends in unit:
+        batch.append((text, ends))
+        chars += len(text)
+        if chars >= _ENCODE_CHARS:
+            flush()
+            chars = 0
+    flush()
+    name = f"shard-{k:05d}"
+    tokens = np.concatenate(parts) if parts else np.empty(0, dtype)
+    _atomic(directory / f"{name}.bin", tokens.tofile)
+    _atomic(directory / f"{name}.docs.npy", lambda f: np.save(f, np.asarray(doc_ends, dtype=np.int64)))
+    meta = {"file": f"{name}.bin", "tokens": int(len(tokens)), "docs": len(doc_ends)}
+    _atomic(directory / f"{name}.json", lambda f: f.write(json.dumps(meta).encode()))
+    return meta
+
+
+def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def tokenize(documents: Iterable[Iterable[str]], directory: Path, *, tokenizer_json: str, eod_id: int | None,
+             dtype: str, num_proc: int, shard_chars: int) -> list[dict[str, int]]:
+    """Write every shard of the corpus into `directory`, in `num_proc` processes; the shards' metadata, in order.
+
+    Shards complete from an earlier, interrupted attempt (their .json exists) are not tokenized again.
+    """
+    anywhere = is_char_tokenizer(json.loads(tokenizer_json))
+    init = (tokenizer_json, eod_id, dtype, str(directory))
+    metas: list[dict[str, int] | None] = []
+    todo = ((k, unit) for k, unit in enumerate(units(documents, shard_chars, anywhere))
+            if not _complete(directory, k, metas))
+    first = next(todo, None)
+    second = next(todo, None) if first is not None else None
+    todo = itertools.chain([u for u in (first, second) if u is not None], todo)
+    if num_proc <= 1 or second is None:  # one shard to write (small corpora): no processes to start
+        _init_worker(*init)
+        for k, unit in todo:
+            metas[k] = _write_shard(k, unit)
+        return metas  # type: ignore[return-value]
+    # forkserver: workers start from a clean process (no torch, no threads of the parent's) and import only this module
+    ctx = multiprocessing.get_context("forkserver")
+    with ctx.Pool(num_proc, initializer=_init_worker, initargs=init) as pool:
+        in_flight: deque[tuple[int, Any]] = deque()
+        for k, unit in todo:
+            in_flight.append((k, pool.apply_async(_write_shard, (k, unit))))
+            while len(in_flight) >= 2 * num_proc:  # bounded read-ahead: memory stays flat whatever the corpus
+                j, result = in_flight.popleft()
+                metas[j] = result.get()
+        for j, result in in_flight:
+            metas[j] = result.get()
+    return metas  # type: ignore[return-value]
+
+
+def _complete(directory: Path, k: int, metas: list[dict[str, int] | None]) -> bool:
+    sidecar = directory / f"shard-{k:05d}.json"
+    metas.append(json.loads(sidecar.read_text()) if sidecar.is_file() else None)
+    return metas[k] is not None

@@ -1,0 +1,228 @@
+"""Token shards (lmlab/data/shards.py): the stream is the documents' tokens in order, whatever the number of
+processes, shards or interruptions; the end-of-document token is where documents end; a second job waits for
+the first; a prepared corpus is never read again."""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmlab.data import TextDataModule
+from lmlab.data import corpus as corpus_module
+from lmlab.data.datamodule import train_text, training_sample
+from lmlab.data.shards import BlockView, TokenStream, preparation_lock, safe_pieces
+
+EOD = "<|endoftext|>"
+WORDS = ["the", "king", "  queen", "\n", "\n\n", " ", "thou", "art", ",", "—", "é", "\t", "  \n", "42", "😀"]
+
+
+def write_docs(root: Path, n: int = 12, seed: int = 0, words: int = 400) -> list[Path]:
+    """n documents of varied size and whitespace (newlines next to spaces: where a careless cut would differ)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        text = "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(words // 4, words)))
+        (path := root / f"doc{i:03d}.txt").write_text(text)
+        paths.append(path)
+    return paths
+
+
+def dm_for(tmp_path: Path, root: Path, cache: str = "cache", seq_len: int = 15, **data) -> TextDataModule:
+    spec = {"name": "text_files", "paths": [str(root)], "cache_dir": str(tmp_path / cache), "batch_size": 4,
+            "val_windows": None, "val_fraction": 0.1, **data}
+    dm = TextDataModule(spec, seq_len=seq_len, seed=0)
+    dm.setup("fit")
+    return dm
+
+
+def shard_files(dm: TextDataModule) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dm.shard_dir.iterdir())}
+
+
+def test_shards_are_the_documents_tokens_in_order(tmp_path: Path) -> None:
+    paths = write_docs(tmp_path / "docs")
+    for tokenizer in ("char", "bpe"):
+        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, shard_chars=700)
+        index = json.loads((dm.shard_dir / "index.json").read_text())
+        assert len(index["shards"]) > 3  # several shards: the stream crosses shard boundaries
+        whole = np.concatenate([dm.tokenizer.encode(p.read_text()).ids for p in paths])
+        stream = np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)])
+        assert np.array_equal(stream, whole), tokenizer
+        # Blocks that straddle shards read the same tokens as the flat stream.
+        blocks = np.asarray(dm.train_dataset.blocks)
+        assert np.array_equal(blocks.ravel(), whole[: blocks.size])
+        assert np.array_equal(dm.train_dataset.blocks[5], whole[5 * 16: 6 * 16])
+
+
+def test_long_documents_are_cut_only_where_tokenizing_is_unchanged(tmp_path: Path) -> None:
+    """One document far larger than a piece: the BPE ids equal those of the document in one piece."""
+    write_docs(tmp_path / "one", n=1, words=6000)
+    text = (tmp_path / "one" / "doc000.txt").read_text()
+    dm = dm_for(tmp_path, tmp_path / "one", tokenizer="bpe", vocab_size=400, shard_chars=300)
+    whole = dm.tokenizer.encode(text).ids
+    assert np.array_equal(np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)]), whole)
+    pieces = list(safe_pieces([text[i: i + 97] for i in range(0, len(text), 97)], 300, anywhere=False))
+    assert "".join(pieces) == text and len(pieces) > 10
+    # A cut after a newline that follows a space would change the tokens: "a  \n" alone ends in one "  \n" token.
+    for a, b in zip(pieces, pieces[1:], strict=False):
+        assert a.endswith("\n") and not a[-2].isspace() and not b[0].isspace()
+
+
+def test_one_and_two_processes_write_identical_shards(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=20)
+    for tokenizer in ("char", "bpe"):
+        one = dm_for(tmp_path, tmp_path / "docs", cache="c1", tokenizer=tokenizer, vocab_size=300, shard_chars=500,
+                     num_proc=1)
+        two = dm_for(tmp_path, tmp_path / "docs", cache="c2", tokenizer=tokenizer, vocab_size=300, shard_chars=500,
+                     num_proc=2)
+        assert len(json.loads((one.shard_dir / "index.json").read_text())["shards"]) > 4
+        assert shard_files(one) == shard_files(two), tokenizer
+
+
+def test_a_resumed_preparation_keeps_finished_shards_and_ends_identical(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=20)
+    full = dm_for(tmp_path, tmp_path / "docs", shard_chars=500)
+    reference = shard_files(full)
+    # As a kill leaves it: shards 0-2 complete, shard 3 written but not marked complete, no index.
+    shard_dir = full.shard_dir
+    n = len(json.loads((shard_dir / "index.json").read_text())["shards"])
+    assert n > 5
+    (shard_dir / "index.json").unlink()
+    kept = {k: (shard_dir / f"shard-{k:05d}.bin").stat().st_mtime_ns for k in range(3)}
+    for k in range(3, n):
+        for suffix in (".json", ".docs.npy"):
+            (shard_dir / f"shard-{k:05d}{suffix}").unlink(missing_ok=True)
+        if k > 3:
+            (shard_dir / f"shard-{k:05d}.bin").unlink(missing_ok=True)
+    (shard_dir / "shard-00003.bin").write_bytes(b"half a shard")
+    again = dm_for(tmp_path, tmp_path / "docs", shard_chars=500)
+    assert shard_files(again) == reference
+    assert {k: (shard_dir / f"shard-{k:05d}.bin").stat().st_mtime_ns for k in range(3)} == kept  # not redone
+
+
+def test_the_end_of_document_token_is_where_documents_end(tmp_path: Path) -> None:
+    paths = write_docs(tmp_path / "docs", n=9)
+    for tokenizer in ("char", "bpe"):
+        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, eod=EOD, shard_chars=800)
+        eod = dm.tokenizer.token_to_id(EOD)
+        assert eod is not None and dm.eod_id == eod and eod < dm.vocab_size
+        stream = np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)])
+        lengths = [len(dm.tokenizer.encode(p.read_text()).ids) + 1 for p in paths]
+        ends = np.cumsum(lengths) - 1
+        assert np.array_equal(np.flatnonzero(stream == eod), ends), tokenizer  # there and only there
+        # Each shard records where its documents end.
+        index = json.loads((dm.shard_dir / "index.json").read_text())
+        offsets, recorded = 0, []
+        for shard in index["shards"]:
+            recorded += (np.load(dm.shard_dir / shard["file"].replace(".bin", ".docs.npy")) + offsets).tolist()
+            offsets += shard["tokens"]
+        assert recorded == (ends + 1).tolist() and index["documents"] == len(paths)
+    # Without data.eod the documents simply follow each other (the default corpus is unchanged).
+    plain = dm_for(tmp_path, tmp_path / "docs")
+    plain_stream = np.concatenate([np.asarray(plain.train_tokens), np.asarray(plain.val_tokens)])
+    assert plain.eod_id is None and len(plain_stream) == sum(len(p.read_text()) for p in paths)
+
+
+def test_a_literal_end_of_document_text_is_not_the_token_for_char(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text(f"before {EOD} after " * 30)
+    dm = dm_for(tmp_path, tmp_path / "d", eod=EOD)
+    stream = np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)])
+    assert np.flatnonzero(stream == dm.eod_id).tolist() == [len(stream) - 1]
+
+
+def test_a_second_job_waits_for_the_first_and_reads_its_shards(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs")
+    probe = dm_for(tmp_path, tmp_path / "docs", cache="probe")  # only to learn the shard directory's name
+    shard_dir = tmp_path / "cache" / "shards" / probe.shard_dir.name
+    done: list[TextDataModule] = []
+    with preparation_lock(shard_dir):  # the first job, preparing
+        waiter = threading.Thread(target=lambda: done.append(dm_for(tmp_path, tmp_path / "docs")))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and not done  # waiting on the lock, not preparing alongside
+    waiter.join(timeout=60)
+    assert done and np.array_equal(np.asarray(done[0].train_tokens), np.asarray(probe.train_tokens))
+
+
+def test_a_prepared_corpus_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = write_docs(tmp_path / "docs")
+    first = dm_for(tmp_path, tmp_path / "docs")
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the corpus was read again")
+
+    monkeypatch.setattr(corpus_module, "_read_pieces", no_reading)
+    monkeypatch.setattr(codecs, "getincrementaldecoder", no_reading)  # the fingerprint's streamed hash
+    second = dm_for(tmp_path, tmp_path / "docs")
+    assert second.shard_dir == first.shard_dir and second.unigram_entropy("train") == first.unigram_entropy("train")
+    monkeypatch.undo()
+    # A changed file (new content, same size: only the metadata tells) is a new corpus.
+    text = paths[0].read_text()
+    paths[0].write_text(text[::-1])
+    assert dm_for(tmp_path, tmp_path / "docs").shard_dir != first.shard_dir
+
+
+def test_the_tokenizer_sample_is_the_start_of_the_training_part() -> None:
+    docs = ["abcdefghij", "", "klmnopqrst", "uvwxyz0123"]  # 30 characters
+
+    def documents():
+        return (iter([d[i: i + 3] for i in range(0, len(d), 3)]) for d in docs)
+
+    head = ["abcdefghij", "", "klmnopqrst", "uvwxyz0"]
+    assert training_sample(documents(), None, 0.1) == train_text(docs, 0.1) == head
+    assert training_sample(documents(), 1000, 0.1) == train_text(docs, 0.1)  # corpus smaller than the sample
+    assert training_sample(documents(), 12, 0.1) == ["abcdefghij", "", "kl"]
+    assert training_sample(documents(), 27, 0.5) == ["abcdefghij", "", "klmno"]  # capped by the split (15 chars)
+
+
+def test_stream_views_and_chunked_counts(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 50, size=n).astype(np.uint16) for n in (7, 0, 30, 1, 64)]
+    flat = np.concatenate(parts)
+    stream = TokenStream([p for p in parts if len(p)])
+    assert len(stream) == len(flat) and np.array_equal(np.asarray(stream), flat)
+    view = stream[5:90]
+    assert np.array_equal(view.read(3, 40), flat[8:45]) and len(view) == 85
+    blocks = BlockView(view, 9)
+    assert blocks.shape == (9, 9) and np.array_equal(np.asarray(blocks), flat[5:86].reshape(9, 9))
+    assert np.array_equal(np.asarray(blocks[2:5]), flat[5 + 18: 5 + 45].reshape(3, 9))
+    expected = np.bincount(flat[5:86].reshape(9, 9)[:, 1:].ravel(), minlength=50)
+    assert np.array_equal(blocks.target_counts(50, rows=2), expected)
+
+
+def test_hf_streaming_reads_the_same_documents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    write_docs(tmp_path / "docs", n=5)
+    rows = dm_for(tmp_path, tmp_path / "docs", name="hf", dataset=str(tmp_path / "docs"), paths=None)
+    streamed = dm_for(tmp_path, tmp_path / "docs", name="hf", dataset=str(tmp_path / "docs"), paths=None,
+                      streaming=True)
+    assert streamed.shard_dir != rows.shard_dir
+    assert np.array_equal(np.asarray(streamed.train_tokens), np.asarray(rows.train_tokens))
+
+
+def test_bad_shard_settings_name_the_key(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=2)
+    for key, value, match in (("num_proc", 0, "data.num_proc=0"), ("shard_chars", 0, "data.shard_chars=0"),
+                              ("eod", "", "data.eod=''"), ("tokenizer_sample", 0, "data.tokenizer_sample=0")):
+        with pytest.raises(ValueError, match=match):
+            dm_for(tmp_path, tmp_path / "docs", **{key: value})
+
+
+def test_fingerprint_is_of_the_bytes(tmp_path: Path) -> None:
+    paths = write_docs(tmp_path / "docs", n=2)
+    source = corpus_module.load_text_files(paths=[str(tmp_path / "docs")], cache_dir=tmp_path / "c")
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.stat().st_size.to_bytes(8, "little") + p.read_bytes())
+    assert source.fingerprint == h.hexdigest()
