@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmlab.data import TextDataModule
+from lmlab.data import TextDataModule, shards
 from lmlab.data import corpus as corpus_module
 from lmlab.data.datamodule import train_text, training_sample
 from lmlab.data.shards import BlockView, TokenStream, preparation_lock, safe_pieces
@@ -51,7 +51,7 @@ def shard_files(dm: TextDataModule) -> dict[str, bytes]:
 def test_shards_are_the_documents_tokens_in_order(tmp_path: Path) -> None:
     paths = write_docs(tmp_path / "docs")
     for tokenizer in ("char", "bpe"):
-        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, shard_chars=700)
+        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, shard_size=700)
         index = json.loads((dm.shard_dir / "index.json").read_text())
         assert len(index["shards"]) > 3  # several shards: the stream crosses shard boundaries
         whole = np.concatenate([dm.tokenizer.encode(p.read_text()).ids for p in paths])
@@ -63,11 +63,12 @@ def test_shards_are_the_documents_tokens_in_order(tmp_path: Path) -> None:
         assert np.array_equal(dm.train_dataset.blocks[5], whole[5 * 16: 6 * 16])
 
 
-def test_long_documents_are_cut_only_where_tokenizing_is_unchanged(tmp_path: Path) -> None:
+def test_long_documents_are_cut_only_where_tokenizing_is_unchanged(tmp_path: Path, monkeypatch) -> None:
     """One document far larger than a piece: the BPE ids equal those of the document in one piece."""
     write_docs(tmp_path / "one", n=1, words=6000)
     text = (tmp_path / "one" / "doc000.txt").read_text()
-    dm = dm_for(tmp_path, tmp_path / "one", tokenizer="bpe", vocab_size=400, shard_chars=300)
+    monkeypatch.setattr(shards, "_ENCODE_CHARS", 300)  # pieces of ~300 characters instead of ~1M
+    dm = dm_for(tmp_path, tmp_path / "one", tokenizer="bpe", vocab_size=400)
     whole = dm.tokenizer.encode(text).ids
     assert np.array_equal(np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)]), whole)
     pieces = list(safe_pieces([text[i: i + 97] for i in range(0, len(text), 97)], 300, anywhere=False))
@@ -80,9 +81,9 @@ def test_long_documents_are_cut_only_where_tokenizing_is_unchanged(tmp_path: Pat
 def test_one_and_two_processes_write_identical_shards(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=20)
     for tokenizer in ("char", "bpe"):
-        one = dm_for(tmp_path, tmp_path / "docs", cache="c1", tokenizer=tokenizer, vocab_size=300, shard_chars=500,
+        one = dm_for(tmp_path, tmp_path / "docs", cache="c1", tokenizer=tokenizer, vocab_size=300, shard_size=500,
                      num_proc=1)
-        two = dm_for(tmp_path, tmp_path / "docs", cache="c2", tokenizer=tokenizer, vocab_size=300, shard_chars=500,
+        two = dm_for(tmp_path, tmp_path / "docs", cache="c2", tokenizer=tokenizer, vocab_size=300, shard_size=500,
                      num_proc=2)
         assert len(json.loads((one.shard_dir / "index.json").read_text())["shards"]) > 4
         assert shard_files(one) == shard_files(two), tokenizer
@@ -90,7 +91,7 @@ def test_one_and_two_processes_write_identical_shards(tmp_path: Path) -> None:
 
 def test_a_resumed_preparation_keeps_finished_shards_and_ends_identical(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=20)
-    full = dm_for(tmp_path, tmp_path / "docs", shard_chars=500)
+    full = dm_for(tmp_path, tmp_path / "docs", shard_size=500)
     reference = shard_files(full)
     # As a kill leaves it: shards 0-2 complete, shard 3 written but not marked complete, no index.
     shard_dir = full.shard_dir
@@ -104,7 +105,7 @@ def test_a_resumed_preparation_keeps_finished_shards_and_ends_identical(tmp_path
         if k > 3:
             (shard_dir / f"shard-{k:05d}.bin").unlink(missing_ok=True)
     (shard_dir / "shard-00003.bin").write_bytes(b"half a shard")
-    again = dm_for(tmp_path, tmp_path / "docs", shard_chars=500)
+    again = dm_for(tmp_path, tmp_path / "docs", shard_size=500)
     assert shard_files(again) == reference
     assert {k: (shard_dir / f"shard-{k:05d}.bin").stat().st_mtime_ns for k in range(3)} == kept  # not redone
 
@@ -112,7 +113,7 @@ def test_a_resumed_preparation_keeps_finished_shards_and_ends_identical(tmp_path
 def test_the_end_of_document_token_is_where_documents_end(tmp_path: Path) -> None:
     paths = write_docs(tmp_path / "docs", n=9)
     for tokenizer in ("char", "bpe"):
-        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, eod=EOD, shard_chars=800)
+        dm = dm_for(tmp_path, tmp_path / "docs", tokenizer=tokenizer, vocab_size=300, eod=EOD, shard_size=800)
         eod = dm.tokenizer.token_to_id(EOD)
         assert eod is not None and dm.eod_id == eod and eod < dm.vocab_size
         stream = np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)])
@@ -213,7 +214,7 @@ def test_hf_streaming_reads_the_same_documents(tmp_path: Path, monkeypatch: pyte
 
 def test_bad_shard_settings_name_the_key(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=2)
-    for key, value, match in (("num_proc", 0, "data.num_proc=0"), ("shard_chars", 0, "data.shard_chars=0"),
+    for key, value, match in (("num_proc", 0, "data.num_proc=0"), ("shard_size", 0, "data.shard_size=0"),
                               ("eod", "", "data.eod=''"), ("tokenizer_sample", 0, "data.tokenizer_sample=0")):
         with pytest.raises(ValueError, match=match):
             dm_for(tmp_path, tmp_path / "docs", **{key: value})
@@ -226,3 +227,18 @@ def test_fingerprint_is_of_the_bytes(tmp_path: Path) -> None:
     for p in paths:
         h.update(p.stat().st_size.to_bytes(8, "little") + p.read_bytes())
     assert source.fingerprint == h.hexdigest()
+
+
+def test_the_data_benchmark_reports_speed_memory_and_the_targets(tmp_path: Path) -> None:
+    from lmlab.bench.data import main, parse_size, tree_rss
+
+    assert parse_size("1GB") == 10**9 and parse_size("100MB") == 10**8 and parse_size("300KB") == 300_000
+    import os
+
+    assert tree_rss(os.getpid()) > 10**7  # this process holds torch: tens of MB at least
+    out = main(["--size", "300KB", "--num-proc", "1", "2", "--work", str(tmp_path), "--no-first-step"])
+    one, two = out["rows"]
+    corpus = sorted((tmp_path / "corpus-300000").glob("*.txt"))
+    assert sum(f.stat().st_size for f in corpus) >= 300_000 and one["tokens"] == two["tokens"] > 290_000
+    assert one["peak_rss_gb"] > 0.01 and one["mb_per_s"] > 0 and two["num_proc"] == 2
+    assert "speedup_2_procs_0mb" in out["targets"]

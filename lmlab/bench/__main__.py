@@ -1,3 +1,10 @@
-from lmlab.bench.cli import main
+import sys
 
-main()
+if sys.argv[1:2] == ["data"]:  # python -m lmlab.bench data ...: the data pipeline's benchmark
+    from lmlab.bench.data import main
+
+    main(sys.argv[2:])
+else:
+    from lmlab.bench.cli import main
+
+    main()

@@ -144,9 +144,31 @@ class FileSource:
         self.files = files
         self.fingerprint = _cached_fingerprint(files, Path(cache_dir).expanduser())
 
-    def documents(self, piece_chars: int = 1 << 22) -> Iterator[Iterator[str]]:
-        for path in self.files:
-            yield _read_pieces(path, piece_chars)
+    def documents(self) -> Iterator[Iterator[str]]:
+        return FileUnit([str(f) for f in self.files]).documents()
+
+    def units(self, size: int) -> Iterator[FileUnit]:
+        """Consecutive files of at least `size` bytes together (a larger file is a unit of its own): the worker
+        that tokenizes a unit reads its files itself, so the main process only hands out names."""
+        unit: list[str] = []
+        total = 0
+        for f in self.files:
+            unit.append(str(f))
+            total += f.stat().st_size
+            if total >= size:
+                yield FileUnit(unit)
+                unit, total = [], 0
+        if unit:
+            yield FileUnit(unit)
+
+
+class FileUnit:
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def documents(self, piece_chars: int = 1 << 20) -> Iterator[Iterator[str]]:
+        for path in self.paths:
+            yield _read_pieces(Path(path), piece_chars)
 
 
 class DatasetSource:
@@ -155,11 +177,35 @@ class DatasetSource:
     def __init__(self, ds: Any, fingerprint: str) -> None:
         self.ds, self.fingerprint = ds, fingerprint
 
-    def documents(self, piece_chars: int = 1 << 22) -> Iterator[Iterator[str]]:
-        rows = self.ds.iter(batch_size=1000) if hasattr(self.ds, "iter") else _batched_rows(self.ds)
-        for batch in rows:
+    def rows(self) -> Iterator[str]:
+        batches = self.ds.iter(batch_size=1000) if hasattr(self.ds, "iter") else _batched_rows(self.ds)
+        for batch in batches:
             for text in batch["text"]:
-                yield iter((_with_newline(text or ""),))
+                yield _with_newline(text or "")
+
+    def documents(self) -> Iterator[Iterator[str]]:
+        return (iter((text,)) for text in self.rows())
+
+    def units(self, size: int) -> Iterator[TextUnit]:
+        """Consecutive rows of at least `size` characters together, read here and sent to a worker."""
+        unit: list[str] = []
+        total = 0
+        for text in self.rows():
+            unit.append(text)
+            total += len(text)
+            if total >= size:
+                yield TextUnit(unit)
+                unit, total = [], 0
+        if unit:
+            yield TextUnit(unit)
+
+
+class TextUnit:
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def documents(self) -> Iterator[Iterator[str]]:
+        return (iter((text,)) for text in self.texts)
 
 
 def _batched_rows(ds: Any) -> Iterator[dict[str, list[str]]]:

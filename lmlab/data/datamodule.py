@@ -58,7 +58,7 @@ _DEFAULTS: dict[str, Any] = {
     "num_proc": None,  # None: every core this process may use
     "eod": None,  # the end-of-document token's text (e.g. "<|endoftext|>"); None: documents simply follow each other
     "tokenizer_sample": 100_000_000,  # characters of the training part a trained tokenizer learns from; None: all
-    "shard_chars": 1 << 25,  # characters of text per token shard
+    "shard_size": 1 << 23,  # text per token shard: bytes of files (whole files), characters of dataset rows
 }
 
 
@@ -192,7 +192,7 @@ class TextDataModule(pl.LightningDataModule):
         self.eod = spec.pop("eod")
         sample = spec.pop("tokenizer_sample")
         self.tokenizer_sample = None if sample is None else int(sample)
-        self.shard_chars = int(spec.pop("shard_chars"))
+        self.shard_size = int(spec.pop("shard_size"))
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self._check()
@@ -210,10 +210,10 @@ class TextDataModule(pl.LightningDataModule):
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
         sample = 1 if self.tokenizer_sample is None else self.tokenizer_sample
-        for key, value in {"data.num_proc": self.num_proc, "data.shard_chars": self.shard_chars,
+        for key, value in {"data.num_proc": self.num_proc, "data.shard_size": self.shard_size,
                            "data.tokenizer_sample": sample}.items():
             if value < 1:
-                nullable = " (or null)" if key != "data.shard_chars" else ""
+                nullable = " (or null)" if key != "data.shard_size" else ""
                 raise ValueError(f"{key}={value} must be at least 1{nullable}")
         if self.eod is not None and (not isinstance(self.eod, str) or not self.eod):
             raise ValueError(f"data.eod={self.eod!r} must be a non-empty string (the token's text), or null for none")
@@ -285,8 +285,8 @@ class TextDataModule(pl.LightningDataModule):
         save_tokenizer(tok, directory / "tokenizer.json")
         eod_id = None if self.eod is None else tok.token_to_id(self.eod)
         dtype = "uint16" if tok.get_vocab_size() <= 2**16 else "uint32"
-        metas = shards.tokenize(source.documents(), directory, tokenizer_json=tok.to_str(), eod_id=eod_id,
-                                dtype=dtype, num_proc=self.num_proc, shard_chars=self.shard_chars)
+        metas = shards.tokenize(source.units(self.shard_size), directory, tokenizer_json=tok.to_str(), eod_id=eod_id,
+                                dtype=dtype, num_proc=self.num_proc)
         index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": self._recipe(), "dtype": dtype,
                  "vocab_size": tok.get_vocab_size(), "eod_id": eod_id, "shards": metas,
                  "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}

@@ -168,9 +168,9 @@ def read_index(directory: Path) -> dict[str, Any] | None:
 def safe_pieces(pieces: Iterable[str], size: int, anywhere: bool) -> Iterator[str]:
     """Re-cut a document's pieces to about `size` characters where tokenizing the parts equals tokenizing the whole.
 
-    `anywhere` (char tokenizers): any cut. Otherwise a cut is made only after a newline with a non-space on
-    both sides ("x\\n|y"): GPT-2-style pre-tokenizers never join a lone newline to either neighbour there, so
-    no pre-token spans the cut. A document without such a place stays whole.
+    `anywhere` (char tokenizers): the pieces as they come. Otherwise a cut is made only after a newline with a
+    non-space on both sides ("x\\n|y"): GPT-2-style pre-tokenizers never join a lone newline to either
+    neighbour there, so no pre-token spans the cut. A document without such a place stays whole.
     """
     if anywhere:
         yield from pieces
@@ -178,43 +178,21 @@ def safe_pieces(pieces: Iterable[str], size: int, anywhere: bool) -> Iterator[st
     buf = ""
     for piece in pieces:
         buf += piece
-        while len(buf) >= size:
-            cut = _last_safe_cut(buf)
-            if cut <= 0:
-                break
+        while len(buf) > size and (cut := _safe_cut(buf, size)) > 0:
             yield buf[:cut]
             buf = buf[cut:]
     if buf:
         yield buf
 
 
-def _last_safe_cut(text: str) -> int:
-    i = len(text) - 1
-    while (i := text.rfind("\n", 0, i)) > 0:
-        if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+def _safe_cut(text: str, start: int) -> int:
+    """The first place at or after `start` just past a newline with non-space characters on both sides; -1 if none."""
+    i = start - 1
+    while (i := text.find("\n", max(i, 1))) != -1:
+        if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
             return i + 1
+        i += 1
     return -1
-
-
-def units(documents: Iterable[Iterable[str]], shard_chars: int, anywhere: bool
-          ) -> Iterator[list[tuple[str, bool]]]:
-    """Group (piece, ends a document) pairs into shards of at least `shard_chars` characters (the last may be less)."""
-    unit: list[tuple[str, bool]] = []
-    size = 0
-    for doc in documents:
-        pending = None
-        for piece in safe_pieces(doc, min(shard_chars, _ENCODE_CHARS), anywhere):
-            if pending is not None:
-                unit.append((pending, False))
-                size += len(pending)
-            pending = piece
-        unit.append((pending or "", True))
-        size += len(pending or "")
-        if size >= shard_chars:
-            yield unit
-            unit, size = [], 0
-    if unit:
-        yield unit
 
 
 class Encoder:
@@ -224,22 +202,16 @@ class Encoder:
         self.tok = Tokenizer.from_str(tokenizer_json)
         spec = json.loads(tokenizer_json)
         self.table: np.ndarray | None = None
-        if is_char_tokenizer(spec):
-            vocab, unk = spec["model"]["vocab"], spec["model"]["vocab"][spec["model"]["unk_token"]]
+        if is_char_tokenizer(spec):  # every code point -> its id, <unk> for the rest: one gather per piece
+            vocab = spec["model"]["vocab"]
+            self.table = np.full(0x110000, vocab[spec["model"]["unk_token"]], dtype=np.uint32)
             chars = {ord(c): i for c, i in vocab.items() if len(c) == 1}
-            self.table = np.full(max(chars, default=0) + 1, unk, dtype=np.int64)
             self.table[list(chars)] = list(chars.values())
-            self.unk = unk
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
         if self.table is not None:
-            out = []
-            for t in texts:
-                cps = np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32)
-                inside = cps < len(self.table)
-                out.append(np.where(inside, self.table[np.where(inside, cps, 0)], self.unk))
-            return out
-        return [np.asarray(e.ids, dtype=np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+            return [self.table[np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32)] for t in texts]
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
 
 def is_char_tokenizer(spec: dict[str, Any]) -> bool:
@@ -255,42 +227,50 @@ _worker: dict[str, Any] = {}
 
 def _init_worker(tokenizer_json: str, eod_id: int | None, dtype: str, directory: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process = one core: num_proc says how many
-    _worker.update(encode=Encoder(tokenizer_json), eod=eod_id, dtype=np.dtype(dtype), dir=Path(directory))
+    _worker.update(encode=Encoder(tokenizer_json), eod=eod_id, dtype=np.dtype(dtype), dir=Path(directory),
+                   anywhere=is_char_tokenizer(json.loads(tokenizer_json)))
 
 
-def _write_shard(k: int, unit: list[tuple[str, bool]]) -> dict[str, int]:
-    """Tokenize one shard's pieces and write it; the .json sidecar last, so a killed shard is redone."""
+def _write_shard(k: int, unit: Any) -> dict[str, int]:
+    """Tokenize one unit's documents into shard k, written as it goes (memory stays flat whatever the unit's size);
+    the .json sidecar last, so a shard killed half-way is redone."""
     encode, eod, dtype, directory = _worker["encode"], _worker["eod"], _worker["dtype"], _worker["dir"]
-    parts: list[np.ndarray] = []
+    name = f"shard-{k:05d}"
     doc_ends: list[int] = []
     n = 0
     batch: list[tuple[str, bool]] = []
+    tmp = directory / f".{name}.bin.{os.getpid()}.tmp"
+    with open(tmp, "wb") as out:
 
-    def flush() -> None:
-        nonlocal n
-        for ids, (_, ends) in zip(encode([t for t, _ in batch]), batch, strict=True):
-            parts.append(ids.astype(dtype))
-            n += len(ids)
-            if ends:
-                if eod is not None:
-                    parts.append(np.array([eod], dtype=dtype))
-                    n += 1
-                doc_ends.append(n)
-        batch.clear()
+        def flush() -> None:
+            nonlocal n
+            for ids, (_, ends) in zip(encode([t for t, _ in batch]), batch, strict=True):
+                out.write(ids.astype(dtype, copy=False).tobytes())
+                n += len(ids)
+                if ends:
+                    if eod is not None:
+                        out.write(np.array([eod], dtype=dtype).tobytes())
+                        n += 1
+                    doc_ends.append(n)
+            batch.clear()
 
-    chars = 0
-    for text, ends in unit:
-        batch.append((text, ends))
-        chars += len(text)
-        if chars >= _ENCODE_CHARS:
-            flush()
-            chars = 0
-    flush()
-    name = f"shard-{k:05d}"
-    tokens = np.concatenate(parts) if parts else np.empty(0, dtype)
-    _atomic(directory / f"{name}.bin", tokens.tofile)
+        chars = 0
+        for doc in unit.documents():
+            pieces = safe_pieces(doc, _ENCODE_CHARS, _worker["anywhere"])
+            previous = next(pieces, "")
+            for piece in pieces:
+                batch.append((previous, False))
+                chars += len(previous)
+                previous = piece
+            batch.append((previous, True))
+            chars += len(previous)
+            if chars >= _ENCODE_CHARS:
+                flush()
+                chars = 0
+        flush()
+    os.replace(tmp, directory / f"{name}.bin")
     _atomic(directory / f"{name}.docs.npy", lambda f: np.save(f, np.asarray(doc_ends, dtype=np.int64)))
-    meta = {"file": f"{name}.bin", "tokens": int(len(tokens)), "docs": len(doc_ends)}
+    meta = {"file": f"{name}.bin", "tokens": n, "docs": len(doc_ends)}
     _atomic(directory / f"{name}.json", lambda f: f.write(json.dumps(meta).encode()))
     return meta
 
@@ -302,17 +282,16 @@ def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
     os.replace(tmp, path)
 
 
-def tokenize(documents: Iterable[Iterable[str]], directory: Path, *, tokenizer_json: str, eod_id: int | None,
-             dtype: str, num_proc: int, shard_chars: int) -> list[dict[str, int]]:
-    """Write every shard of the corpus into `directory`, in `num_proc` processes; the shards' metadata, in order.
+def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_id: int | None,
+             dtype: str, num_proc: int) -> list[dict[str, int]]:
+    """Write one shard per unit of the corpus (`units`: objects with `documents()`, made by the corpus source
+    independently of `num_proc`) into `directory`, in `num_proc` processes; the shards' metadata, in order.
 
     Shards complete from an earlier, interrupted attempt (their .json exists) are not tokenized again.
     """
-    anywhere = is_char_tokenizer(json.loads(tokenizer_json))
     init = (tokenizer_json, eod_id, dtype, str(directory))
     metas: list[dict[str, int] | None] = []
-    todo = ((k, unit) for k, unit in enumerate(units(documents, shard_chars, anywhere))
-            if not _complete(directory, k, metas))
+    todo = ((k, unit) for k, unit in enumerate(units) if not _complete(directory, k, metas))
     first = next(todo, None)
     second = next(todo, None) if first is not None else None
     todo = itertools.chain([u for u in (first, second) if u is not None], todo)
