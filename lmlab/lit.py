@@ -12,7 +12,7 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
-from lmlab.monitor import Divergence, sum_over_shards
+from lmlab.monitor import Divergence, local, sum_over_shards
 from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
 from lmlab.registry import NonNegativeFloat, build, check_values, option_params
 
@@ -53,6 +53,14 @@ class LitGPT(L.LightningModule):
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
         object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
         self.tokens_seen = 0
+
+    def configure_model(self) -> None:
+        """Under trainer=fsdp2 (lmlab.distributed.FSDP2Strategy): fully_shard each block and the root, with
+        checkpointing and compile applied per block first; other strategies take the model as it is."""
+        shard = getattr(self.trainer.strategy, "shard", None)
+        if shard is not None:
+            shard(self.model, checkpointing=self.model.cfg.checkpointing, compile=self.hparams.compile)
+            object.__setattr__(self, "forward_fn", self.model)  # compiled per block, inside FSDP's hooks
 
     @property
     def peak_grad_norm(self) -> float:
@@ -96,7 +104,7 @@ class LitGPT(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).
-        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        grads = [local(p.grad).detach() for p in self.model.parameters() if p.grad is not None]  # FSDP2: own shard
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
         norm = sum_over_shards(self.trainer, norm.square()).sqrt()  # the whole model's under FSDP
         self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts

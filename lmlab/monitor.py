@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class Divergence:
@@ -95,14 +96,22 @@ def attention_sublayer(block: nn.Module) -> nn.Module | None:
     return None
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter or gradient; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return sum((t.detach().float().pow(2).sum() for t in tensors), torch.zeros(()))
+    return sum((local(t).detach().float().pow(2).sum() for t in tensors), torch.zeros(()))
 
 
 def sum_over_shards(trainer, squares: torch.Tensor) -> torch.Tensor:
-    """Squared norms summed across ranks when each rank holds a shard of the parameters (FSDP); under DDP every
-    rank already has the whole (all-reduced) gradient."""
-    if "FSDP" in type(trainer.strategy).__name__ and trainer.world_size > 1:
+    """Squared norms summed across ranks when each rank holds a shard of the parameters (FSDP, FSDP2: each rank's
+    `local` shard, every element on exactly one rank); under DDP every rank already has the whole (all-reduced)
+    gradient."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.world_size > 1:
         return trainer.strategy.reduce(squares.to(trainer.strategy.root_device), reduce_op="sum")
     return squares
 
@@ -305,13 +314,17 @@ class StabilityMonitor(Callback):
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:
         """Mean attention entropy (nats, over heads, queries and sampled sequences) and max logit per layer. The
         entropy only for scores whose rows are distributions (`score.sums_to_one`; relu²/n rows are not)."""
+        from lmlab.distributed import gathered
+
         model, out = pl_module.model, {}
         sums, counts, maxes = [], [], []
         for i in sorted(self._attn_in):
             x = self._attn_in[i]
-            if x.size(0):
+            with gathered(model.h[i], model):  # FSDP2: the block's and the root's (positions) full weights
+                stats = attention_sublayer(model.h[i]).probs(x, model.pos) if x.size(0) else None
+            if stats is not None:
                 attn = attention_sublayer(model.h[i])
-                p, max_logit = attn.probs(x, model.pos)  # (B, nh, T, T), (B, nh)
+                p, max_logit = stats  # (B, nh, T, T), (B, nh)
                 if attn.score.sums_to_one:
                     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
                     sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))

@@ -10,7 +10,8 @@ A run directory is a researcher's lab notebook, read weeks later, so every entry
 
 Layout:
     .hydra/{config,overrides,hydra}.yaml   the config of the latest start (written once the checks have passed)
-    checkpoints/last.ckpt, best.ckpt       (+ Lightning's hpc_ckpt_N.ckpt when it saved one under SLURM)
+    checkpoints/last.ckpt, best.ckpt       (+ Lightning's hpc_ckpt_N.ckpt when it saved one under SLURM); under
+                                           trainer=fsdp2 directories of shards (lmlab.distributed)
     metrics.csv  summary.json  tokenizer.json  plots/  eval/
     wandb/                                 the W&B run's files; wandb/lmlab.json: its id, name, group, project
     .lmlab.lock                            while a process trains into the directory
@@ -40,7 +41,8 @@ LOCK = ".lmlab.lock"
 WANDB = "wandb"
 WANDB_RUN = "lmlab.json"  # in wandb/: the W&B run of this directory, continued on resume (lmlab/tracking.py)
 # What `overwrite=true` clears: everything a run of lmlab writes (the lock and anything else are left alone).
-RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", WANDB, "tensorboard")
+RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", WANDB, "tensorboard",
+             "probe.json")
 
 
 class CheckpointError(ValueError):
@@ -83,12 +85,15 @@ def dumps(obj: Any) -> str:
 
 # --- reading ---
 
-def load_checkpoint(path: str | Path, what: str, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, what: str, mmap: bool = False, weights: bool = True) -> dict[str, Any]:
     """A Lightning checkpoint of lmlab, loaded with `weights_only=True`; `what` names the key the path came from
-    (`run=`, `init_from=`, `resume`) for the error."""
+    (`run=`, `init_from=`, `resume`) for the error. A sharded checkpoint (a directory, trainer=fsdp2) is gathered
+    into the same dict; `weights=False` skips its shards (the metadata a resume checks; a file is mmapped anyway)."""
     import torch
 
     path = Path(path)
+    if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): DCP shards + Lightning's meta.pt
+        return _load_sharded(path, what, weights=weights)
     if not path.is_file():
         raise CheckpointError(f"{what}: {path} does not exist")
     if path.stat().st_size == 0:
@@ -105,6 +110,29 @@ def load_checkpoint(path: str | Path, what: str, mmap: bool = False) -> dict[str
                               f"{reason}") from None
     if not isinstance(state, dict) or "state_dict" not in state or \
             "model" not in (state.get("hyper_parameters") or {}):
+        raise CheckpointError(f"{what}: {path} is not a checkpoint of lmlab (no state_dict and model config)")
+    return state
+
+
+def _load_sharded(path: Path, what: str, weights: bool) -> dict[str, Any]:
+    """A sharded checkpoint directory as one checkpoint dict (lmlab.distributed.read_sharded, weights_only rules
+    throughout); without `weights`, its metadata only (what a resume checks before Lightning loads the shards)."""
+    from lmlab.distributed import is_sharded, read_sharded
+
+    if not is_sharded(path):
+        raise CheckpointError(f"{what}: {path} is a directory but not a sharded checkpoint (no meta.pt and "
+                              f".metadata of torch.distributed.checkpoint)")
+    try:
+        state = read_sharded(path, weights=weights)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise CheckpointError(f"{what}: refused {path}: it holds objects that only an unsafe load would build, and "
+                              f"lmlab loads checkpoints with weights_only=True ({reason})") from None
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{what}: {path} is not a loadable sharded checkpoint (truncated?): {reason}") from None
+    if not isinstance(state, dict) or "model" not in (state.get("hyper_parameters") or {}) or (
+            weights and "state_dict" not in state):
         raise CheckpointError(f"{what}: {path} is not a checkpoint of lmlab (no state_dict and model config)")
     return state
 
@@ -155,7 +183,7 @@ class RunDir:
         """The checkpoint a resume continues from: the newest of last.ckpt and Lightning's hpc_ckpt_N.ckpt (which
         Lightning's own SLURM handling writes into the run directory), or None."""
         found = [p for p in (self.last, *self.path.glob("hpc_ckpt_*.ckpt"), *(self.path / CHECKPOINTS).glob(
-            "hpc_ckpt_*.ckpt")) if p.is_file()]
+            "hpc_ckpt_*.ckpt")) if p.is_file() or p.is_dir()]  # a directory: sharded (trainer=fsdp2)
         return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
     def holds_run(self) -> bool:

@@ -71,7 +71,9 @@ def check_config(cfg: DictConfig) -> None:
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
         "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
-        "data.num_workers": NonNegativeInt, "perf.peak_flops": PositiveFloat | None,
+        "data.num_workers": NonNegativeInt, "data.num_proc": PositiveInt | None,
+        "data.tokenizer_sample": PositiveInt | None, "data.shard_size": PositiveInt, "data.eod": str | None,
+        "perf.peak_flops": PositiveFloat | None,
         "trainer.num_nodes": PositiveInt,
     }
     absent = object()
@@ -79,11 +81,14 @@ def check_config(cfg: DictConfig) -> None:
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
 
-    accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), str(cfg.trainer.get("strategy", "auto"))
+    accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
         key = f"trainer.strategy={strategy}" if strategy == "fsdp" else f"trainer.accelerator={accelerator}"
-        fix = ("trainer=ddp trainer.accelerator=cpu trainer.devices=2" if strategy in ("fsdp", "ddp")
-               else "trainer=cpu (trainer.accelerator=cpu)")
+        fix = {"fsdp": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2 (FSDP2 runs on CPU with gloo; "
+                       "trainer=fsdp is FSDP1, CUDA only)",
+               "ddp": "trainer=ddp trainer.accelerator=cpu trainer.devices=2",
+               "FSDP2Strategy": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2"}.get(
+            strategy, "trainer=cpu (trainer.accelerator=cpu)")
         raise ValueError(f"{key} needs a CUDA GPU (none found); on CPU use {fix}")
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.n_head,
@@ -94,6 +99,12 @@ def check_config(cfg: DictConfig) -> None:
         warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
                       f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
                       f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
+
+
+def strategy_name(cfg: DictConfig) -> str:
+    """`trainer.strategy` as a name: Lightning's string, or the class a `_target_` builds (FSDP2Strategy)."""
+    strategy = cfg.trainer.get("strategy", "auto")
+    return strategy.get("_target_", "").rpartition(".")[2] if isinstance(strategy, DictConfig) else str(strategy)
 
 
 def check_launch(devices: Any, num_nodes: int) -> None:
@@ -245,7 +256,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    from lmlab.data.datamodule import TextDataModule
+    from lmlab.data import build_datamodule
     from lmlab.interrupt import RunInterrupted, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
@@ -258,8 +269,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     # --- everything that can refuse the start, before the run directory is touched ---
     source = prepare_init_from(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                          seed=cfg.seed)
+    data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                            seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
     gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
@@ -267,7 +278,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     saved, resume_step, previous = None, 0, None  # previous: the summary a resume continues
     if ckpt is not None:
         what = f"resume={mode} ({ckpt})"
-        saved = load_checkpoint(ckpt, what, mmap=True)
+        if ckpt.is_dir() and strategy_name(cfg) != "FSDP2Strategy":
+            raise ValueError(f"{what}: the checkpoint is sharded (written by trainer=fsdp2); continue it with "
+                             f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
+        saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
         check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout", *COMPUTE_KEYS))
         resume_step = int(saved["global_step"])
@@ -302,7 +316,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
-    callbacks = [checkpoint, monitor, throughput, stop, *callbacks]
+    task = data.callbacks(run.path) if hasattr(data, "callbacks") else []  # a task's own metrics (data=position_probe)
+    callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
     tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),

@@ -1,0 +1,67 @@
+"""`python -m lmlab.consolidate <run dir | sharded checkpoint dir> [out]`: a trainer=fsdp2 checkpoint as one file.
+
+The run's `checkpoints/last.ckpt/` (one shard per rank, torch.distributed.checkpoint) is gathered on CPU in this one
+process (no GPU, no process group) into the checkpoint a one-process run writes: full weights, the optimizer state
+keyed as torch's optimizers key it, the loops, lmlab's own state. It goes to `checkpoints/last.consolidated.ckpt`
+(or `out`); the sharded directory is left as it is, so the run still resumes from it. eval.py `run=`, `export=hf`
+and `init_from=` read the sharded checkpoint themselves; the single file is for copying elsewhere or loading with
+plain `torch.load`. With `out` the sharded checkpoint itself (`<run>/checkpoints/last.ckpt`), the file replaces the
+directory: the run then continues with any trainer (ddp, cpu, fsdp2), as a run that never was sharded.
+The run directory is locked meanwhile (a run training into it is refused)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from lmlab.distributed import is_sharded
+from lmlab.rundir import BEST, CHECKPOINTS, LAST, RunLock, load_checkpoint
+
+CONSOLIDATED = "last.consolidated.ckpt"
+
+
+def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
+    """Write the sharded checkpoint `source` (a run directory: its last.ckpt; or a checkpoint directory) to `out`
+    as one file, atomically; return `out`."""
+    import torch
+
+    source = Path(source)
+    ckpt = source / CHECKPOINTS / LAST if (source / CHECKPOINTS).is_dir() else source
+    if not is_sharded(ckpt):
+        raise ValueError(f"{ckpt} is not a sharded checkpoint (a directory with meta.pt and .metadata, written by "
+                         f"trainer=fsdp2); a single-file checkpoint needs no consolidation")
+    out = Path(out) if out is not None else ckpt.parent / (CONSOLIDATED if ckpt.name == LAST else
+                                                            f"{ckpt.name.removesuffix('.ckpt')}.consolidated.ckpt")
+    with RunLock(ckpt.parent.parent) if ckpt.parent.name == CHECKPOINTS else contextlib.nullcontext():
+        state = load_checkpoint(ckpt, f"consolidate {source}")  # weights_only rules, the full state
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        torch.save(state, tmp)  # then renamed over `out`: a crash never leaves half a file under its name
+        if out.is_dir():  # `out` is the sharded checkpoint itself: the one file takes its place
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lmlab.consolidate", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help=f"a run directory (its {CHECKPOINTS}/{LAST}) or a sharded checkpoint "
+                                       f"directory ({LAST}, {BEST})")
+    parser.add_argument("out", nargs="?", help=f"the file to write (default: {CHECKPOINTS}/{CONSOLIDATED} beside it)")
+    args = parser.parse_args(argv)
+    try:
+        print(f"-> {consolidate(args.source, args.out)}")
+    except (ValueError, RuntimeError) as err:  # not sharded, not loadable, or a run trains into the directory
+        raise SystemExit(str(err)) from None
+
+
+if __name__ == "__main__":
+    main()

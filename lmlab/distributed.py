@@ -1,0 +1,248 @@
+"""FSDP2 for `trainer=fsdp2`: torch's `fully_shard` per transformer block and on the root, through Lightning's
+`ModelParallelStrategy`, and the sharded checkpoints it writes (torch.distributed.checkpoint, DCP).
+
+- `FSDP2Strategy` is ModelParallelStrategy with every rank in one data-parallel dimension (no tensor parallelism), on
+  GPUs (NCCL) and on CPU (gloo: Lightning accepts CPU as it is, no subclassing needed for that); it shards the model
+  in `LitGPT.configure_model` through `shard_model`, writes `checkpoints/last.ckpt/` as a DCP directory (one shard
+  file per rank + Lightning's `meta.pt`) by a temporary directory renamed over the old one, and reads it back
+  without unpickling code.
+- `shard_model`: per block, activation checkpointing and `torch.compile` are applied to the block's own forward
+  first, then `fully_shard`; the root last. Under bf16-mixed the parameters are gathered in bf16 and gradients
+  reduced in fp32 (`MixedPrecisionPolicy`); the sharded fp32 parameters are the optimizer's.
+- `read_sharded` gathers a DCP directory into one Lightning checkpoint dict on CPU in one process (no process
+  group): what `lmlab.rundir.load_checkpoint` returns for a sharded checkpoint, what eval and `init_from=` read, and
+  what `python -m lmlab.consolidate <run>` writes as one file.
+
+Safety: DCP's own reader unpickles its `.metadata` file and non-tensor entries (optimizer hyper-parameters) with
+plain pickle, which can run code. lmlab reads both through `weights_only` rules instead: the metadata through an
+unpickler that builds only DCP's metadata records and torch's size/dtype types, every entry with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+META = "meta.pt"  # Lightning's file of everything but the weights and optimizer states, in a sharded checkpoint
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether `path` is a sharded (DCP) checkpoint directory written by FSDP2Strategy."""
+    path = Path(path)
+    return path.is_dir() and (path / META).is_file() and (path / ".metadata").is_file()
+
+
+# --- sharding the model ---------------------------------------------------------------------------------------
+
+def shard_model(model: nn.Module, mesh: Any, *, bf16: bool, checkpointing: bool, compile: bool,
+                reshard_after_forward: bool = True) -> None:
+    """fully_shard each block of `model.h`, then the root, in place. Checkpointing and compile wrap each block's
+    forward before its fully_shard, so FSDP's all-gather and reshard hooks stay outside them (one all-gather per
+    block in backward, the recompute included) and the module tree, its parameter names and the monitor's hooks are
+    the unsharded model's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.h:
+        forward = block.forward
+        if checkpointing:  # the same recompute GPT.forward does, moved inside the block's FSDP hooks
+            forward = partial(checkpoint, forward, use_reentrant=False)
+        if compile:
+            forward = torch.compile(forward)
+        block.forward = forward
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if checkpointing:
+        model.cfg = replace(model.cfg, checkpointing=False)  # recomputed per block above, not a second time
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def is_sharded_module(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(*modules: nn.Module) -> Iterator[None]:
+    """The full parameters of FSDP2 modules for code that is not their forward (the monitor's attention maps);
+    a collective: every rank enters it. Modules that are not sharded pass through."""
+    sharded = [m for m in modules if is_sharded_module(m)]
+    for m in sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.reshard()
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """ModelParallelStrategy as pure FSDP2: a 1-D data-parallel mesh over every rank (Lightning's "auto" would make
+    a tensor-parallel dimension of each node's devices), sharded by `LitGPT.configure_model` through `shard`."""
+
+    def __init__(self, *, reshard_after_forward: bool = True, save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend)
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.world_size
+        super().setup_environment()
+
+    def shard(self, model: nn.Module, *, checkpointing: bool, compile: bool) -> None:
+        if is_sharded_module(model):  # configure_model runs again for trainer.validate after fit
+            return
+        bf16 = str(self.precision_plugin.precision) == "bf16-mixed"
+        shard_model(model, self.device_mesh["data_parallel"], bf16=bf16, checkpointing=checkpointing,
+                    compile=compile, reshard_after_forward=self.reshard_after_forward)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write into a temporary directory, then rename it over the old checkpoint (a crash mid-save keeps the last
+        good one, as lmlab's single-file writer does)."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier()  # every rank's shard is written
+        if self.global_rank == 0:  # two renames: a crash between them leaves the previous checkpoint as .<name>.old
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if path.is_dir():
+                os.replace(path, old)
+            elif path.exists():
+                path.unlink()
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's sharded load (each rank reads its shards into the sharded model and optimizer), through
+        lmlab's reader and planner: no plain unpickling. Returns the rest of the checkpoint (meta.pt)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_sharded(path):  # a single file (a consolidated checkpoint): Lightning's own loader
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        state = {"state_dict": get_model_state_dict(module)}
+        load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            state = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer)}
+            load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / META, map_location="cpu", weights_only=True)
+
+
+# --- reading DCP directories without running code ----------------------------------------------------------------
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP's metadata records (classes of torch.distributed.checkpoint), torch's sizes, dtypes and
+    layouts, paths and plain containers: what DCP's `.metadata` holds, and nothing that runs code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
+                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")):
+            value = super().find_class(module, name)
+            if module.startswith("torch.distributed.checkpoint.") and not isinstance(value, type):
+                raise pickle.UnpicklingError(f"{module}.{name} is not a metadata record")
+            return value
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the `.metadata` file unpickled by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(self, read_item: Any, value: io.BytesIO) -> None:
+    """DefaultLoadPlanner.load_bytes with weights_only=True: non-tensor entries (optimizer hyper-parameters)."""
+    obj = torch.load(value, weights_only=True)
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    load_bytes = _load_bytes_safely
+
+
+class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
+    """Loads every entry of the checkpoint into an empty dict (full tensors, one process)."""
+
+    load_bytes = _load_bytes_safely
+
+
+def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint dict on CPU (weights_only throughout): its `meta.pt` plus,
+    with `weights`, `state_dict` (full tensors) and `optimizer_states` keyed as a single-process optimizer's (by
+    position), so the dict is the checkpoint a one-file run would have written."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    SafeReader(path).read_metadata()  # a refused .metadata raises UnpicklingError here, not wrapped by DCP's loader
+    checkpoint = torch.load(path / META, map_location="cpu", weights_only=True)
+    if not weights:
+        return checkpoint
+    shards: dict[str, Any] = {}
+    _load_state_dict(shards, storage_reader=SafeReader(path), planner=SafeEmptyLoadPlanner(), no_dist=True)
+    checkpoint["state_dict"] = shards.pop("state_dict")
+    optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [_keyed_by_position(shards[k]) for k in optimizers]
+    return checkpoint
+
+
+def _keyed_by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP keys optimizer state by parameter name; torch's `Optimizer.load_state_dict` by the parameters' order
+    in the param groups."""
+    ids = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
+    return {"state": {ids[name]: s for name, s in state["state"].items()},
+            "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in state["param_groups"]]}

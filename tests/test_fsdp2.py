@@ -1,0 +1,277 @@
+"""trainer=fsdp2 on CPU (gloo, 2 ranks): the figures of one process on the same global batch, sharded checkpoints
+that resume exactly and are read without unpickling code, consolidation to the one-process checkpoint; per-block
+sharding with bf16 parameters / fp32 reduction, checkpointing and compile; trainer=fsdp on CPU names fsdp2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmlab import compose
+from lmlab.consolidate import consolidate
+from lmlab.evaluate import evaluate
+from lmlab.rundir import CheckpointError, load_checkpoint
+from tests.runs import ROOT, cli, metric, tiny
+from tests.test_interrupt import figures
+
+FSDP2 = ["trainer=fsdp2", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+FIGURES = ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/layer_01/ffn", "grad/norm/embed",
+           "grad/norm/head", "param/norm/layer_01", "update/ratio/layer_00", "act/rms/layer_01",
+           "attn/entropy/layer_00", "attn/max_logit/layer_01", "val/loss", "update/output_change",
+           "act/ratio/layer_00/attn", "act/ratio/layer_01/ffn")
+
+# Trains through lmlab.training.train, sending SIGTERM to rank 0 when step AT starts (AT < 0: never). Lightning's
+# launcher starts rank 1 by running this same file again.
+DRIVER = """
+import os, signal, sys
+from lightning.pytorch.callbacks import Callback
+from lmlab import compose
+from lmlab.consolidate import consolidate
+from lmlab.evaluate import evaluate
+from lmlab.training import train
+
+ARGS, RUN, AT = {args!r}, {run!r}, {at!r}
+
+class Term(Callback):
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == AT and trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+summary = train(compose(ARGS), RUN, callbacks=[Term()])
+sys.exit({{"completed": 0, "interrupted": 3}}.get(summary["status"], 1))
+"""
+
+
+def common(corpus: Path, cache: Path) -> list[str]:
+    args = [a for a in tiny(corpus, cache) if not a.startswith(("trainer.max_steps", "data.batch",
+                                                                "trainer.val_check"))]
+    return [*args, "trainer.max_steps=6", "trainer.val_check_interval=3", "monitor.every_n_steps=1",
+            "monitor.attn_every_n_steps=2", "optim.grad_clip=0.05"]  # clipped at every step: the sharded path too
+
+
+def drive(args: list[str], run: Path, cwd: Path, at: int = -1) -> subprocess.CompletedProcess:
+    script = cwd / f"drive_{run.name}.py"
+    script.write_text(DRIVER.format(args=args, run=str(run), at=at))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus: Path, tmp_path_factory) -> dict[str, Path]:
+    """One process at batch 8 and 2 FSDP2 ranks at batch 4 (the same global batch), 6 steps each."""
+    base = tmp_path_factory.mktemp("fsdp2")
+    args = common(corpus, base / "cache")
+    one, two = base / "one", base / "two"
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = drive([*args, "data.batch_size=4", *FSDP2], two, base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"one": one, "two": two, "base": base, "args": args}
+
+
+def test_fsdp2_figures_equal_one_process_on_the_same_global_batch(runs) -> None:
+    """Losses, global and per-layer gradient norms, parameter norms, update ratios, activations, attention maps and
+    the probe's output change: each rank holds half of every parameter and gradient, the logged figures are the
+    whole model's (tolerance: fp32 summation order)."""
+    one, two = runs["one"], runs["two"]
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    for name in FIGURES:
+        a, b = metric(one, name), metric(two, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-7), (name, step)
+    assert summary["peak_grad_norm"] == pytest.approx(json.loads((one / "summary.json").read_text())[
+        "peak_grad_norm"], rel=1e-5)
+
+
+def test_fsdp2_checkpoint_is_sharded_and_consolidates_to_the_one_process_checkpoint(runs, tmp_path) -> None:
+    """last.ckpt is a directory of one DCP shard per rank; `python -m lmlab.consolidate` makes the file a
+    one-process run writes: the same weights and AdamW moments under the same keys, within fp32 rounding."""
+    sharded = runs["two"] / "checkpoints" / "last.ckpt"
+    assert sharded.is_dir() and {"__0_0.distcp", "__1_0.distcp", "meta.pt", ".metadata"} <= {
+        p.name for p in sharded.iterdir()}
+    res = cli("-m", "lmlab.consolidate", str(runs["two"]), str(tmp_path / "one_file.ckpt"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    mine = load_checkpoint(tmp_path / "one_file.ckpt", "test")  # weights_only=True
+    ref = load_checkpoint(runs["one"] / "checkpoints" / "last.ckpt", "test")
+    assert mine["state_dict"].keys() == ref["state_dict"].keys()
+    for k, v in ref["state_dict"].items():
+        torch.testing.assert_close(mine["state_dict"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    (a,), (b,) = mine["optimizer_states"], ref["optimizer_states"]
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
+    for i, s in b["state"].items():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            scale = float(s[k].abs().max())  # near-zero moments differ by fp32 summation order, relative to the largest
+            torch.testing.assert_close(a["state"][i][k], s[k], rtol=1e-4, atol=1e-4 * scale, msg=(i, k))
+    assert mine["global_step"] == ref["global_step"] == 6
+
+
+def test_eval_reads_the_sharded_run_and_its_consolidated_file(runs, tmp_path) -> None:
+    """eval.py run= on the FSDP2 run (sharded, read in one process), and on a copy whose checkpoint is the
+    consolidated file: the validation loss the run itself measured at its last step."""
+    two = runs["two"]
+    copy = tmp_path / "copy"
+    shutil.copytree(two, copy, ignore=shutil.ignore_patterns("*.ckpt"))
+    assert consolidate(two, copy / "checkpoints" / "last.ckpt") == copy / "checkpoints" / "last.ckpt"
+    assert (copy / "checkpoints" / "last.ckpt").is_file()
+    logged = json.loads((two / "summary.json").read_text())["final_val_loss"]
+    res = cli(str(ROOT / "eval.py"), f"run={two}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((two / "eval" / "eval.json").read_text())["rows"][0]["loss"] == pytest.approx(logged, rel=1e-5)
+    assert evaluate(copy)["rows"][0]["loss"] == pytest.approx(logged, rel=1e-5)  # what eval.py run=<copy> runs
+
+
+def test_a_hostile_sharded_checkpoint_is_refused(runs, tmp_path) -> None:
+    """DCP unpickles its .metadata with plain pickle; lmlab refuses one that would run code, naming the path."""
+
+    class Boom:
+        def __reduce__(self):
+            return os.system, ("touch pwned",)
+
+    ckpt = tmp_path / "last.ckpt"
+    shutil.copytree(runs["two"] / "checkpoints" / "last.ckpt", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(CheckpointError, match=r"refused .*last\.ckpt.*weights_only=True"):
+        load_checkpoint(ckpt, "run=x")
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+@pytest.mark.slow
+def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
+    """SIGTERM at step 2 of 6 (through lmlab's interrupt machinery: both ranks stop after the step, the sharded
+    checkpoint is saved), then train.py resume=auto: every figure of every row equals the uninterrupted run's. The
+    same checkpoint consolidated in place continues in one process like the one-process run."""
+    base, args = runs["base"], [*runs["args"], "data.batch_size=4", *FSDP2]
+    run = base / "interrupted"
+    res = drive(args, run, base, at=2)
+    summary = json.loads((run / "summary.json").read_text())
+    assert res.returncode == 3 and summary["status"] == "interrupted" and summary["steps"] == 3, res.stderr[-3000:]
+    assert (run / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+    copy = base / "consolidated"
+    shutil.copytree(run, copy)
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert figures(run) == figures(runs["two"])
+    # The same checkpoint made one file in place continues in one process at batch 8: the one-process run's curve.
+    res = cli("-m", "lmlab.consolidate", str(copy), str(copy / "checkpoints" / "last.ckpt"), cwd=base)
+    assert res.returncode == 0 and (copy / "checkpoints" / "last.ckpt").is_file(), res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *runs["args"], "data.batch_size=8", f"hydra.run.dir={copy}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("train/loss", "grad/norm", "val/loss"):
+        a, b = metric(runs["one"], name), metric(copy, name)
+        assert a.keys() == b.keys(), name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5), (name, step)
+
+
+def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
+    from lmlab.training import train
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["two"], run)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    with pytest.raises(ValueError, match=r"sharded \(written by trainer=fsdp2\); continue it with trainer=fsdp2, "
+                                         r"or .*python -m lmlab\.consolidate .*last\.ckpt"):
+        train(compose([*runs["args"], "data.batch_size=8", "trainer.max_steps=8"]), run)
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_fsdp_on_cpu_names_fsdp2_before_training(tmp_path) -> None:
+    from lmlab.training import check_config
+
+    with pytest.raises(ValueError, match=r"trainer\.strategy=fsdp needs a CUDA GPU .*trainer=fsdp2 "
+                                         r"trainer\.accelerator=cpu"):
+        check_config(compose(["trainer=fsdp"]))
+    with pytest.raises(ValueError, match=r"trainer\.accelerator=gpu needs a CUDA GPU .*on CPU use trainer=fsdp2 "
+                                         r"trainer\.accelerator=cpu"):
+        check_config(compose(["trainer=fsdp2"]))
+    check_config(compose(FSDP2))  # CPU FSDP2 is accepted
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    """A one-rank gloo process group in this process and its 1-D device mesh (fully_shard needs a mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_gpt(tiny_cfg, **overrides):
+    from lmlab.model.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(tiny_cfg(**overrides).validate())
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_shard_model_composes_checkpointing_and_compile_per_block(tiny_cfg, mesh, compile: bool) -> None:
+    """fully_shard per block over checkpointing (and compile) applied to each block's forward: the loss and every
+    gradient of the unsharded model, each block's forward run twice (the recompute), one all-gather per block."""
+    from lmlab.distributed import is_sharded_module, shard_model
+    from lmlab.monitor import local
+
+    ref, model = _tiny_gpt(tiny_cfg), _tiny_gpt(tiny_cfg, checkpointing=True)
+    idx = torch.randint(0, 50, (2, 16))
+    ref(idx, idx).backward()
+    calls = []
+    if not compile:  # compiled, a hook's Python side effect runs when traced, not each call
+        attn = getattr(model.h[1], model.h[1].sublayer_names[0])  # recompute stops early, after the last saved tensor
+        attn.register_forward_pre_hook(lambda *args: calls.append(1))
+    shard_model(model, mesh, bf16=False, checkpointing=True, compile=compile)
+    assert all(is_sharded_module(m) for m in (model, *model.h))
+    loss = model(idx, idx)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref(idx, idx).item(), rel=1e-6)
+    assert len(calls) == (0 if compile else 2)  # forward, then the recompute in backward
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(local(p.grad), grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shard_model_gathers_bf16_parameters_and_keeps_fp32_shards_and_gradients(tiny_cfg, mesh) -> None:
+    """bf16-mixed under FSDP2: the block computes with bf16 weights, the optimizer's sharded parameters and the
+    reduced gradients are fp32."""
+    from lmlab.distributed import shard_model
+
+    model = _tiny_gpt(tiny_cfg)
+    seen = []
+    model.h[0].attn.register_forward_pre_hook(lambda m, args: seen.append(m.c_attn.weight.dtype))
+    shard_model(model, mesh, bf16=True, checkpointing=False, compile=False)
+    model(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))).backward()
+    assert seen == [torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_fsdp2_strategy_gathers_in_bf16_under_bf16_mixed_only(tiny_cfg, mesh, precision: str, dtype) -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lmlab.distributed import FSDP2Strategy
+
+    strategy = FSDP2Strategy()
+    strategy.precision_plugin = MixedPrecision(precision, "cpu") if precision.endswith("mixed") else Precision()
+    strategy._device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model, seen = _tiny_gpt(tiny_cfg), []
+    model.h[1].attn.register_forward_pre_hook(lambda m, args: seen.append(m.c_attn.weight.dtype))
+    strategy.shard(model, checkpointing=False, compile=False)
+    strategy.shard(model, checkpointing=False, compile=False)  # again (trainer.validate after fit): a no-op
+    model(torch.randint(0, 50, (2, 16)))
+    assert seen == [dtype]
