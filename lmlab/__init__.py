@@ -76,12 +76,12 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
     if vocab_size is None and cfg.model.get("vocab_size") is None:
         from omegaconf import OmegaConf
 
-        from lmlab.data.datamodule import TextDataModule
+        from lmlab.data import build_datamodule
         from lmlab.training import setup_env
 
         setup_env(cfg)
-        data = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                              seed=cfg.seed)
+        data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                                seed=cfg.seed)
         data.prepare_data()
         data.setup("fit")
         vocab_size = data.vocab_size

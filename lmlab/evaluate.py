@@ -21,7 +21,7 @@ from lmlab.memory import check_attention_fits
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
-from lmlab.registry import PositiveInt, check_values, parameter_types
+from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
 from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint
 
 COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
@@ -75,11 +75,12 @@ def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
     """The run's validation data, tokenized with the run's own tokenizer.json."""
     from omegaconf import OmegaConf
 
-    from lmlab.data.datamodule import TextDataModule
+    from lmlab.data import TASKS, build_datamodule
 
     data = OmegaConf.to_container(OmegaConf.create({"data": run_cfg["data"]}), resolve=True)["data"]
-    data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")
-    dm = TextDataModule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
+    if data.get("name") not in TASKS:  # a corpus: read with the run's own tokenizer (a task builds its own)
+        data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")
+    dm = build_datamodule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
     dm.setup("validate")
     return dm
 
@@ -129,7 +130,28 @@ def dynamic_position_losses(model: GPT, windows: torch.Tensor, trained: int, ste
 
 
 def default_scalings(position: str) -> list[str]:
-    return sorted(ROPE_SCALINGS) if POSITIONS[position].accepts_scaling else ["none"]
+    """Every method, and next to each one with a `ramp` its paper-ramp variant (`yarn:ramp=ratio`, YaRN's
+    Definition 2), so the sweep says which ramp a result needs."""
+    if not POSITIONS[position].accepts_scaling:
+        return ["none"]
+    return [m for name in sorted(ROPE_SCALINGS)
+            for m in [name, *([f"{name}:ramp=ratio"] if "ramp" in option_types(ROPE_SCALINGS[name]) else [])]]
+
+
+def scaling_spec(method: str) -> dict[str, Any]:
+    """A swept method as a rope_scaling spec: `name`, or `name:key=value` for one setting (`yarn:ramp=ratio`);
+    checked against the option's keys. On the command line quote it: `rope_scaling="yarn,'yarn:ramp=ratio'"`."""
+    import yaml
+
+    name, colon, setting = method.partition(":")
+    key, eq, value = setting.partition("=")
+    if colon and not (key and eq and value):
+        raise ValueError(f"rope_scaling={method!r}: write a method as name or name:key=value (e.g. yarn:ramp=ratio)")
+    if name not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling={name!r} is not an option; choose among {sorted(ROPE_SCALINGS)}")
+    spec = {"name": name, **({key: yaml.safe_load(value)} if colon else {})}
+    option_params("rope_scaling", ROPE_SCALINGS, spec)
+    return spec
 
 
 def check_reach(position: str, scaling: str, length: int, trained: int, allow_extrapolation: bool) -> None:
@@ -153,8 +175,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
             "max_windows": max_windows, "dynamic_step": dynamic_step}
     check_values("", args, parameter_types(evaluate, ("POSITIONAL_OR_KEYWORD",)))
     for s in scalings or []:
-        if s not in ROPE_SCALINGS:
-            raise ValueError(f"rope_scaling={s!r} is not an option; choose among {sorted(ROPE_SCALINGS)}")
+        scaling_spec(s)  # raises naming the choices
     run_dir = Path(run_dir)
     model_cfg, weights, run_cfg = load_run(run_dir)
     run_status, note = run_note(run_dir)
@@ -179,9 +200,9 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     for length in lengths:
         windows = dm.val_windows(length)[:max_windows]  # the same windows for every method: a paired comparison
         for s in scalings:
-            spec = own if s == own["name"] else {"name": s}  # a run fine-tuned with a scaling keeps its settings
+            spec = own if s == own["name"] else scaling_spec(s)  # a run fine-tuned with a scaling keeps its settings
             model = extension_model(model_cfg, weights, length, spec)
-            if getattr(ROPE_SCALINGS[s], "dynamic", False) and length > trained:
+            if getattr(ROPE_SCALINGS[spec["name"]], "dynamic", False) and length > trained:
                 per_pos = dynamic_position_losses(model, windows, trained, step, batch_size)
             else:
                 per_pos = position_losses(model, windows, batch_size)

@@ -54,6 +54,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "wall_time_s": wall_time,
         "n_params": lit.model.num_params(),
         "overrides": overrides,
+        **(data.figures() if hasattr(data, "figures") else {}),  # a task's own figures (data=position_probe)
         "error": error,
         "model": lit.hparams.model,
         "config": config,

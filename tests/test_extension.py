@@ -29,7 +29,12 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
     result = evaluate(rope_run, lengths=[L, 4 * L], allow_extrapolation=True, out_dir=rope_run / "eval",
                       max_windows=6)
     rows = {(r["length"], r["rope_scaling"]): r for r in result["rows"]}
-    assert {s for _, s in rows} == set(ROPE_SCALINGS)  # the default sweeps every method
+    ramped = {f"{n}:ramp=ratio" for n in ("dynamic_yarn", "ntk_by_parts", "yarn")}  # the paper's ramp next to HF's
+    assert {s for _, s in rows} == set(ROPE_SCALINGS) | ramped  # the default sweeps every method
+    for name in ramped:  # the same model at the trained length; another one past it
+        base = name.split(":")[0]
+        assert rows[(L, name)]["loss"] == pytest.approx(rows[(L, "none")]["loss"], abs=1e-6), name
+        assert rows[(4 * L, name)]["loss_beyond"] != rows[(4 * L, base)]["loss_beyond"], name  # 20 steps: close
     assert len({r["windows"] for r in result["rows"] if r["length"] == 4 * L}) == 1  # same windows for all
     plain = rows[(4 * L, "none")]
     for name in ("dynamic_ntk", "dynamic_yarn"):  # s = max(1, n/L): positions < L are exactly the plain model
@@ -43,6 +48,19 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
         assert (rope_run / "eval" / f).exists(), f
     per_position = json.loads((rope_run / "eval" / "eval.json").read_text())["per_position"]
     assert len(per_position["yarn"][str(4 * L)]) == 4 * L
+
+
+def test_a_method_with_a_setting(rope_run: Path) -> None:
+    from lmlab.evaluate import scaling_spec
+
+    assert scaling_spec("yarn:ramp=ratio") == {"name": "yarn", "ramp": "ratio"}
+    assert scaling_spec("ntk:factor=2") == {"name": "ntk", "factor": 2}
+    with pytest.raises(ValueError, match=r"rope_scaling='llama3' does not take \['ramp'\]"):
+        evaluate(rope_run, lengths=[2 * L], scalings=["llama3:ramp=ratio"])
+    with pytest.raises(ValueError, match=r"rope_scaling.ramp='pair' must be one of"):
+        scaling_spec("yarn:ramp=pair")
+    with pytest.raises(ValueError, match="name:key=value"):
+        scaling_spec("yarn:ramp")
 
 
 def test_refuses_past_the_trained_length_without_a_method(rope_run: Path) -> None:

@@ -1,10 +1,11 @@
 """`data=position_probe`: Su's position probe — can the model tell where it is when every input is the same?
 
-Su (2022, "a theoretical defect of relative position encodings", kexue.fm/archives/9105): a model that can locate
-itself maps the input [0, 0, ..., 0] to the output [1, 2, ..., n]. Here the input is n copies of token 0 and the
-target at position i (0-based) is i + 1 — Su's [1, ..., n], the 1-based position. The vocabulary is 0 .. n
-(n = `model.max_seq_len`): 0 is the input token and never a target, 1 .. n are the positions. Chance accuracy is
-1/n: a model that sees the same thing everywhere gives the same answer everywhere, right at one position.
+Su (2022, "相对位置编码Transformer的一个理论缺陷与对策", a theoretical defect of relative position encodings and
+its remedies): a model that can locate itself maps the input [0, 0, ..., 0] to the output [1, 2, ..., n]. Here
+the input is n copies of token 0 and the target at position i (0-based) is i + 1 — Su's [1, ..., n], the 1-based
+position. The vocabulary is 0 .. n (n = `model.max_seq_len`): 0 is the input token and never a target, 1 .. n are
+the positions. Chance accuracy is 1/n: a model that sees the same thing everywhere gives the same answer
+everywhere, right at one position.
 
 Why it separates the schemes: with identical inputs, every position's values are identical, so an attention whose
 weights sum to one (softmax, softmax_plus) outputs that same value at every position whatever the weights are — a
