@@ -87,6 +87,29 @@ def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others
         row["best_lr"] = "*" if i in starred else ""
 
 
+def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
+    """The run's parameters (`n_params`, from its summary) and its FFNs' (`ffn_params`, all layers), so a sweep over
+    `ffn` shows the variants' match. The FFNs are counted on the run's model rebuilt on the meta device; None when it
+    cannot be rebuilt or the rebuilt total differs (a run sized by an older rule)."""
+    import torch
+
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT
+
+    total, ffn = summary.get("n_params"), None
+    if isinstance(summary.get("model"), dict):
+        try:
+            with torch.device("meta"):
+                model = GPT(GPTConfig(**summary["model"]))
+        except (TypeError, ValueError):
+            model = None
+        if model is not None and (total is None or model.num_params() == total):
+            total = model.num_params()
+            ffn = sum(p.numel() for m in model.modules() if getattr(m, "sublayer", None) == "ffn"
+                      for p in m.parameters())
+    return {"n_params": total, "ffn_params": ffn}
+
+
 def _sort_key(value: str) -> tuple:
     try:
         return (0, float(value), value)
@@ -108,7 +131,8 @@ def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequ
         counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
         row = {**dict(zip(keys, key)), "n": len(runs),
                "seeds": ",".join(sorted((str(r.get(SEED, "")) for r in runs), key=_sort_key)),
-               "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items())}
+               "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items()),
+               "n_params": runs[0].get("n_params"), "ffn_params": runs[0].get("ffn_params")}
         for fig in FIGURES:
             xs = [float(r[fig]) for r in runs if isinstance(r.get(fig), (int, float)) and math.isfinite(r[fig])]
             row[f"{fig}_mean"] = statistics.fmean(xs) if xs else None
@@ -123,6 +147,34 @@ def _mean_sd(row: dict[str, Any], col: str) -> str:
         return _fmt(row.get(col))
     mean, sd = row.get(f"{col}_mean"), row.get(f"{col}_sd")
     return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
+
+
+def probe_section(sweep_dir: Path, runs: Sequence[Path], overrides: dict[Path, dict[str, str]],
+                  keys: Sequence[str]) -> str:
+    """For the runs that hold a probe.json (data=position_probe): compare_probe.{md,csv}, one row per variant (its
+    seeds averaged) with the mean accuracy, error |argmax − position| and p(true position) over positions, and
+    plots/position_probe.png, accuracy and error at each position per variant. "" when no run has one."""
+    if not any((r / "probe.json").is_file() for r in runs):
+        return ""
+    from lmlab.data.probe import read_probe
+    from lmlab.plots import plot_probe
+
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        if (probe := read_probe(r)) is not None:
+            groups.setdefault(tuple(overrides[r].get(k, "") for k in keys), []).append(probe)
+    rows, curves = [], {}
+    for key, probes in groups.items():
+        label = ",".join(f"{k}={v}" for k, v in zip(keys, key)) or "run"
+        rows.append({**dict(zip(keys, key)), "n": len(probes), "step": probes[0]["step"],
+                     **{f: statistics.fmean(p[f"mean_{f}"] for p in probes) for f in ("accuracy", "error", "p_true")},
+                     "chance_accuracy": probes[0]["chance_accuracy"]})
+        per_position = {f: [statistics.fmean(v) for v in zip(*(p[f] for p in probes))] for f in ("accuracy", "error")}
+        curves[label] = {"position": probes[0]["position"], **per_position}
+    plot_probe(curves, sweep_dir / "plots" / "position_probe.png")
+    cols = [*keys, "n", "step", "accuracy", "error", "p_true", "chance_accuracy"]
+    return ("\nPosition probe (accuracy and |argmax − position| over the positions; plots/position_probe.png)\n\n"
+            + write_table(rows, cols, sweep_dir / "compare_probe"))
 
 
 def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
@@ -149,6 +201,7 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
         rows.append({
             **{k: overrides[r].get(k, "") for k in varying},
             "status": s["status"], "diverged_at_step": s.get("diverged_at_step"), "steps": s.get("steps"),
+            **param_counts(s),
             "final_val_loss": final, "best_val_loss": s.get("best_val_loss"),
             "loss_vs_unigram": final - unigram if final is not None and unigram is not None else None,
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
@@ -158,8 +211,8 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
-    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "final_val_loss", "best_val_loss",
-            "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run"]
+    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", "ffn_params", "final_val_loss",
+            "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run"]
     md = write_table(rows, cols, sweep_dir / "compare")
 
     variant_keys = [k for k in varying if k != SEED]
@@ -171,7 +224,7 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
         grouped, group_values = variants(rows, values, variant_keys)
         if by_lr:
             mark_best_lr(grouped, group_values, [k for k in variant_keys if k != LR])
-        head = [*variant_keys, *by_lr, "n", "seeds", "status"]
+        head = [*variant_keys, *by_lr, "n", "seeds", "status", "n_params", "ffn_params"]
         md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
             grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
             md_cols=[*head, *FIGURES], md_cell=_mean_sd)
@@ -186,4 +239,5 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    md += probe_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

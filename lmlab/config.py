@@ -21,7 +21,8 @@ ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "r
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
-FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt}
+# `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).
+FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt, "hidden": PositiveInt | None}
 
 
 @dataclass
@@ -51,7 +52,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         from lmlab.model.attention import ATTENTIONS
         from lmlab.model.block import BLOCKS
-        from lmlab.model.ffn import FFNS
+        from lmlab.model.ffn import FFNS, matched_hidden
 
         types = _field_types()
         for f in dataclasses.fields(self):  # the sizes are `model.<key>`; the groups are named by themselves
@@ -72,13 +73,15 @@ class GPTConfig:
             raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head} (attention="
                              f"{attn_name}); choose among {divisors}")
 
-        # The FFN's hidden size: hidden_mult · d_model, times the option's parameter-matching ratio, rounded.
+        # The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to
+        # the MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it.
         check_values("ffn.", self.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
         self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in FFN_SIZES}
         ffn_name, _ = option_params("ffn", FFNS, self.ffn_spec)
         multiple_of = self.ffn.get("multiple_of", 64)
-        raw = FFNS[ffn_name].hidden_ratio * self.ffn.get("hidden_mult", 4) * self.d_model
-        self.ffn_hidden = max(multiple_of, multiple_of * round(raw / multiple_of))
+        mlp_hidden = max(multiple_of, multiple_of * round(self.ffn.get("hidden_mult", 4) * self.d_model / multiple_of))
+        self.ffn_hidden = self.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], self.d_model, mlp_hidden,
+                                                                    self.bias, multiple_of)
 
         # The attention geometry the position scheme is built for: (n_head, head_dim), or one head of GAU's key size.
         kind = build("block", BLOCKS, self.block, self)

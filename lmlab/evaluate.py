@@ -22,7 +22,7 @@ from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
-from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint
+from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint, model_config
 
 COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
 
@@ -39,7 +39,7 @@ def load_run(run_dir: str | Path, what: str = "run") -> tuple[dict[str, Any], di
     if not run.last.exists():
         raise FileNotFoundError(f"{what}={run.path}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
     state = load_checkpoint(run.last, f"{what}={run.path}")
-    model_cfg = dict(state["hyper_parameters"]["model"])
+    model_cfg = model_config(state)
     weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
     summary = run.read_summary()
     if summary is not None and summary.get("config"):  # the resolved config, written by every run (CLI or library)

@@ -137,6 +137,24 @@ def _load_sharded(path: Path, what: str, weights: bool) -> dict[str, Any]:
     return state
 
 
+def model_config(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model config, with the FFN width its weights have.
+
+    Checkpoints store the config, not the derived hidden size; lmlab sized GLU FFNs by another rule before
+    December 2026 (hidden_mult · 2/3 rounded to multiple_of, not matched to the MLP within 1%), so the width is
+    read from the weights when it differs from today's rule and pinned as `ffn.hidden`: such runs still load.
+    """
+    cfg = dict(state["hyper_parameters"]["model"])
+    ffn = dict(cfg.get("ffn") or {})
+    proj = (state.get("state_dict") or {}).get("model.h.0.mlp.c_proj.weight")
+    if ffn.get("hidden") is None and proj is not None and getattr(proj, "ndim", 0) == 2:
+        from lmlab.config import GPTConfig
+
+        if GPTConfig(**cfg).ffn_hidden != proj.shape[1]:
+            cfg["ffn"] = {**ffn, "hidden": int(proj.shape[1])}
+    return cfg
+
+
 class RunDir:
     """Paths and records of one run directory."""
 

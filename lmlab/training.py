@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab.config import COMPUTE_KEYS, arch_config
-from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint
+from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint, model_config
 
 
 def setup_env(cfg: DictConfig) -> None:
@@ -186,7 +186,7 @@ def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
         cfg.data.tokenizer = str(tokenizer)
     else:
         state = load_checkpoint(source.last, f"init_from={source.path}")
-        model_cfg = dict(state["hyper_parameters"]["model"])
+        model_cfg = model_config(state)
         weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
         if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
             cfg.data.tokenizer = str(source.tokenizer)
@@ -283,7 +283,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                              f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
         saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
         check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
-        check_same_arch(what, gcfg.to_dict(), saved["hyper_parameters"]["model"], ("dropout", *COMPUTE_KEYS))
+        check_same_arch(what, gcfg.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))
         resume_step = int(saved["global_step"])
         previous = run.read_summary()
         ended = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (

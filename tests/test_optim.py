@@ -4,6 +4,7 @@ warmup and end values."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -287,44 +288,83 @@ def test_amos_scale_rule() -> None:
     assert Amos.scale(torch.empty(()), vector_scale=0.2) == 0.2
 
 
-def test_amos_two_steps_match_the_papers_equations_by_hand() -> None:
-    """Algorithm 1 of Tian & Parikh (2022), one scalar second moment per tensor, written out number by number:
-    v_t = β·v + (1−β)·mean(g²); v̂ = v_t/(1−β^t); c_t = (1 + c·√ξ·b)^(−½); d_t = 1/(1 + d·√(ξ·η̃)·b);
-    γ_t = c_t·ξ²·mean(g²)/v̂; θ ← θ − d_t·(ξ·η̃·g/√v̂ + ½·γ_t·θ); b ← b·(1 + γ_t) + γ_t."""
-    xi, beta, c, d = 0.5, 0.9, 0.25, 0.25  # a large ξ so that the decay terms are visible after two steps
-    W = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [0.5, 4.0]]))  # η̃ = 1/√2 (fan_in 2)
-    bias = torch.nn.Parameter(torch.tensor([0.2, -0.4]))  # η̃ = vector_scale = 0.5
-    opt = OPTIMIZERS["amos"]([{"params": [W, bias], "weight_decay": 0.0}], lr=xi, beta=beta, c=c, d=d, eps=0.0,
-                             vector_scale=0.5)
-    gW = [[[2.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [1.0, 0.0]]]  # steps 1 and 2
-    gb = [[0.4, -0.2], [0.0, 0.6]]
+def _amos_by_hand(theta: list[float], grads: list[list[float]], eta: float, xi: float, beta: float, c: float,
+                  d: float, wd: float = 0.0, mu: float = 0.0, eps: float = 2.0 ** -125) -> list[float]:
+    """Algorithm 1 of Tian & Parikh (2022) as the authors' jestimator `amos.py` computes it, for entries that share
+    one slot (v, b), number by number: v_t = β·v + (1−β)·mean(g²); v̂ = max(v_t, ε)/(1−β^t); c_t = (1 + c·√ξ·b)^(−½);
+    d_t = 1/(1 + d·√(ξ·η̃)·b); γ_t = c_t·ξ²·mean(g²)/v̂; u = −d_t·(ξ·η̃·g/√v̂ + (½·γ_t + ξ·wd)·θ);
+    m = μ·m + (1−μ)·u (μ > 0, else m = u); θ ← θ + m; b ← b + γ_t·(1 + b)."""
+    v = b = 0.0
+    m = [0.0] * len(theta)
+    for t, g in enumerate(grads, start=1):
+        m2 = sum(x * x for x in g) / len(g)
+        v = beta * v + (1 - beta) * m2
+        v_hat = max(v, eps) / (1 - beta ** t)
+        c_t = (1 + c * math.sqrt(xi) * b) ** -0.5
+        d_t = 1 / (1 + d * math.sqrt(xi * eta) * b)
+        gamma = c_t * xi ** 2 * m2 / v_hat
+        u = [-d_t * (xi * eta * x / math.sqrt(v_hat) + (0.5 * gamma + xi * wd) * th) for th, x in zip(theta, g)]
+        m = [mu * mi + (1 - mu) * ui for mi, ui in zip(m, u)] if mu > 0 else u
+        theta = [th + mi for th, mi in zip(theta, m)]
+        b = b + gamma * (1 + b)
+    return theta
 
-    def by_hand(theta: list[float], grads: list[list[float]], eta: float) -> list[float]:
-        v = b = 0.0
-        for t, g in enumerate(grads, start=1):
-            m2 = sum(x * x for x in g) / len(g)
-            v = beta * v + (1 - beta) * m2
-            v_hat = v / (1 - beta ** t)
-            c_t = (1 + c * math.sqrt(xi) * b) ** -0.5
-            d_t = 1 / (1 + d * math.sqrt(xi * eta) * b)
-            gamma = c_t * xi ** 2 * m2 / v_hat
-            theta = [th - d_t * (xi * eta * x / math.sqrt(v_hat) + 0.5 * gamma * th) for th, x in zip(theta, g)]
-            b = b * (1 + gamma) + gamma
-        return theta
 
-    # step 1 by hand for W: m2 = 1, v = 0.1, v̂ = 1, c1 = d1 = 1, γ1 = 0.25: θ − (0.5/√2·g + 0.125·θ)
-    step1 = [1.0 - (0.5 / math.sqrt(2) * 2.0 + 0.125), -2.0 * 0.875, 0.5 * 0.875, 4.0 * 0.875]
-    assert by_hand([1.0, -2.0, 0.5, 4.0], [gW[0][0] + gW[0][1]], 1 / math.sqrt(2)) == pytest.approx(step1)
+AMOS_W0 = [[1.0, -2.0], [0.5, 4.0]]  # (out 2, in 2): η̃ = 1/√2
+AMOS_GW = [[[2.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [1.0, 0.0]]]  # steps 1 and 2 (row 1 has no gradient at step 1)
+AMOS_B0, AMOS_GB = [0.2, -0.4], [[0.4, -0.2], [0.0, 0.6]]
+
+
+def _amos_run(slots: str, wd: float = 0.0, mu: float = 0.0, xi: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    W = torch.nn.Parameter(torch.tensor(AMOS_W0))
+    bias = torch.nn.Parameter(torch.tensor(AMOS_B0))  # η̃ = vector_scale = 0.5
+    opt = OPTIMIZERS["amos"]([{"params": [W], "weight_decay": wd}, {"params": [bias], "weight_decay": 0.0}], lr=xi,
+                             beta=0.9, c=0.25, d=0.25, vector_scale=0.5, slots=slots, momentum=mu)
     for step in range(2):
-        W.grad, bias.grad = torch.tensor(gW[step]), torch.tensor(gb[step])
+        W.grad, bias.grad = torch.tensor(AMOS_GW[step]), torch.tensor(AMOS_GB[step])
         opt.step()
-    flat = [x for g in gW for x in [g[0] + g[1]]]
-    expected_W = by_hand([1.0, -2.0, 0.5, 4.0], flat, 1 / math.sqrt(2))
-    expected_b = by_hand([0.2, -0.4], gb, 0.5)
-    torch.testing.assert_close(W.detach().flatten(), torch.tensor(expected_W), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(bias.detach(), torch.tensor(expected_b), rtol=1e-5, atol=1e-6)
-    b_W = opt.state[W]["b"].item()
-    assert b_W > 0.25  # the decay accumulator grew past γ1 = 0.25: the next steps' decay factors are < 1
+    return W.detach(), bias.detach(), opt.state[W]
+
+
+@pytest.mark.parametrize("slots", ["row", "tensor", "element"])
+def test_amos_two_steps_match_the_papers_equations_by_hand(slots: str) -> None:
+    """Two steps with a large ξ (so the decays show), each slot of v and b computed apart: per matrix row (the
+    authors' recipe, default), per tensor, per entry. A bias is one slot under `row`."""
+    hand = functools.partial(_amos_by_hand, xi=0.5, beta=0.9, c=0.25, d=0.25)
+    # step 1 by hand, one slot per tensor: m2 = 1, v = 0.1, v̂ = 1, c1 = d1 = 1, γ1 = 0.25: θ − (0.5/√2·g + 0.125·θ)
+    step1 = [1.0 - (0.5 / math.sqrt(2) * 2.0 + 0.125), -2.0 * 0.875, 0.5 * 0.875, 4.0 * 0.875]
+    assert hand([1.0, -2.0, 0.5, 4.0], [[2.0, 0.0, 0.0, 0.0]], 1 / math.sqrt(2)) == pytest.approx(step1)
+    W, bias, state = _amos_run(slots)
+    flat = [[x for row in g for x in row] for g in AMOS_GW]
+    if slots == "row":  # row 0 and row 1 apart; row 1's v stays 0 at step 1 (ε keeps v̂ > 0, its update is 0)
+        expected_W = [hand(AMOS_W0[r], [g[r] for g in AMOS_GW], 1 / math.sqrt(2)) for r in range(2)]
+        expected_b = hand(AMOS_B0, AMOS_GB, 0.5)
+        assert state["v"].shape == (2, 1)
+    elif slots == "tensor":
+        expected_W = hand([x for row in AMOS_W0 for x in row], flat, 1 / math.sqrt(2))
+        expected_b = hand(AMOS_B0, AMOS_GB, 0.5)
+        assert state["v"].shape == ()
+    else:
+        expected_W = [hand([th], [[g[i]] for g in flat], 1 / math.sqrt(2))[0]
+                      for i, th in enumerate(x for row in AMOS_W0 for x in row)]
+        expected_b = [hand([th], [[g[i]] for g in AMOS_GB], 0.5)[0] for i, th in enumerate(AMOS_B0)]
+        assert state["v"].shape == (2, 2)
+    torch.testing.assert_close(W.flatten(), torch.tensor(expected_W).flatten(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias, torch.tensor(expected_b), rtol=1e-5, atol=1e-6)
+    assert bool((state["b"] > 0.25).any())  # the decay accumulator grew past γ1 = 0.25: later decay factors < 1
+
+
+def test_amos_weight_decay_and_momentum() -> None:
+    """The group's weight_decay adds ξ·wd·θ inside d_t·(...) (lmlab's lr·wd; the reference's extra_l2 = ξ·wd), and
+    momentum μ keeps a moving average of the updates (the paper's optional momentum)."""
+    hand = functools.partial(_amos_by_hand, xi=0.5, beta=0.9, c=0.25, d=0.25)
+    for wd, mu in ((0.1, 0.0), (0.0, 0.9), (0.1, 0.9)):
+        W, _, _ = _amos_run("row", wd=wd, mu=mu)
+        expected = [hand(AMOS_W0[r], [g[r] for g in AMOS_GW], 1 / math.sqrt(2), wd=wd, mu=mu) for r in range(2)]
+        torch.testing.assert_close(W, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    plain = [hand(AMOS_W0[r], [g[r] for g in AMOS_GW], 1 / math.sqrt(2)) for r in range(2)]
+    assert not torch.allclose(_amos_run("row", wd=0.1)[0], torch.tensor(plain), atol=1e-4)  # the decay shows
+    assert not torch.allclose(_amos_run("row", mu=0.9)[0], torch.tensor(plain), atol=1e-4)  # so does momentum
 
 
 def test_amos_trains_a_quadratic() -> None:

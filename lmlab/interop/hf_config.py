@@ -134,9 +134,9 @@ def hf_config(cfg: GPTConfig) -> Any:
     )
 
 
-def _exact_ffn(hidden: int, d_model: int, ratio: float) -> dict[str, Any]:
-    """hidden_mult and multiple_of that make GPTConfig derive exactly `hidden`."""
-    return {"hidden_mult": hidden / (ratio * d_model), "multiple_of": 1}
+def _exact_ffn(hidden: int) -> dict[str, Any]:
+    """The ffn sizes that make GPTConfig take exactly `hidden` (not the parameter-matched size it derives)."""
+    return {"hidden": hidden}
 
 
 def lmlab_config(hf: Any) -> GPTConfig:
@@ -154,7 +154,7 @@ def lmlab_config(hf: Any) -> GPTConfig:
         if act is None:
             raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
         named = {gate: name for name, gate in _GLU_GATES.items()}
-        ffn = {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size, hf.hidden_size, 2 / 3)}
+        ffn = {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)}
         rope, max_len, train_len = _rope_scaling_back(hf)
         return GPTConfig(
             vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
@@ -177,7 +177,7 @@ def lmlab_config(hf: Any) -> GPTConfig:
             max_seq_len=hf.n_positions, bias=True, tie_embeddings=bool(hf.tie_word_embeddings),
             norm={"name": "layer", "eps": float(hf.layer_norm_epsilon), "affine": True, "bias": True},
             placement={"name": "pre"}, activation={"name": act},
-            ffn={"name": "mlp", **_exact_ffn(hidden, hf.n_embd, 1)},
+            ffn={"name": "mlp", **_exact_ffn(hidden)},
             position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
             init={"name": "gpt2"},
         )

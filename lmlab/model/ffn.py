@@ -1,9 +1,10 @@
 """Position-wise feed-forward networks.
 
 Contract: `FFN(dim, hidden, *, activation, bias)` maps (..., dim) -> (..., dim); `activation` is the
-config of the `activation` group. `hidden_ratio` on each class is the parameter-matching rule that
-`GPTConfig` applies once: a GLU has three matrices instead of two, so its hidden size is 2/3 of the
-MLP's and the variants compare at (nearly) equal parameter counts.
+config of the `activation` group. `n_params(dim, hidden, bias)` on each class is its parameter count, from
+which `matched_hidden` (applied once by `GPTConfig`) sizes every option to the MLP's parameter count: a GLU
+has three matrices instead of two, so its hidden size is about 2/3 of the MLP's (`hidden_ratio`), rounded to
+the coarsest multiple that keeps it within 1% of the MLP's parameters.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
+    @staticmethod
+    def n_params(dim: int, hidden: int, bias: bool) -> int:
+        """W1 (hidden × dim), W2 (dim × hidden), and with biases b1 (hidden) and b2 (dim)."""
+        return 2 * dim * hidden + bias * (hidden + dim)
+
 
 class GLU(nn.Module):
     """Gated linear unit FFN (Dauphin et al., 2017; Shazeer, 2020): Wd[act(Wg x) * (Wu x)].
@@ -57,6 +63,11 @@ class GLU(nn.Module):
         gate, up = self.c_fc(x).chunk(2, dim=-1)  # (..., hidden) each
         return self.c_proj(self.act(gate) * up)
 
+    @staticmethod
+    def n_params(dim: int, hidden: int, bias: bool) -> int:
+        """Wg, Wu (hidden × dim each), Wd (dim × hidden), and with biases two of size hidden and one of dim."""
+        return 3 * dim * hidden + bias * (2 * hidden + dim)
+
 
 class SwiGLU(GLU):
     """GLU with a SiLU gate (Shazeer, 2020), as in PaLM and Llama."""
@@ -77,3 +88,22 @@ class ReGLU(GLU):
 
 
 FFNS = {"mlp": MLP, "glu": GLU, "swiglu": SwiGLU, "geglu": GeGLU, "reglu": ReGLU}
+
+
+def matched_hidden(ffn: type[nn.Module], dim: int, mlp_hidden: int, bias: bool, multiple_of: int) -> int:
+    """The hidden size of `ffn` whose parameter count is within 1% of an MLP's of hidden `mlp_hidden`.
+
+    The exact match h* (n_params is linear in hidden) is rounded to a multiple of `multiple_of` when that stays
+    within 1% (hardware-friendly sizes for wide models), else to the largest of multiple_of/2, multiple_of/4, ...
+    (halving while it divides) that does, else to the nearest integer. A GLU at d 64 (MLP 256): h* = 170.7, and
+    192 (+12.5%), 160, 176, 168 all miss 1%, so 172 = 43·4 (+0.8%); at d 1024, 2752 = 43·64 (+0.8%).
+    """
+    target = MLP.n_params(dim, mlp_hidden, bias)
+    fixed = ffn.n_params(dim, 0, bias)
+    exact = (target - fixed) / (ffn.n_params(dim, 1, bias) - fixed)
+    q = multiple_of
+    while True:
+        hidden = max(q, q * round(exact / q))
+        if 100 * abs(ffn.n_params(dim, hidden, bias) - target) <= target or q == 1:  # integers: 1% exactly is in
+            return hidden
+        q = q // 2 if q % 2 == 0 else 1
