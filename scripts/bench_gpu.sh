@@ -12,6 +12,8 @@
 #             row blocks: no fp32 logits of 32 x 1024 x 50304 = 6.6 GB); the A/B is each run's ratio to HF
 #   loop      the Lightning loop's cost over the bare step, with and without the stability monitor
 #   llama, llama-compiled   the llama-like model vs LlamaForCausalLM at the same sizes
+#   scale     train.py model=gpt2_124m data=bpe50k, bf16, compiled, with trainer=gpu and then trainer=fsdp2 on one
+#             GPU; tokens/s and MFU against PEAK from the runs' perf/ metrics (the scale-out issue's check)
 # STAGES picks them (default "smoke eager chunked train"); DEADLINE=<seconds> caps the whole script.
 # Usage, from the repository root on a machine with CUDA (offline: the corpus already in $LMLAB_CACHE):
 #   OUT=bench-gpu bash scripts/bench_gpu.sh
@@ -71,6 +73,18 @@ want chunked-compiled && stage gpt2-124m-chunked-compiled 330 --batch 32 --set "
     model.chunked_loss=true --repeats 7 --block-s 0.5 --loop-repeats 0 --compile --no-fp32-baseline
 want loop && stage gpt2-124m-loop 120 --set "${GPT2_124M[@]}" "${GPT2_LOOP[@]}"
 want loop && stage gpt2-124m-loop-nomonitor 120 --set "${GPT2_124M[@]}" "${QUIET[@]}" "${GPT2_LOOP[@]}"
+SCALE=(model=gpt2_124m data=bpe50k data.batch_size=16 compile=true trainer.max_steps=200 trainer.val_check_interval=1000
+       perf.peak_flops=${PEAK}e12)
+want scale && train_check gpt2-124m-gpu 420 trainer=gpu "${SCALE[@]}"
+want scale && train_check gpt2-124m-fsdp2 420 trainer=fsdp2 trainer.devices=1 "${SCALE[@]}"
+want scale && for run in gpt2-124m-gpu gpt2-124m-fsdp2; do $PY - "$run" <<'PYEOF' 2>&1 | tee -a "$OUT/log.txt"; done
+import csv, sys
+rows = list(csv.DictReader(open(f"/tmp/lmlab-gpu-runs/{sys.argv[1]}/metrics.csv")))
+keep = [r for r in rows if r.get("perf/tokens_per_s")][-5:]
+for key in ("perf/tokens_per_s", "perf/mfu"):
+    vals = [float(r[key]) for r in keep if r.get(key)]
+    print(sys.argv[1], key, "last 5 logged:", [round(v, 4) for v in vals])
+PYEOF
 want llama && stage llama-124m-eager 150 --config llama --batch 32 --set "${GPT2_124M[@]}" --repeats 7 \
     --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
 want llama-compiled && stage llama-124m-compiled 300 --config llama --batch 32 --set "${GPT2_124M[@]}" \
