@@ -45,6 +45,27 @@ def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | P
                    title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
 
 
+def plot_probe(results: Mapping[str, Mapping[str, list[float]]], path: str | Path, title: str = "") -> Path:
+    """Su's position probe (data=position_probe), one row per variant: accuracy (left) and |argmax − position|
+    (right) at each position, as heatmaps. `results`: name -> {"position", "accuracy", "error"} (a probe.json, or the
+    mean of a variant's seeds); shorter runs are padded with blanks."""
+    plt = _plt()
+    names = list(results)
+    width = max(len(r["position"]) for r in results.values())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.3 * len(names) + 1.8), sharey=True)
+    for ax, key, cmap, label, vmax in ((axes[0], "accuracy", "viridis", "accuracy", 1.0),
+                                       (axes[1], "error", "magma_r", "|argmax − position|", None)):
+        grid = [list(results[n][key]) + [math.nan] * (width - len(results[n][key])) for n in names]
+        im = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest", vmin=0, vmax=vmax,
+                       extent=(0.5, width + 0.5, len(names) - 0.5, -0.5))
+        fig.colorbar(im, ax=ax, label=label, fraction=0.04)
+        ax.set_xlabel("position")
+        ax.set_title(label)
+    axes[0].set_yticks(range(len(names)), names, fontsize=7)
+    fig.suptitle(title or "Position probe: input [0, ..., 0], targets [1, ..., n]")
+    return _save(fig, path)
+
+
 def seed_band(runs: Sequence[Series], metric: str) -> tuple[list[int], list[float], list[float]]:
     """Mean and sample sd (n − 1) of `metric` over `runs` (the seeds of one variant) at every step any of them logged;
     the sd is 0 where only one run has the step (a diverged seed stops early). Non-finite values are left out."""
@@ -118,14 +139,71 @@ def plot_extension(curves: Mapping[str, Mapping[int, list[float]]], trained_len:
     return _finish(fig, ax, path, "position", "loss", "Zero-shot length extension")
 
 
-def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path) -> Path:
-    """Mean loss over all positions vs evaluated length, one line per RoPE scaling method (log2 x axis)."""
+def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path, by: str = "rope_scaling",
+                      column: str = "loss", title: str = "") -> Path:
+    """`column` of eval's rows (loss: the mean over all positions of the window) vs evaluated length, one line per
+    value of `by` (a RoPE scaling method; a run, for a sweep), log2 x axis."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in sorted({r["rope_scaling"] for r in rows}):
-        points = sorted((r["length"], r["loss"]) for r in rows if r["rope_scaling"] == name)
-        ax.plot(*zip(*points), marker="o", label=name, linewidth=1)
+    for name in sorted({r[by] for r in rows}):
+        points = sorted((r["length"], r[column]) for r in rows if r[by] == name and r[column] is not None)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name, linewidth=1)
     ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
     ax.set_xscale("log", base=2)
-    return _finish(fig, ax, path, "evaluated length (tokens)", "mean loss over the window",
-                   "Zero-shot length extension: loss vs length")
+    ylabel = "mean loss over the window" if column == "loss" else column
+    return _finish(fig, ax, path, "evaluated length (tokens)", ylabel,
+                   title or "Zero-shot length extension: loss vs length")
+
+
+def sweep_runs(sweep_dir: str | Path, needs: str = "metrics.csv") -> dict[str, Path]:
+    """The run directories under a sweep that hold `needs`, each named by its overrides minus those every run shares
+    (the job dir `experiment=x,placement=post` of a sweep over placement is `placement=post`)."""
+    dirs = sorted({p.parent.parent if needs.startswith("eval/") else p.parent
+                   for p in Path(sweep_dir).rglob(Path(needs).name)
+                   if "wandb" not in p.parts and str(p).endswith(needs)})
+    parts = {d: d.name.split(",") for d in dirs}
+    common = set.intersection(*(set(v) for v in parts.values())) if len(dirs) > 1 else set()
+    return {",".join(x for x in v if x not in common) or d.name: d for d, v in parts.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """python -m lmlab.plots curves <sweep> <metric> [--log] --out PNG: one line per run of the sweep for any metric of
+    metrics.csv (e.g. update/output_change, act/ratio/layer_00/attn), beyond the three that compare draws.
+    python -m lmlab.plots lengths <sweep> [--column loss_beyond] --out PNG: each run's eval/eval.json (after eval.py
+    run=<job> lengths=[...]) as one line of loss vs evaluated length, from its unscaled rows (rope_scaling none)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m lmlab.plots")
+    sub = parser.add_subparsers(dest="kind", required=True)
+    curves = sub.add_parser("curves", help="a metrics.csv metric vs step, one line per run of a sweep")
+    curves.add_argument("sweep")
+    curves.add_argument("metric")
+    curves.add_argument("--log", action="store_true", help="log y axis")
+    curves.add_argument("--title", default="")
+    curves.add_argument("--out", required=True)
+    lengths = sub.add_parser("lengths", help="eval.py's loss vs evaluated length, one line per run of a sweep")
+    lengths.add_argument("sweep")
+    lengths.add_argument("--column", default="loss", choices=["loss", "loss_inside", "loss_beyond", "ppl"])
+    lengths.add_argument("--title", default="")
+    lengths.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.kind == "curves":
+        runs = {name: read_metrics(d / "metrics.csv") for name, d in sweep_runs(args.sweep).items()}
+        if plot_curves(runs, args.metric, args.out, log=args.log, title=args.title) is None:
+            raise SystemExit(f"no run under {args.sweep} logged {args.metric} at two steps or more")
+    else:
+        rows, trained = [], set()
+        for name, d in sweep_runs(args.sweep, "eval/eval.json").items():
+            result = json.loads((d / "eval" / "eval.json").read_text())
+            trained.add(result["trained_len"])
+            rows += [{**r, "run": name} for r in result["rows"] if r["rope_scaling"] == "none"]
+        if not rows:
+            raise SystemExit(f"no <run>/eval/eval.json under {args.sweep}: run eval.py run=<job> lengths=[...] first")
+        plot_length_sweep(rows, min(trained), args.out, by="run", column=args.column, title=args.title)
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

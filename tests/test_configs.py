@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from lmlab import CONF_DIR, build_model, compose
 from lmlab.config import arch_config
@@ -51,6 +52,31 @@ def test_scores_and_blocks_compose_and_build(overrides: list[str]) -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])
     check_config(cfg)
+
+
+def sweep_points(experiment: str) -> list[list[str]]:
+    """Every job of an experiment's sweep (hydra.sweeper.params, read from its file) as a list of overrides."""
+    import itertools
+
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
+    axes = [[f"{k}={v}" for v in str(values).split(",")] for k, values in params.items()]
+    return [list(point) for point in itertools.product(*axes)]
+
+
+SWEPT = [(e, point) for e in ("gau_depth", "gau_length", "deep_scale") for point in sweep_points(e)]
+
+
+@pytest.mark.parametrize(("experiment", "point"), SWEPT, ids=[f"{e}:{','.join(p)}" for e, p in SWEPT])
+def test_every_swept_value_composes(experiment: str, point: list[str]) -> None:
+    cfg = compose([f"experiment={experiment}", *point])
+    check_config(cfg)  # the architecture on the meta device, optimizer, schedule
+    for override in point:  # the swept value is the one the job gets, not shadowed by the experiment's own setting
+        key, value = override.split("=")
+        got = cfg[key].name if key in GROUPS else OmegaConf.select(cfg, key)
+        assert str(got) == value, (override, got)
+    assert cfg.schedule.warmup_steps == (0 if experiment in ("gau_depth", "deep_scale") else 100)
 
 
 # (norm, norm.affine, placement, ffn, position, attention, block, block score, model.bias, model.tie_embeddings)
