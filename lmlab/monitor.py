@@ -276,6 +276,8 @@ class StabilityMonitor(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step - 1  # the step just taken
         metrics: dict[str, float] = {}
+        if outputs is None:  # training_step skipped the update (the divergence rule stopped the run): nothing moved
+            self._before = self._out_before = None
         if self._before is not None:
             layers = list(self._before)
             num, den = [], []

@@ -145,10 +145,12 @@ def plot_length_sweep(rows: list[Mapping], trained_len: int, path: str | Path, b
     value of `by` (a RoPE scaling method; a run, for a sweep), log2 x axis."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in sorted({r[by] for r in rows}):
+    names = sorted({r[by] for r in rows})
+    colors = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # tab10 repeats after 10 lines
+    for i, name in enumerate(names):
         points = sorted((r["length"], r[column]) for r in rows if r[by] == name and r[column] is not None)
         if points:
-            ax.plot(*zip(*points), marker="o", label=name, linewidth=1)
+            ax.plot(*zip(*points), marker="o", label=name, linewidth=1, color=colors[i % len(colors)])
     ax.axvline(trained_len, color="k", linestyle="--", linewidth=0.8, label="trained length")
     ax.set_xscale("log", base=2)
     ylabel = "mean loss over the window" if column == "loss" else column
