@@ -67,7 +67,7 @@ def test_long_documents_are_cut_only_where_tokenizing_is_unchanged(tmp_path: Pat
     """One document far larger than a piece: the BPE ids equal those of the document in one piece."""
     write_docs(tmp_path / "one", n=1, words=6000)
     text = (tmp_path / "one" / "doc000.txt").read_text()
-    monkeypatch.setattr(shards, "_ENCODE_CHARS", 300)  # pieces of ~300 characters instead of ~1M
+    monkeypatch.setattr(shards, "_PIECE_CHARS", 300)  # pieces of ~300 characters instead of ~4K
     dm = dm_for(tmp_path, tmp_path / "one", tokenizer="bpe", vocab_size=400)
     whole = dm.tokenizer.encode(text).ids
     assert np.array_equal(np.concatenate([np.asarray(dm.train_tokens), np.asarray(dm.val_tokens)]), whole)

@@ -106,7 +106,8 @@ dm = TextDataModule(spec, seq_len=128, seed=0)
 start = time.perf_counter()
 dm.prepare_data()
 took = time.perf_counter() - start
-print(json.dumps({"prepare_s": took, "tokens": len(dm.train_tokens) + len(dm.val_tokens), "vocab": dm.vocab_size}))
+print(json.dumps({"prepare_s": took, "tokens": len(dm.train_tokens) + len(dm.val_tokens), "vocab": dm.vocab_size,
+                  **dm.preparation}))
 """
 
 
@@ -120,6 +121,29 @@ def prepare(corpus: Path, cache: Path, tokenizer: str, num_proc: int, vocab_size
     result = json.loads(out.strip().splitlines()[-1])  # prepare_s: the preparation itself, imports excluded
     return {"corpus_mb": corpus_bytes / 1e6, "num_proc": num_proc, "tokenizer": tokenizer, "process_s": wall,
             "mb_per_s": corpus_bytes / 1e6 / result["prepare_s"], "peak_rss_gb": peak / 1e9, **result}
+
+
+SETUP = """
+import sys, json, time
+from lmlab.data.datamodule import TextDataModule
+spec = json.loads(sys.argv[1])
+start = time.perf_counter()
+dm = TextDataModule(spec, seq_len=128, seed=0)
+dm.setup("fit")
+dm.unigram_entropy("train"), dm.unigram_entropy("val")
+next(iter(dm.train_dataloader()))
+print(json.dumps({"setup_s": time.perf_counter() - start}))
+"""
+
+
+def setup_time(corpus: Path, cache: Path, tokenizer: str, vocab_size: int, env: dict[str, str]) -> float:
+    """A job's data set-up on prepared shards (imports excluded): the part of the first step the corpus size could
+    change — it is run twice, and the second (the unigram counts of the train split are remembered) is reported."""
+    spec = {"name": "text_files", "paths": [str(corpus)], "cache_dir": str(cache), "tokenizer": tokenizer,
+            "vocab_size": vocab_size}
+    for _ in range(2):
+        _, _, out = run_measured([sys.executable, "-c", SETUP, json.dumps(spec)], env)
+    return json.loads(out.strip().splitlines()[-1])["setup_s"]
 
 
 def first_step(corpus: Path, cache: Path, tokenizer: str, vocab_size: int, env: dict[str, str], work: Path
@@ -155,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cache = args.work / f"cache-{size}-{num_proc}"
             row = prepare(corpus, cache, args.tokenizer, num_proc, args.vocab_size, args.tokenizer_sample, env)
             if not args.no_first_step and num_proc == max(args.num_proc):
+                row["setup_s"] = setup_time(corpus, cache, args.tokenizer, args.vocab_size, env)
                 row["first_step_s"] = first_step(corpus, cache, args.tokenizer, args.vocab_size, env, args.work)
             rows.append(row)
             print(render_row(row), flush=True)
@@ -168,10 +193,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render_row(row: dict[str, Any]) -> str:
-    first = f", first step {row['first_step_s']:.1f} s" if "first_step_s" in row else ""
+    first = (f", data set-up {row['setup_s']:.2f} s, train.py to a first step and exit {row['first_step_s']:.1f} s"
+             if "first_step_s" in row else "")
     return (f"{row['corpus_mb']:8.0f} MB  {row['tokenizer']:>5}  num_proc {row['num_proc']}: "
             f"{row['prepare_s']:6.1f} s ({row['process_s']:.1f} s with imports), {row['mb_per_s']:6.1f} MB/s, "
-            f"peak RSS {row['peak_rss_gb']:.2f} GB, {row['tokens']:,} tokens{first}")
+            f"peak RSS {row['peak_rss_gb']:.2f} GB, {row['tokens']:,} tokens (tokenizer {row['tokenizer_s']:.1f} s, "
+            f"shards {row['shards_s']:.1f} s){first}")
 
 
 def check(rows: list[dict[str, Any]]) -> dict[str, Any]:

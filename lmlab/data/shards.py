@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _ENCODE_CHARS = 1 << 20  # characters per tokenizer call: bounds the tokenizer's own per-token objects
+_PIECE_CHARS = 1 << 12  # a long document is fed to a (non-char) tokenizer in pieces of about this many characters:
+# BPE encodes 4 K-character pieces 2-3x faster than 1 M-character ones (measured: 2.9 vs 1.0 MB/s)
 
 
 # --- the token stream, as training reads it ---
@@ -211,7 +213,8 @@ class Encoder:
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
         if self.table is not None:
             return [self.table[np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32)] for t in texts]
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # _fast: no character offsets
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
 
 def is_char_tokenizer(spec: dict[str, Any]) -> bool:
@@ -256,7 +259,7 @@ def _write_shard(k: int, unit: Any) -> dict[str, int]:
 
         chars = 0
         for doc in unit.documents():
-            pieces = safe_pieces(doc, _ENCODE_CHARS, _worker["anywhere"])
+            pieces = safe_pieces(doc, _PIECE_CHARS, _worker["anywhere"])
             previous = next(pieces, "")
             for piece in pieces:
                 batch.append((previous, False))
