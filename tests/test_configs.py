@@ -65,7 +65,7 @@ def sweep_points(experiment: str) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes)]
 
 
-SWEPT = [(e, point) for e in ("gau_depth", "gau_length", "deep_scale") for point in sweep_points(e)]
+SWEPT = [(e, point) for e in ("gau_depth", "gau_length", "deep_scale", "optim_compare") for point in sweep_points(e)]
 
 
 @pytest.mark.parametrize(("experiment", "point"), SWEPT, ids=[f"{e}:{','.join(p)}" for e, p in SWEPT])
