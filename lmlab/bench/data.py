@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
+    from lmlab.data.datamodule import usable_cpus
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     rows: list[dict[str, Any]] = []
     for size in args.size:
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(row)
             print(render_row(row), flush=True)
             shutil.rmtree(cache, ignore_errors=True)
-    out = {"date": time.strftime("%Y-%m-%d"), "cpus": len(os.sched_getaffinity(0)), "rows": rows,
+    out = {"date": time.strftime("%Y-%m-%d"), "cpus": usable_cpus(), "rows": rows,
            "targets": check(rows)}
     print(render_targets(out["targets"]))
     if args.json:

@@ -62,6 +62,11 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask on Linux; all of them where there is none, e.g. macOS)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def train_text(texts: list[str], val_fraction: float) -> list[str]:
     """The documents up to the character where validation starts: all the tokenizer may learn from.
 
@@ -188,7 +193,7 @@ class TextDataModule(pl.LightningDataModule):
         self.num_workers = int(spec.pop("num_workers"))
         self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         num_proc = spec.pop("num_proc")
-        self.num_proc = len(os.sched_getaffinity(0)) if num_proc is None else int(num_proc)
+        self.num_proc = usable_cpus() if num_proc is None else int(num_proc)
         self.eod = spec.pop("eod")
         sample = spec.pop("tokenizer_sample")
         self.tokenizer_sample = None if sample is None else int(sample)
