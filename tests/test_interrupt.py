@@ -106,7 +106,10 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
                 assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.02)
             target = _children(proc.pid)[0]
-        time.sleep(random.uniform(1.0, 3.0) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
+            while not (run / "metrics.csv").exists():  # training has begun: rank 1's set-up time is not a clock
+                assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+                time.sleep(0.02)
+        time.sleep(random.uniform(0.1, 0.8) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
         os.kill(target, signum)
         out, err = proc.communicate(timeout=300)  # no hang
     finally:
