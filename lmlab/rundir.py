@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import pickle
@@ -257,14 +258,16 @@ def is_rank_zero() -> bool:
 
 
 class RunLock:
-    """An exclusive `flock` on `<run dir>/.lmlab.lock`, holding a line that names the holder.
+    """An exclusive `flock` on `<run dir>/.lmlab.lock`, holding a line that names the holder. Also guards other
+    directories lmlab writes once for many jobs (token shards: `wait=True`, the second job waits).
 
     The kernel drops a flock when its process dies, so a lock file left by a killed run is simply taken over. The
     file is removed on release; a process that locked a file which was removed meanwhile tries again.
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, wait: bool = False) -> None:
         self.path = Path(run_dir) / LOCK
+        self.wait = wait  # False: a held lock is refused at once (RunDirBusy); True: wait for the holder to let go
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -274,10 +277,13 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
                 holder = self.holder(self.path.parent) or "another process"
-                raise RunDirBusy(f"{self.path.parent} is in use: {holder} trains into it. Wait for it to end, or "
-                                 f"choose another directory (hydra.run.dir=...)") from None
+                if not self.wait:
+                    os.close(fd)
+                    raise RunDirBusy(f"{self.path.parent} is in use: {holder} trains into it. Wait for it to end, or "
+                                     f"choose another directory (hydra.run.dir=...)") from None
+                logging.getLogger(__name__).warning(f"waiting for {holder}, which holds {self.path.parent}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:

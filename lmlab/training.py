@@ -71,9 +71,7 @@ def check_config(cfg: DictConfig) -> None:
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
         "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
-        "data.num_workers": NonNegativeInt, "data.num_proc": PositiveInt | None,
-        "data.tokenizer_sample": PositiveInt | None, "data.shard_size": PositiveInt, "data.eod": str | None,
-        "perf.peak_flops": PositiveFloat | None,
+        "data.num_workers": NonNegativeInt, "perf.peak_flops": PositiveFloat | None,
         "trainer.num_nodes": PositiveInt,
     }
     absent = object()

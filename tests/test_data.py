@@ -330,7 +330,6 @@ def test_hf_reads_a_local_dataset_like_text_files(tmp_path: Path, corpus: list[P
     stems = {p.stem for p in (Path(__file__).parents[1] / "conf" / "data").glob("*.yaml")}
     assert set(CORPORA) == {"shakespeare", "text_files", "hf"} <= stems  # one YAML per corpus loader
     from lmlab import compose
-
     from lmlab.data import TASKS
 
     for preset in stems - set(CORPORA) - TASKS:  # presets (bpe50k: a tokenizer on a corpus) extend a loader's YAML

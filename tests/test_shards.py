@@ -18,7 +18,8 @@ import pytest
 from lmlab.data import TextDataModule, shards
 from lmlab.data import corpus as corpus_module
 from lmlab.data.datamodule import train_text, training_sample
-from lmlab.data.shards import BlockView, TokenStream, preparation_lock, safe_pieces
+from lmlab.data.shards import BlockView, TokenStream, safe_pieces
+from lmlab.rundir import RunLock
 
 EOD = "<|endoftext|>"
 WORDS = ["the", "king", "  queen", "\n", "\n\n", " ", "thou", "art", ",", "—", "é", "\t", "  \n", "42", "😀"]
@@ -146,7 +147,7 @@ def test_a_second_job_waits_for_the_first_and_reads_its_shards(tmp_path: Path) -
     probe = dm_for(tmp_path, tmp_path / "docs", cache="probe")  # only to learn the shard directory's name
     shard_dir = tmp_path / "cache" / "shards" / probe.shard_dir.name
     done: list[TextDataModule] = []
-    with preparation_lock(shard_dir):  # the first job, preparing
+    with RunLock(shard_dir, wait=True):  # the first job, preparing
         waiter = threading.Thread(target=lambda: done.append(dm_for(tmp_path, tmp_path / "docs")))
         waiter.start()
         time.sleep(1.0)

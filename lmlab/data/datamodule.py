@@ -42,7 +42,8 @@ from lmlab.data import shards
 from lmlab.data.corpus import CORPORA
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
-from lmlab.registry import option_params
+from lmlab.registry import PositiveInt, check_values, option_params
+from lmlab.rundir import RunLock, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ _DEFAULTS: dict[str, Any] = {
     "tokenizer_sample": 100_000_000,  # characters of the training part a trained tokenizer learns from; None: all
     "shard_size": 1 << 23,  # text per token shard: bytes of files (whole files), characters of dataset rows
 }
+
+
+# The shard keys of every conf/data corpus YAML, typed like an option's keys (checked at construction).
+SHARD_KEYS = {"num_proc": PositiveInt, "tokenizer_sample": PositiveInt | None, "shard_size": PositiveInt,
+              "eod": str | None}
 
 
 def usable_cpus() -> int:
@@ -193,11 +199,9 @@ class TextDataModule(pl.LightningDataModule):
         self.num_workers = int(spec.pop("num_workers"))
         self.cache_dir = Path(spec.pop("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         num_proc = spec.pop("num_proc")
-        self.num_proc = usable_cpus() if num_proc is None else int(num_proc)
-        self.eod = spec.pop("eod")
-        sample = spec.pop("tokenizer_sample")
-        self.tokenizer_sample = None if sample is None else int(sample)
-        self.shard_size = int(spec.pop("shard_size"))
+        self.num_proc = usable_cpus() if num_proc is None else num_proc
+        self.eod, self.tokenizer_sample, self.shard_size = (spec.pop(k) for k in ("eod", "tokenizer_sample",
+                                                                                   "shard_size"))
         self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self._check()
@@ -214,14 +218,10 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.val_windows={self.val_windows_n} must be at least 1, or null for the whole split")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be at least 0")
-        sample = 1 if self.tokenizer_sample is None else self.tokenizer_sample
-        for key, value in {"data.num_proc": self.num_proc, "data.shard_size": self.shard_size,
-                           "data.tokenizer_sample": sample}.items():
-            if value < 1:
-                nullable = " (or null)" if key != "data.shard_size" else ""
-                raise ValueError(f"{key}={value} must be at least 1{nullable}")
-        if self.eod is not None and (not isinstance(self.eod, str) or not self.eod):
-            raise ValueError(f"data.eod={self.eod!r} must be a non-empty string (the token's text), or null for none")
+        check_values("data.", {"num_proc": self.num_proc, "shard_size": self.shard_size, "eod": self.eod,
+                               "tokenizer_sample": self.tokenizer_sample}, SHARD_KEYS)
+        if self.eod == "":
+            raise ValueError("data.eod='' must be a non-empty string (the token's text), or null for none")
         check_tokenizer(self.tokenizer_kind, vocab_size=self.bpe_vocab_size)
 
     # --- building (idempotent; every step after the first run is a cache hit) ---
@@ -238,12 +238,13 @@ class TextDataModule(pl.LightningDataModule):
             return
         source = CORPORA[self.corpus](**self.corpus_kwargs, cache_dir=self.cache_dir)
         self.corpus_sha256 = source.fingerprint
-        directory = self.cache_dir / "shards" / shards.shard_key(corpus=source.fingerprint, **self._recipe())
+        recipe = self._recipe()
+        directory = self.cache_dir / "shards" / shards.shard_key(corpus=source.fingerprint, **recipe)
         index = shards.read_index(directory)
         if index is None:
-            with shards.preparation_lock(directory):
+            with RunLock(directory, wait=True):  # a second job of the sweep waits here, then reads the index
                 if (index := shards.read_index(directory)) is None:  # not made by the job we waited for
-                    index = self._prepare(source, directory)
+                    index = self._prepare(source, directory, recipe)
         tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.tokenizer_sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self.shard_dir, self.eod_id = directory, index["eod_id"]
@@ -278,7 +279,7 @@ class TextDataModule(pl.LightningDataModule):
         return {"tokenizer": kind, "vocab_size": self.bpe_vocab_size if kind == "bpe" else 0, "eod": self.eod,
                 "sample": self.tokenizer_sample, "val_fraction": self.val_fraction}
 
-    def _prepare(self, source: Any, directory: Path) -> dict[str, Any]:
+    def _prepare(self, source: Any, directory: Path, recipe: dict[str, Any]) -> dict[str, Any]:
         """Train the tokenizer on the sample, tokenize the corpus into shards, write the index last."""
         started = time.time()
         directory.mkdir(parents=True, exist_ok=True)
@@ -293,10 +294,10 @@ class TextDataModule(pl.LightningDataModule):
         tokenizer_s = time.time() - started
         metas = shards.tokenize(source.units(self.shard_size), directory, tokenizer_json=tok.to_str(), eod_id=eod_id,
                                 dtype=dtype, num_proc=self.num_proc)
-        index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": self._recipe(), "dtype": dtype,
+        index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": recipe, "dtype": dtype,
                  "vocab_size": tok.get_vocab_size(), "eod_id": eod_id, "shards": metas,
                  "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}
-        shards._atomic(directory / "index.json", lambda f: f.write(json.dumps(index, indent=1).encode()))
+        atomic_write(directory / "index.json", json.dumps(index, indent=1))
         self.preparation = {"tokenizer_s": tokenizer_s, "shards_s": time.time() - started - tokenizer_s,
                             "num_proc": self.num_proc}
         log.info(f"data={self.corpus}: {index['tokens']} tokens in {len(metas)} shards, prepared in "
@@ -369,7 +370,7 @@ class TextDataModule(pl.LightningDataModule):
         counts = blocks.target_counts(self.vocab_size)
         p = counts[counts > 0] / counts.sum()
         entropy = float(-(p * np.log(p)).sum())
-        shards._atomic(memo, lambda f: f.write(json.dumps({"entropy": entropy}).encode()))
+        atomic_write(memo, json.dumps({"entropy": entropy}))
         return entropy
 
     def save_tokenizer(self, path: str | Path) -> None:

@@ -14,30 +14,28 @@ Invariants (tests/test_shards.py checks each):
   processes, and a preparation resumed after a kill, write byte-identical shards.
 - Memory is bounded whatever the corpus size: documents arrive as pieces, at most `2 × num_proc` shards'
   worth of text is in flight, and nothing ever holds the whole corpus.
-- One preparation per key: a lock file next to the directory; a second job waits, then reads the index.
+- One preparation per key: the directory's lock (`lmlab.rundir.RunLock`, waiting); a second job waits, then reads
+  the index.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import fcntl
 import hashlib
+import io
 import itertools
 import json
-import logging
 import multiprocessing
 import os
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
-log = logging.getLogger(__name__)
+from lmlab.rundir import atomic_write
 
 FORMAT = 1
 _ENCODE_CHARS = 1 << 20  # characters per tokenizer call: bounds the tokenizer's own per-token objects
@@ -141,27 +139,6 @@ def shard_key(**recipe: Any) -> str:
     return hashlib.sha256(json.dumps({"format": FORMAT, **recipe}, sort_keys=True).encode()).hexdigest()[:32]
 
 
-@contextlib.contextmanager
-def preparation_lock(directory: Path) -> Iterator[None]:
-    """Exclusive while preparing `directory`; a second job of the sweep waits here, then finds the index."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.with_name(directory.name + ".lock"), "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            log.warning(f"waiting for another job preparing the token shards {directory} ({f.read().strip()})")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {os.uname().nodename} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def read_index(directory: Path) -> dict[str, Any] | None:
     path = directory / "index.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -204,7 +181,8 @@ class Encoder:
         self.tok = Tokenizer.from_str(tokenizer_json)
         spec = json.loads(tokenizer_json)
         self.table: np.ndarray | None = None
-        if is_char_tokenizer(spec):  # every code point -> its id, <unk> for the rest: one gather per piece
+        self.char = is_char_tokenizer(spec)  # cut documents anywhere: char ids never depend on the neighbours
+        if self.char:  # every code point -> its id, <unk> for the rest: one gather per piece
             vocab = spec["model"]["vocab"]
             self.table = np.full(0x110000, vocab[spec["model"]["unk_token"]], dtype=np.uint32)
             chars = {ord(c): i for c, i in vocab.items() if len(c) == 1}
@@ -230,8 +208,7 @@ _worker: dict[str, Any] = {}
 
 def _init_worker(tokenizer_json: str, eod_id: int | None, dtype: str, directory: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process = one core: num_proc says how many
-    _worker.update(encode=Encoder(tokenizer_json), eod=eod_id, dtype=np.dtype(dtype), dir=Path(directory),
-                   anywhere=is_char_tokenizer(json.loads(tokenizer_json)))
+    _worker.update(encode=Encoder(tokenizer_json), eod=eod_id, dtype=np.dtype(dtype), dir=Path(directory))
 
 
 def _write_shard(k: int, unit: Any) -> dict[str, int]:
@@ -259,7 +236,7 @@ def _write_shard(k: int, unit: Any) -> dict[str, int]:
 
         chars = 0
         for doc in unit.documents():
-            pieces = safe_pieces(doc, _PIECE_CHARS, _worker["anywhere"])
+            pieces = safe_pieces(doc, _PIECE_CHARS, encode.char)
             previous = next(pieces, "")
             for piece in pieces:
                 batch.append((previous, False))
@@ -272,17 +249,12 @@ def _write_shard(k: int, unit: Any) -> dict[str, int]:
                 chars = 0
         flush()
     os.replace(tmp, directory / f"{name}.bin")
-    _atomic(directory / f"{name}.docs.npy", lambda f: np.save(f, np.asarray(doc_ends, dtype=np.int64)))
+    ends = io.BytesIO()
+    np.save(ends, np.asarray(doc_ends, dtype=np.int64))
+    atomic_write(directory / f"{name}.docs.npy", ends.getvalue())
     meta = {"file": f"{name}.bin", "tokens": n, "docs": len(doc_ends)}
-    _atomic(directory / f"{name}.json", lambda f: f.write(json.dumps(meta).encode()))
+    atomic_write(directory / f"{name}.json", json.dumps(meta))
     return meta
-
-
-def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_id: int | None,
@@ -294,11 +266,10 @@ def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_
     """
     init = (tokenizer_json, eod_id, dtype, str(directory))
     metas: list[dict[str, int] | None] = []
-    todo = ((k, unit) for k, unit in enumerate(units) if not _complete(directory, k, metas))
-    first = next(todo, None)
-    second = next(todo, None) if first is not None else None
-    todo = itertools.chain([u for u in (first, second) if u is not None], todo)
-    if num_proc <= 1 or second is None:  # one shard to write (small corpora): no processes to start
+    todo = _pending(units, directory, metas)
+    head = list(itertools.islice(todo, 2))
+    todo = itertools.chain(head, todo)
+    if num_proc <= 1 or len(head) < 2:  # one shard to write (small corpora): no processes to start
         _init_worker(*init)
         for k, unit in todo:
             metas[k] = _write_shard(k, unit)
@@ -317,7 +288,11 @@ def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_
     return metas  # type: ignore[return-value]
 
 
-def _complete(directory: Path, k: int, metas: list[dict[str, int] | None]) -> bool:
-    sidecar = directory / f"shard-{k:05d}.json"
-    metas.append(json.loads(sidecar.read_text()) if sidecar.is_file() else None)
-    return metas[k] is not None
+def _pending(units: Iterable[Any], directory: Path, metas: list[dict[str, int] | None]) -> Iterator[tuple[int, Any]]:
+    """(k, unit) of each shard still to write; `metas` gets every shard's metadata slot as the units go by, filled
+    from its .json sidecar when an earlier attempt completed it."""
+    for k, unit in enumerate(units):
+        sidecar = directory / f"shard-{k:05d}.json"
+        metas.append(json.loads(sidecar.read_text()) if sidecar.is_file() else None)
+        if metas[k] is None:
+            yield k, unit
