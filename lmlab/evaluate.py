@@ -75,12 +75,15 @@ def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
     """The run's validation data, tokenized with the run's own tokenizer.json."""
     from omegaconf import OmegaConf
 
-    from lmlab.data import TASKS, build_datamodule
+    from lmlab.data import TASKS, TextDataModule
 
     data = OmegaConf.to_container(OmegaConf.create({"data": run_cfg["data"]}), resolve=True)["data"]
-    if data.get("name") not in TASKS:  # a corpus: read with the run's own tokenizer (a task builds its own)
-        data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")
-    dm = build_datamodule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
+    if data.get("name") in TASKS:
+        raise ValueError(f"run={run_dir} trained on data={data['name']}, a task, not text: eval.py measures loss on "
+                         f"a corpus's validation text. The task's own figures are in <run>/probe.json and "
+                         f"summary.json; eval.py compare=<sweep> tabulates and plots them")
+    data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")  # the run's own tokenizer
+    dm = TextDataModule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
     dm.setup("validate")
     return dm
 

@@ -121,6 +121,10 @@ def test_a_short_probe_run_leaves_its_metrics(tmp_path: Path) -> None:
     assert len(accuracy) == 2 and set(accuracy) == set(metric(run, "val/loss"))
     assert accuracy[max(accuracy)] == pytest.approx(summary["probe_accuracy"], rel=1e-6)
     assert summary["unigram_val_loss"] == pytest.approx(math.log(16))
+    from lmlab.evaluate import evaluate
+
+    with pytest.raises(ValueError, match=r"data=position_probe, a task.*probe\.json"):  # said, not an AttributeError
+        evaluate(run)
 
 
 def _fake_probe_run(sweep: Path, position: str, accuracy: list[float], error: list[float]) -> None:
