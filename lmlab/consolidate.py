@@ -6,7 +6,8 @@ keyed as torch's optimizers key it, the loops, lmlab's own state. It goes to `ch
 (or `out`); the sharded directory is left as it is, so the run still resumes from it. eval.py `run=`, `export=hf`
 and `init_from=` read the sharded checkpoint themselves; the single file is for copying elsewhere or loading with
 plain `torch.load`. With `out` the sharded checkpoint itself (`<run>/checkpoints/last.ckpt`), the file replaces the
-directory: the run then continues with any trainer (ddp, cpu, fsdp2), as a run that never was sharded.
+directory: the run then continues with any trainer (ddp, cpu, fsdp2), as a run that never was sharded. Any other
+existing directory as `out` is refused: consolidate never deletes what it did not write.
 The run directory is locked meanwhile (a run training into it is refused)."""
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
                          f"trainer=fsdp2); a single-file checkpoint needs no consolidation")
     out = Path(out) if out is not None else ckpt.parent / (CONSOLIDATED if ckpt.name == LAST else
                                                             f"{ckpt.name.removesuffix('.ckpt')}.consolidated.ckpt")
+    in_place = out.is_dir() and out.resolve() == ckpt.resolve()
+    if out.is_dir() and not in_place:  # never delete what lmlab did not write
+        raise ValueError(f"out={out} is an existing directory, not the sharded checkpoint being consolidated "
+                         f"({ckpt}); name a file to write (e.g. {out / CONSOLIDATED}), or {ckpt} itself to replace "
+                         f"the shards by the one file")
     with RunLock(ckpt.parent.parent) if ckpt.parent.name == CHECKPOINTS else contextlib.nullcontext():
         state = load_checkpoint(ckpt, f"consolidate {source}")  # weights_only rules, the full state
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         torch.save(state, tmp)  # then renamed over `out`: a crash never leaves half a file under its name
-        if out.is_dir():  # `out` is the sharded checkpoint itself: the one file takes its place
+        if in_place:  # `out` is the sharded checkpoint itself: the one file takes its place
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out, old)

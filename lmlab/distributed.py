@@ -37,6 +37,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -170,32 +171,65 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 # --- reading DCP directories without running code ----------------------------------------------------------------
 
+# Every global a `.metadata` that DCP writes refers to (read off torch 2.13's own pickles), by exact module and name.
+# Nothing else is looked up: no dotted names (`planner.operator.methodcaller` walks attributes to any callable), no
+# module attributes that merely live under torch.distributed.checkpoint, no functions but torch's layout lookup.
+_DCP = "torch.distributed.checkpoint"
+_METADATA_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", "Metadata"), (f"{_DCP}.metadata", "MetadataIndex"), (f"{_DCP}.metadata", "StorageMeta"),
+    (f"{_DCP}.metadata", "TensorStorageMetadata"), (f"{_DCP}.metadata", "BytesStorageMetadata"),
+    (f"{_DCP}.metadata", "ChunkStorageMetadata"), (f"{_DCP}.metadata", "TensorProperties"),
+    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"), (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+})
+_DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP's metadata records (classes of torch.distributed.checkpoint), torch's sizes, dtypes and
-    layouts, paths and plain containers: what DCP's `.metadata` holds, and nothing that runs code."""
+    """Builds only DCP's metadata records, torch's sizes, dtypes and layouts, paths and plain containers: what DCP's
+    `.metadata` holds, and nothing that runs code. Each global is resolved by its exact (module, name) pair."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")):
-            value = super().find_class(module, name)
-            if module.startswith("torch.distributed.checkpoint.") and not isinstance(value, type):
-                raise pickle.UnpicklingError(f"{module}.{name} is not a metadata record")
-            return value
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                        torch.memory_format)):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and name in _DTYPES:
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id is not allowed in a checkpoint's metadata")
+
+
+def read_metadata(path: str | Path) -> Any:
+    """A DCP `.metadata` file through `_MetadataUnpickler`, checked to be the record DCP writes: one `Metadata` whose
+    storage entries name shard files inside the checkpoint directory with no transforms (lmlab writes none)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+        if f.read(1):  # a second pickle after the first: not what DCP writes
+            raise pickle.UnpicklingError("data after the metadata record")
+    if type(metadata) is not Metadata:
+        raise pickle.UnpicklingError(f"the file holds a {type(metadata).__name__}, not DCP's Metadata")
+    for index, info in (metadata.storage_data or {}).items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            raise pickle.UnpicklingError("a storage entry that is not DCP's (MetadataIndex -> _StorageInfo)")
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise pickle.UnpicklingError(f"a storage entry outside the checkpoint directory ({name!r})")
+        if info.transform_descriptors:
+            raise pickle.UnpicklingError(f"a storage entry with transforms ({info.transform_descriptors!r})")
+    return metadata
 
 
 class SafeReader(FileSystemReader):
     """DCP's file reader with the `.metadata` file unpickled by `_MetadataUnpickler`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -233,7 +267,10 @@ def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
     if not weights:
         return checkpoint
     shards: dict[str, Any] = {}
-    _load_state_dict(shards, storage_reader=SafeReader(path), planner=SafeEmptyLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(shards, storage_reader=SafeReader(path), planner=SafeEmptyLoadPlanner(), no_dist=True)
+    except CheckpointException as err:  # a BaseException wrapping each rank's error: raise this process's own
+        raise next(iter(err.failures.values()))[0] from None
     checkpoint["state_dict"] = shards.pop("state_dict")
     optimizers = sorted((k for k in shards if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_keyed_by_position(shards[k]) for k in optimizers]

@@ -68,6 +68,17 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def remember(path: str | Path, data: str | bytes) -> bool:
+    """`atomic_write` for a memo (a cache of something lmlab can compute again): a cache lmlab cannot write into, such
+    as a read-only shared one, is used for reading and the memo is skipped. Returns whether it was written."""
+    try:
+        atomic_write(path, data)
+    except OSError as err:
+        logging.getLogger(__name__).debug(f"not remembered in {path} ({err})")
+        return False
+    return True
+
+
 def strict_json(obj: Any) -> Any:
     """`obj` with every non-finite float replaced by None: JSON has no NaN or Infinity."""
     if isinstance(obj, float):

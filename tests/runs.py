@@ -53,3 +53,30 @@ class CtrlC(Callback):
     def on_train_batch_start(self, trainer, *args) -> None:
         if trainer.global_step == self.at:
             raise KeyboardInterrupt
+
+
+def lmlab_checkpoint() -> dict:
+    """The shape of an lmlab checkpoint: weights, one optimizer, the model config."""
+    import torch
+
+    return {"state_dict": {"model.wte.weight": torch.arange(20.0).view(5, 4)},
+            "hyper_parameters": {"model": {"n_layer": 1}},
+            "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(5, 4)}},
+                                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]}],
+            "global_step": 3}
+
+
+def sharded_checkpoint(path: Path) -> Path:
+    """A DCP checkpoint directory as FSDP2Strategy writes it (one process): the weights and optimizer through DCP,
+    the rest in meta.pt."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from lmlab.distributed import META
+
+    ckpt = lmlab_checkpoint()
+    optim = {"state": {"model.wte.weight": ckpt["optimizer_states"][0]["state"][0]},
+             "param_groups": [{**ckpt["optimizer_states"][0]["param_groups"][0], "params": ["model.wte.weight"]}]}
+    dcp.save({"state_dict": ckpt["state_dict"], "optimizer_0": optim}, checkpoint_id=path, no_dist=True)
+    torch.save({k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}, path / META)
+    return path

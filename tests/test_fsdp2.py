@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,8 @@ import torch
 from lmlab import compose
 from lmlab.consolidate import consolidate
 from lmlab.evaluate import evaluate
-from lmlab.rundir import CheckpointError, load_checkpoint
+from lmlab.rundir import load_checkpoint
+from tests.hostile import hostile
 from tests.runs import ROOT, cli, metric, tiny
 from tests.test_interrupt import figures
 
@@ -132,19 +132,38 @@ def test_eval_reads_the_sharded_run_and_its_consolidated_file(runs, tmp_path) ->
     assert evaluate(copy)["rows"][0]["loss"] == pytest.approx(logged, rel=1e-5)  # what eval.py run=<copy> runs
 
 
-def test_a_hostile_sharded_checkpoint_is_refused(runs, tmp_path) -> None:
-    """DCP unpickles its .metadata with plain pickle; lmlab refuses one that would run code, naming the path."""
+ENTRY_POINTS = {  # every command that reads a sharded checkpoint: (arguments, whether they take the run's own args)
+    "eval": lambda run, tmp: [str(ROOT / "eval.py"), f"run={run}"],
+    "export_hf": lambda run, tmp: [str(ROOT / "eval.py"), f"run={run}", "export=hf", f"out={tmp / 'hf'}"],
+    "generate": lambda run, tmp: [str(ROOT / "generate.py"), f"run={run}", "prompt=The", "max_new_tokens=2"],
+    "init_from": lambda run, tmp: [str(ROOT / "train.py"), f"init_from={run}", f"hydra.run.dir={tmp / 'new'}"],
+    "consolidate": lambda run, tmp: ["-m", "lmlab.consolidate", str(run), str(tmp / "one.ckpt")],
+    "resume": lambda run, tmp: [str(ROOT / "train.py"), *FSDP2, "data.batch_size=4", "trainer.max_steps=8",
+                                f"hydra.run.dir={run}"],
+}
 
-    class Boom:
-        def __reduce__(self):
-            return os.system, ("touch pwned",)
 
-    ckpt = tmp_path / "last.ckpt"
-    shutil.copytree(runs["two"] / "checkpoints" / "last.ckpt", ckpt)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Boom()))
-    with pytest.raises(CheckpointError, match=r"refused .*last\.ckpt.*weights_only=True"):
-        load_checkpoint(ckpt, "run=x")
-    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+@pytest.mark.parametrize("genuine", [False, True], ids=["alone", "before_genuine"])
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_a_hostile_sharded_checkpoint_is_refused_by_every_entry_point(runs, tmp_path, entry: str,
+                                                                      genuine: bool) -> None:
+    """The reported exploit: a `.metadata` whose globals walk from torch.distributed.checkpoint to `operator`'s
+    getters and on to `os`, alone or in front of the genuine metadata (a reader that ran it would go on with normal
+    numbers). Every command that reads the checkpoint refuses it naming the path, and the payload never runs."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["two"], run)
+    ckpt, marker = run / "checkpoints" / "last.ckpt", tmp_path / "pwned"
+    real = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(hostile("operator_chain", marker, real if genuine else None))
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    args = ENTRY_POINTS[entry](run, tmp_path)
+    if args[0].endswith("train.py"):
+        args = [args[0], *runs["args"], *args[1:]]
+    res = cli(*args, cwd=tmp_path)
+    assert res.returncode != 0 and not marker.exists(), res.stderr[-3000:]
+    assert f"refused {ckpt}" in res.stderr and "is not allowed in a checkpoint's metadata" in res.stderr, \
+        res.stderr[-3000:]
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
 @pytest.mark.slow

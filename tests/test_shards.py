@@ -5,11 +5,16 @@ the first; a prepared corpus is never read again."""
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import json
+import os
 import random
+import stat
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -243,3 +248,94 @@ def test_the_data_benchmark_reports_speed_memory_and_the_targets(tmp_path: Path)
     assert sum(f.stat().st_size for f in corpus) >= 300_000 and one["tokens"] == two["tokens"] > 290_000
     assert one["peak_rss_gb"] > 0.01 and one["mb_per_s"] > 0 and two["num_proc"] == 2
     assert "speedup_2_procs_0mb" in out["targets"]
+
+
+def test_a_corpus_edited_in_place_with_its_mtime_put_back_is_not_served_stale(tmp_path: Path) -> None:
+    """Same path, size, mtime and inode, other bytes: the fingerprint memo is keyed by ctime too, which the kernel
+    sets on every change and nobody can set back."""
+    (path,) = write_docs(tmp_path / "docs", n=1)
+    before = dm_for(tmp_path, tmp_path / "docs")
+    st = path.stat()
+    text = path.read_text()
+    with open(path, "r+", encoding="utf-8") as f:  # in place: the inode stays
+        f.write(text[::-1])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after_st = path.stat()
+    assert (after_st.st_size, after_st.st_mtime_ns, after_st.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    after = dm_for(tmp_path, tmp_path / "docs")
+    assert after.corpus_sha256 != before.corpus_sha256 and after.shard_dir != before.shard_dir
+    whole = np.asarray(after.tokenizer.encode(text[::-1]).ids)
+    assert np.array_equal(np.concatenate([np.asarray(after.train_tokens), np.asarray(after.val_tokens)]), whole)
+
+
+def test_a_replaced_shard_tokenizer_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=2)
+    dm = dm_for(tmp_path, tmp_path / "docs")
+    directory = dm.shard_dir
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    extra = dict(vocab)
+    extra["§"] = max(vocab.values()) + 1  # one token more: the ids would decode into other text
+    (directory / "tokenizer.json").write_text(json.dumps({**spec, "model": {**spec["model"], "vocab": extra}}))
+    with pytest.raises(shards.ShardError, match=rf"{directory}/tokenizer.json is not the tokenizer the shards were "
+                                                rf"made with .*remove {directory}"):
+        dm_for(tmp_path, tmp_path / "docs")
+    index = json.loads((directory / "index.json").read_text())
+    del index["tokenizer_sha256"]  # an index of an older lmlab: the vocabulary size is still checked
+    (directory / "index.json").write_text(json.dumps(index))
+    with pytest.raises(shards.ShardError, match=rf"tokenizer.json has {len(extra)} tokens, the shards' index "
+                                                rf"{len(vocab)}"):
+        dm_for(tmp_path, tmp_path / "docs")
+
+
+def test_a_corrupt_index_or_a_truncated_shard_is_refused_with_its_path(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=2)
+    directory = dm_for(tmp_path, tmp_path / "docs").shard_dir
+    index_text = (directory / "index.json").read_text()
+    (directory / "index.json").write_text(index_text[: len(index_text) // 2])
+    with pytest.raises(shards.ShardError, match=rf"the shard index {directory}/index.json is corrupt .*rm -r"):
+        dm_for(tmp_path, tmp_path / "docs")
+    (directory / "index.json").write_text(index_text)
+    shard = directory / json.loads(index_text)["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-3])
+    with pytest.raises(shards.ShardError, match=rf"the token shard {shard} holds \d+ bytes, but its index"):
+        dm_for(tmp_path, tmp_path / "docs")
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[Path]:
+    """`directory` as a read-only file system (a read-only bind mount: root writes through file modes), or with
+    its write permissions removed where this process cannot mount."""
+    view = directory.with_name(directory.name + "_ro")
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(directory), str(view)], capture_output=True).returncode == 0 and \
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True).returncode == 0
+    if not mounted:
+        subprocess.run(["umount", str(view)], capture_output=True)
+        if os.geteuid() == 0:
+            pytest.skip("root without mount: a read-only cache cannot be made here")
+        view.rmdir()
+        view = directory
+        for p in [directory, *directory.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        yield view
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(view)], check=True)  # lazy: the test's memmaps may still be open
+        else:
+            for p in [directory, *directory.rglob("*")]:
+                p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+def test_a_read_only_cache_serves_a_new_sequence_length(tmp_path: Path) -> None:
+    """A shared cache prepared by someone else, read-only here: another model.max_seq_len needs only memos."""
+    write_docs(tmp_path / "docs", n=2)
+    first = dm_for(tmp_path, tmp_path / "docs", seq_len=15)
+    first.unigram_entropy()
+    with read_only(tmp_path / "cache") as cache:
+        with pytest.raises(OSError):
+            (cache / "probe").write_text("x")
+        other = dm_for(tmp_path, tmp_path / "docs", cache=cache.name, seq_len=31)
+        assert other.shard_dir.parent.parent == cache and other.unigram_entropy() > 0
+        assert np.array_equal(np.asarray(other.train_tokens), np.asarray(first.train_tokens))

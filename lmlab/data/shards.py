@@ -57,9 +57,19 @@ class TokenStream:
 
     @classmethod
     def open(cls, directory: Path, index: dict[str, Any]) -> TokenStream:
+        """The shards of `index`, each checked to hold the tokens the index gives it (a truncated or missing shard is
+        refused with its path, not read past its end)."""
         dtype = np.dtype(index["dtype"])
-        arrays = [np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
-                  for s in index["shards"] if s["tokens"] > 0]
+        arrays = []
+        for s in index["shards"]:
+            path = directory / s["file"]
+            size = path.stat().st_size if path.is_file() else None
+            if size != s["tokens"] * dtype.itemsize:
+                found = "is missing" if size is None else f"holds {size} bytes"
+                raise ShardError(f"the token shard {path} {found}, but its index ({directory / 'index.json'}) gives "
+                                 f"{s['tokens']} tokens of {dtype.itemsize} bytes; {_REBUILD.format(directory)}")
+            if s["tokens"] > 0:
+                arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(s["tokens"],)))
         return cls(arrays)
 
     def __len__(self) -> int:
@@ -139,9 +149,50 @@ def shard_key(**recipe: Any) -> str:
     return hashlib.sha256(json.dumps({"format": FORMAT, **recipe}, sort_keys=True).encode()).hexdigest()[:32]
 
 
+class ShardError(ValueError):
+    """A shard directory that does not hold what its index says, refused with the path and the fix."""
+
+
+_REBUILD = "remove {0} (rm -r) and run again to prepare the shards anew"
+_INDEX_KEYS = ("format", "dtype", "vocab_size", "eod_id", "shards", "tokens")
+
+
 def read_index(directory: Path) -> dict[str, Any] | None:
+    """The index of a finished preparation (None: not finished); a corrupt one is refused with its path."""
     path = directory / "index.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+        missing = [k for k in _INDEX_KEYS if k not in index]
+        if missing:
+            raise ValueError(f"no {missing}")
+        np.dtype(index["dtype"])
+        for shard in index["shards"]:
+            if not isinstance(shard["file"], str) or Path(shard["file"]).name != shard["file"] or \
+                    not isinstance(shard["tokens"], int) or shard["tokens"] < 0:
+                raise ValueError(f"a shard entry {shard!r:.80} that is not a file name and a token count")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise ShardError(f"the shard index {path} is corrupt ({err}); {_REBUILD.format(directory)}") from None
+    return index
+
+
+def load_tokenizer(directory: Path, index: dict[str, Any]) -> Tokenizer:
+    """The shards' tokenizer.json, checked against what the index recorded when the shards were made (its sha256, and
+    its vocabulary size): a tokenizer replaced after the fact would decode the ids into other text."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ShardError(f"{path} is missing beside the shards of {directory}; {_REBUILD.format(directory)}")
+    data = path.read_bytes()
+    recorded = index.get("tokenizer_sha256")  # absent in indexes lmlab wrote before December 2026: vocabulary only
+    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+        raise ShardError(f"{path} is not the tokenizer the shards were made with (its sha256 differs from the one in "
+                         f"{directory / 'index.json'}); {_REBUILD.format(directory)}")
+    tok = Tokenizer.from_str(data.decode())
+    if tok.get_vocab_size() != index["vocab_size"]:
+        raise ShardError(f"{path} has {tok.get_vocab_size()} tokens, the shards' index {index['vocab_size']}: not the "
+                         f"tokenizer the shards were made with; {_REBUILD.format(directory)}")
+    return tok
 
 
 def safe_pieces(pieces: Iterable[str], size: int, anywhere: bool) -> Iterator[str]:

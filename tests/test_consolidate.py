@@ -1,0 +1,37 @@
+"""`python -m lmlab.consolidate`: never deletes a directory it did not write; in place replaces the shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmlab.consolidate import consolidate
+from lmlab.rundir import load_checkpoint
+from tests.runs import ROOT, cli, sharded_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "assuming the intent is ... single process"
+
+
+def test_an_existing_directory_as_out_is_refused_and_kept(tmp_path) -> None:
+    ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "notes.txt").write_text("a week of work")
+    res = cli("-m", "lmlab.consolidate", str(ckpt), str(out), cwd=tmp_path)
+    assert res.returncode != 0 and f"out={out} is an existing directory" in res.stderr, res.stderr[-2000:]
+    assert (out / "notes.txt").read_text() == "a week of work" and sorted(p.name for p in out.iterdir()) == [
+        "notes.txt"]
+    other = sharded_checkpoint(tmp_path / "other.ckpt")  # another run's shards are not this one's either
+    with pytest.raises(ValueError, match="is an existing directory"):
+        consolidate(ckpt, other)
+    assert (other / ".metadata").is_file()
+
+
+def test_consolidated_into_a_file_and_in_place(tmp_path) -> None:
+    ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
+    res = cli("-m", "lmlab.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    one = load_checkpoint(tmp_path / "one.ckpt", "test")
+    assert one["global_step"] == 3 and ckpt.is_dir()
+    assert consolidate(ckpt, ckpt) == ckpt and ckpt.is_file()  # the run's own shards: replaced by the one file
+    assert load_checkpoint(ckpt, "test")["state_dict"]["model.wte.weight"].equal(one["state_dict"]["model.wte.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "one.ckpt"]  # no .old or .tmp left
