@@ -71,6 +71,49 @@ def _overrides(summary: dict[str, Any]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in summary.get("overrides", []) if "=" in o and not o.startswith("hydra"))
 
 
+_NUMBERS = ("steps", "diverged_at_step", "n_params", "final_val_loss", "best_val_loss", "unigram_val_loss",
+            "peak_grad_norm", "tokens_per_s")
+
+
+def _malformed(summary: Any) -> str | None:
+    """Why a summary.json cannot be compared (None: it can): not an object, no status, overrides that are not
+    strings, figures that are not finite numbers or null."""
+    if not isinstance(summary, dict):
+        return f"summary.json holds a {type(summary).__name__}, not an object"
+    if not isinstance(summary.get("status"), str):
+        return "summary.json has no status"
+    if not isinstance(summary.get("overrides", []), list) or not all(
+            isinstance(o, str) for o in summary.get("overrides", [])):
+        return "summary.json's overrides are not a list of strings"
+    for key in _NUMBERS:
+        value = summary.get(key)
+        if value is None:
+            continue
+        try:
+            finite = not isinstance(value, bool) and math.isfinite(float(value))
+        except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
+            finite = False
+        if not finite:
+            return f"summary.json's {key}={str(value)[:40]!r} is not a finite number"
+    if not isinstance(summary.get("grad_norm_at_init") or {}, dict):
+        return "summary.json's grad_norm_at_init is not an object"
+    return None
+
+
+def _read(run: Path) -> dict[str, Any]:
+    """A run's summary for the table: its own, what a run without one shows, or a flagged stand-in for one that
+    cannot be read or compared (the rest of the sweep is compared all the same)."""
+    try:
+        summary = RunDir(run).read_summary()
+    except ValueError as err:  # not JSON
+        return {"status": "malformed", "problem": str(err).removeprefix(f"{run / SUMMARY} "), "overrides": []}
+    if summary is None:
+        return _incomplete(run)
+    if (problem := _malformed(summary)) is not None:
+        return {"status": "malformed", "problem": problem, "overrides": []}
+    return summary
+
+
 def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others: Sequence[str]) -> None:
     """rows[i]["best_lr"] = "*" on the row with the lowest values[i] among the rows that share the `others` keys, ""
     elsewhere; no star in a group of one row (nothing was compared: an Optuna search varies every key) or where every
@@ -94,14 +137,17 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     import torch
 
     from lmlab.config import GPTConfig
+    from lmlab.memory import check_model_fits
     from lmlab.model.gpt import GPT
 
     total, ffn = summary.get("n_params"), None
     if isinstance(summary.get("model"), dict):
         try:
+            cfg = GPTConfig(**summary["model"])
+            check_model_fits(cfg, what="compare")  # a crafted or damaged summary could ask for a build of hours
             with torch.device("meta"):
-                model = GPT(GPTConfig(**summary["model"]))
-        except (TypeError, ValueError):
+                model = GPT(cfg)
+        except (TypeError, ValueError, KeyError, OverflowError):
             model = None
         if model is not None and (total is None or model.num_params() == total):
             total = model.num_params()
@@ -184,7 +230,7 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     runs = find_runs(sweep_dir)
     if not runs:
         raise FileNotFoundError(f"compare={sweep_dir}: no run directories (with summary.json) under it")
-    summaries = {r: RunDir(r).read_summary() or _incomplete(r) for r in runs}
+    summaries = {r: _read(r) for r in runs}
     overrides = {r: _overrides(s) for r, s in summaries.items()}
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
@@ -205,14 +251,15 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
             "final_val_loss": final, "best_val_loss": s.get("best_val_loss"),
             "loss_vs_unigram": final - unigram if final is not None and unigram is not None else None,
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
-            "run": str(r.relative_to(sweep_dir)),
+            "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
         })
     values = [objective(s) for s in summaries.values()]
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
     cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", "ffn_params", "final_val_loss",
-            "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run"]
+            "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run",
+            *(["problem"] if any(row["problem"] for row in rows) else [])]
     md = write_table(rows, cols, sweep_dir / "compare")
 
     variant_keys = [k for k in varying if k != SEED]

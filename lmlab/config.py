@@ -85,12 +85,17 @@ class GPTConfig:
 
         # The attention geometry the position scheme is built for: (n_head, head_dim), or one head of GAU's key size.
         kind = build("block", BLOCKS, self.block, self)
-        self.attn_heads, self.attn_head_dim = kind.heads, kind.head_dim
+        self.attn_heads, self.attn_head_dim, self.cache_width = kind.heads, kind.head_dim, kind.cache_width
+        # Weights from the sizes alone (the blocks' and the embeddings'; norms, gains and position tables aside): what
+        # the size bound reads before a model is built, even on the meta device (lmlab.memory.check_model_fits).
+        self.n_params_estimate = kind.n_params() * self.n_layer + self.vocab_size * self.d_model * (
+            1 if self.tie_embeddings else 2)
 
     def validate(self) -> GPTConfig:
         """Resolve every option and build the model on the meta device; raise ValueError naming the bad key."""
         import torch
 
+        from lmlab.memory import check_model_fits
         from lmlab.model.gpt import GPT
         from lmlab.model.position import POSITIONS
 
@@ -98,6 +103,7 @@ class GPTConfig:
         if self.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
             raise ValueError(f"rope_scaling={self.rope_scaling['name']!r} needs position=rope (got position="
                              f"{pos_name!r}); use rope_scaling=none with this scheme")
+        check_model_fits(self)  # before the meta build, which itself holds tens of kB of Python objects per layer
         with torch.device("meta"):
             GPT(self)
         return self

@@ -13,6 +13,7 @@ from typing import Annotated, Any, TextIO
 
 import torch
 
+from lmlab.memory import check_generation_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.gpt import GPT
 from lmlab.registry import NonNegativeFloat, PositiveInt, Range
@@ -81,6 +82,7 @@ def generate_text(run: str, prompt: str, *, max_new_tokens: PositiveInt = 200, t
     ids = tok.encode(prompt).ids
     if not ids:
         raise ValueError("prompt='' has no tokens to continue; give a prompt (the default is a newline)")
+    check_generation_fits(model.cfg, len(ids), max_new_tokens, n)
     generator = torch.Generator().manual_seed(seed)
     written: list[int] = []
     shown = ""

@@ -6,7 +6,8 @@ checkpoint save can't hang, whichever rank the signal went to. The save happens 
 by then the step is finished in every way an uninterrupted run would finish it (its validation, its logged rows),
 so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's loop (setting `should_stop` would
 make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
-A second SIGINT (Ctrl-C pressed again) stops at once.
+A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
+checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
 and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
@@ -44,6 +45,7 @@ class StopOnSignal(Callback):
         self.checkpoint = checkpoint
         self.received: int = 0  # the signal this process got (0: none)
         self.signum: int = 0  # the signal the run stopped for, the same on every rank
+        self.recording = False  # set by record(): training is over, what it did is being written
         self._original: dict[int, Any] = {}
 
     @property
@@ -51,9 +53,14 @@ class StopOnSignal(Callback):
         return "StopOnSignal"
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
+        if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
+
+    def record(self) -> None:
+        """From here on the run is being saved and recorded (checkpoint, metrics, summary): a second Ctrl-C no longer
+        stops at once, so it cannot cut the record of the run it already stopped."""
+        self.recording = True
 
     def _take(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
 
 GiB = 2**30
+# Python objects of one layer's modules, parameters and hooks, whatever its width (measured with tracemalloc on the
+# meta device: ~60 kB for a transformer layer, ~17 kB for a GAU): a build of a million narrow layers needs ~60 GB.
+LAYER_OBJECT_BYTES = 64 * 1024
 
 
 def available_bytes(device: str = "cpu") -> int:
@@ -54,3 +61,36 @@ def check_attention_fits(what: str, position: str, n_head: int, length: int, bat
             f"bias, and attention scores of that size for each of {batch} sequences at a time); available memory "
             f"is ~{free / GiB:.1f} GiB ({device}). Use a shorter length, or a batch of fewer sequences"
         )
+
+
+def model_bytes(cfg: GPTConfig, bytes_per_param: int = 4) -> int:
+    """What building `cfg`'s model takes at least: its weights at `bytes_per_param` (4: fp32; training adds the
+    gradients and the optimizer's state) and the Python objects of its layers. From the config's arithmetic only."""
+    return cfg.n_params_estimate * bytes_per_param + cfg.n_layer * LAYER_OBJECT_BYTES
+
+
+def check_model_fits(cfg: GPTConfig, what: str = "model", bytes_per_param: int = 4, device: str = "cpu") -> None:
+    """Refuse a model that cannot be built in the memory `device` has free, with the estimate, before anything is
+    built (a model of a million layers took 6 minutes and 7.5 GB of the meta device's objects before failing)."""
+    need = model_bytes(cfg, bytes_per_param)
+    if need > (free := available_bytes(device)):
+        raise ValueError(
+            f"{what}: model.n_layer={cfg.n_layer} model.d_model={cfg.d_model} (vocab {cfg.vocab_size}) has about "
+            f"{cfg.n_params_estimate / 1e9:.3g} B parameters and needs at least ~{need / GiB:.1f} GiB to build "
+            f"({bytes_per_param} bytes per parameter, plus ~{LAYER_OBJECT_BYTES // 1024} kB per layer); available "
+            f"memory is ~{free / GiB:.1f} GiB ({device}). Use fewer or narrower layers"
+        )
+
+
+def check_generation_fits(cfg: GPTConfig, prompt: int, new_tokens: int, batch: int, device: str = "cpu") -> None:
+    """Refuse a generation whose first forward (the whole prompt: ALiBi's (n_head, T, T) bias) or whose KV cache
+    (every layer's keys and values for prompt + new tokens of `batch` texts, fp32, twice while a step appends to it)
+    cannot fit, naming the argument to lower. Each cached step after the first reads one position."""
+    check_attention_fits(f"the prompt ({prompt} tokens, n={batch})", cfg.position["name"], cfg.attn_heads, prompt,
+                         batch, device)
+    length, per_token = prompt + new_tokens, 2 * 4 * cfg.n_layer * batch * cfg.cache_width
+    if (need := per_token * length) > (free := available_bytes(device)):
+        raise ValueError(f"max_new_tokens={new_tokens} (+ a prompt of {prompt} tokens, n={batch}): the KV cache needs "
+                         f"~{need / GiB:.1f} GiB ({cfg.n_layer} layers x {cfg.cache_width} numbers per token); "
+                         f"available memory is ~{free / GiB:.1f} GiB ({device}), room for ~{free // per_token} "
+                         f"tokens. Lower max_new_tokens or n")

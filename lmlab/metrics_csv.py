@@ -28,8 +28,8 @@ class MetricsCSV(Logger):
         self.rows: list[dict[str, Any]] = []
         self._resume_step = resume_step  # rows from here on are replaced once this run logs (None: a fresh start)
         if resume_step is not None and self.path.exists():
-            with open(self.path, newline="") as f:
-                self.rows = list(csv.DictReader(f))
+            with open(self.path, newline="") as f:  # steps as integers, as Lightning logs them: one row per step
+                self.rows = [{**r, "step": int(float(r["step"]))} for r in csv.DictReader(f)]
         self._keys = {k for row in self.rows for k in row} - {"step"}
         self._header: list[str] | None = None  # the columns of the file on disk; None: rewrite at the next save
         self._on_disk = 0  # rows[:_on_disk] are in the file
@@ -56,7 +56,7 @@ class MetricsCSV(Logger):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         values = {k: float(v) for k, v in metrics.items()}
         if self._resume_step is not None:  # the resumed run's first row: drop what a killed attempt logged after
-            self.rows = [r for r in self.rows if int(float(r["step"])) < self._resume_step]
+            self.rows = [r for r in self.rows if r["step"] < self._resume_step]
             self._resume_step, self._header = None, None  # the file is rewritten at the next save
         self._keys.update(values)
         if self.rows and self.rows[-1]["step"] == step:  # Lightning's metrics and the monitor's: one row per step

@@ -240,6 +240,27 @@ class RunDir:
         if hydra is not None:
             atomic_write(self.path / HYDRA / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})))
 
+    def clean_temporaries(self) -> list[Path]:
+        """Remove the temporary files and directories a process killed mid-write left beside their targets (every
+        writer of lmlab writes `.<name>...tmp` next to the file it replaces); call with the lock held. A sharded
+        checkpoint caught between its two renames (`.last.ckpt.old` and no `last.ckpt`) gets its old name back."""
+        import shutil
+
+        found = []
+        for directory in (self.path, self.path / CHECKPOINTS):
+            if not directory.is_dir():
+                continue
+            for old in directory.glob(".*.old"):
+                target = old.with_name(old.name[1:].removesuffix(".old"))
+                if not target.exists():
+                    os.replace(old, target)
+                    continue
+                found.append(old)
+            found += [p for p in directory.glob(".*.tmp")] + [p for p in directory.glob("*.csv.tmp")]
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return found
+
     def clear(self) -> None:
         """Remove what an earlier run wrote (overwrite=true)."""
         import shutil
@@ -347,15 +368,20 @@ class RunLock:
 def atomic_checkpoint_io() -> Any:
     """Lightning's checkpoint writer, renaming a finished temporary file over the old checkpoint: Lightning's own
     truncates the file and then writes it, so a crash mid-save would lose the last good checkpoint."""
+    import torch
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.fabric.utilities.cloud_io import _atomic_save
 
     class AtomicCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Beside the target, not in $TMPDIR (Lightning's _atomic_save stages through fsspec's temporary file
+            # there, which a kill mid-save leaks); `RunDir.clean_temporaries` removes what a kill leaves here.
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            _atomic_save(checkpoint, tmp)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
 
     return AtomicCheckpointIO()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
         setup_env(cfg)
         mode = resume_mode(cfg)
         lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
+        if lock is not None:
+            run.clean_temporaries()  # what a killed writer left: ours now that we hold the lock
         try:
             return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop)
         finally:
@@ -328,6 +331,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     tokens_at_start = lit.tokens_seen
     try:
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
+        stop.record()
         if lit.divergence.status is not None:
             status = lit.divergence.status
         if status != "diverged" and (
@@ -335,12 +339,14 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
             trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
         trainer.save_checkpoint(run.last)  # a collective call: every rank, rank 0 writes
     except RunInterrupted:  # a signal: the checkpoint is saved at the step boundary
+        stop.record()
         status = "interrupted"
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit)
-        status = "interrupted"
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit(1))
+        stop.record()
+        status, stop.signum = "interrupted", int(signal.SIGINT)  # train.py exits 130, as for one Ctrl-C
         trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
-        raise
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
+        stop.record()
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         raise
     finally:

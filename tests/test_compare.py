@@ -136,3 +136,35 @@ def test_cli_two_seed_sweep_gives_one_row_per_variant(corpus: Path, tmp_path: Pa
         assert bests[0] != bests[1]  # the seeds really differ
     for png in ("train_loss.png", "val_loss.png", "grad_norm.png"):
         assert (sweep / "plots" / png).stat().st_size > 1000, png
+
+
+def test_malformed_summaries_are_flagged_and_the_rest_compared(tmp_path: Path) -> None:
+    """One bad summary.json (not an object, a number JSON can hold but a float cannot, no status, not JSON, a model
+    too large to rebuild) used to abort the whole comparison."""
+    import time
+
+    sweep = tmp_path / "sweep"
+    for placement, best in (("pre", 2.0), ("post", 2.5)):
+        _fake_run(sweep, [f"placement={placement}"], best=best, final=best + 0.1)
+    bad = {"a_string": '"completed"', "a_list": "[1, 2]", "huge": '{"status": "completed", "best_val_loss": 1' +
+           "0" * 400 + "}", "no_status": '{"steps": 3}', "not_json": '{"status": "comp', "huge_model": json.dumps(
+               {"status": "completed", "overrides": ["placement=deep"], "model": {
+                   "vocab_size": 65, "n_layer": 10**6, "d_model": 1024, "n_head": 8}})}
+    for name, text in bad.items():
+        run = sweep / name
+        run.mkdir()
+        (run / "summary.json").write_text(text)
+    started = time.monotonic()
+    rows, md = compare(sweep)
+    assert time.monotonic() - started < 60  # the huge model is not rebuilt
+    by_run = {r["run"]: r for r in rows}
+    assert by_run["placement=pre"]["status"] == "completed" and by_run["placement=pre"]["best_val_loss"] == 2.0
+    assert by_run["placement=post"]["best_val_loss"] == 2.5
+    reasons = {"a_string": "holds a str, not an object", "a_list": "holds a list", "no_status": "has no status",
+               "huge": "best_val_loss='1000", "not_json": "is not valid JSON"}
+    for name, reason in reasons.items():
+        assert by_run[name]["status"] == "malformed" and reason in by_run[name]["problem"], by_run[name]
+    assert by_run["huge_model"]["status"] == "completed" and by_run["huge_model"]["ffn_params"] is None
+    table = {r["run"]: r for r in _read(sweep / "compare.csv")}
+    assert table["no_status"]["status"] == "malformed" and table["no_status"]["problem"] == "summary.json has no status"
+    assert "malformed" in md and "placement=pre" in md

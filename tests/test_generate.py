@@ -3,6 +3,7 @@ position scheme and RoPE scaling, dynamic ones past the trained length included)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,6 @@ def test_generate_cli_streams_a_sample(corpus: Path, tmp_path: Path) -> None:
     assert again.stdout == res.stdout  # the seed decides the samples
     bad = cli(str(ROOT / "generate.py"), f"run={run}", "top_p=1.5", cwd=tmp_path)
     assert bad.returncode != 0 and "top_p=1.5" in bad.stderr
+    huge = cli(str(ROOT / "generate.py"), f"run={run}", "max_new_tokens=1000000000000", cwd=tmp_path, timeout=60)
+    assert huge.returncode != 0 and re.search(r"max_new_tokens=1000000000000 .*the KV cache needs ~\d+.* GiB .*room "
+                                              r"for ~\d+ tokens", huge.stderr), huge.stderr[-2000:]

@@ -207,3 +207,60 @@ def test_a_transformers_directory_is_studied_with_lmlabs_tools(corpus: Path, tmp
     assert summary["model"]["norm"]["name"] == "rms" and summary["model"]["ffn"]["name"] == "swiglu"
     assert summary["model"]["n_kv_head"] == 1
     assert summary["final_val_loss"] == pytest.approx(source["final_val_loss"], abs=1e-4)
+
+
+def _llama_dir(path: Path, **config) -> Path:
+    """A small transformers Llama saved with save_pretrained, and a tokenizer.json of its vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+                                             max_position_embeddings=32), **config})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    Tokenizer(models.WordLevel({chr(65 + i): i for i in range(64)}, unk_token="A")).save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_hf_import_refuses_missing_or_unexpected_tensors_by_name(corpus: Path, tmp_path: Path) -> None:
+    """transformers fills a tensor missing from the file with its random init (an import scored 4.411 where the
+    model's own loss is 4.405); lmlab refuses it, in eval.py hf= and train.py init_from=, naming the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from lmlab.interop.hf import load_hf_dir
+    from lmlab.training import train
+
+    good = _llama_dir(tmp_path / "good")
+    load_hf_dir(good)  # the control: the complete directory loads
+    for name, edit, found in (
+            ("missing", lambda sd: sd.pop("model.layers.0.mlp.up_proj.weight"),
+             r"missing: \['model\.layers\.0\.mlp\.up_proj\.weight'\]"),
+            ("unexpected", lambda sd: sd.update({"model.layers.0.extra.weight": torch.zeros(3)}),
+             r"unexpected: \['model\.layers\.0\.extra\.weight'\]")):
+        bad = _llama_dir(tmp_path / name)
+        sd = load_file(bad / "model.safetensors")
+        edit(sd)
+        save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=rf"{bad}: the weights do not match its config.json \({found}"):
+            load_hf_dir(bad)
+        with pytest.raises(ValueError, match=found):
+            train(compose(tiny(corpus, tmp_path / "cache", f"init_from={bad}")), tmp_path / f"run_{name}")
+        assert not (tmp_path / f"run_{name}" / "checkpoints").exists()
+
+
+def test_hf_import_refuses_a_config_too_large_for_the_machine_before_building(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from lmlab.interop.hf import load_hf_dir
+
+    path = _llama_dir(tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("head_dim", None)  # hidden_size / num_attention_heads
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 200000, "hidden_size": 4096,
+                                                  "intermediate_size": 11008, "num_attention_heads": 32,
+                                                  "num_key_value_heads": 32}))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"{path}/config.json: model.n_layer=200000 model.d_model=4096 .* B "
+                                         r"parameters and needs at least ~\d+\.\d GiB to build"):
+        load_hf_dir(path)
+    assert time.monotonic() - started < 30  # refused from the arithmetic, not after a build

@@ -91,9 +91,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child: bool = False
+def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child: bool = False, twice: bool = False
                    ) -> subprocess.CompletedProcess:
-    """Start train.py, send `signum` a random moment after training starts (to rank 1 with to_child), wait."""
+    """Start train.py, send `signum` a random moment after training starts (to rank 1 with to_child; `twice`: again
+    a moment later, as Ctrl-C pressed twice), wait."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -109,8 +110,14 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
             while not (run / "metrics.csv").exists():  # training has begun: rank 1's set-up time is not a clock
                 assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.02)
+        while twice and not (run / "metrics.csv").exists():  # the second Ctrl-C stops at once: inside training
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.02)
         time.sleep(random.uniform(0.1, 0.8) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
         os.kill(target, signum)
+        if twice:
+            time.sleep(0.01)
+            os.kill(target, signum)
         out, err = proc.communicate(timeout=300)  # no hang
     finally:
         if proc.poll() is None:
@@ -134,6 +141,24 @@ def test_sigterm_to_train_py_exits_non_zero_and_resumes_exactly(corpus: Path, tm
     res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert figures(run) == figures(straight), summary["steps"]
+
+
+def test_ctrl_c_pressed_twice_exits_130_and_resumes_to_one_row_per_step(corpus: Path, tmp_path: Path) -> None:
+    """The second Ctrl-C stops at once, mid-step: the run is `interrupted` with exit code 130 as for one Ctrl-C (it
+    was 1), and the resumed metrics.csv has each step once (a step read back as text was compared with an integer
+    and its row written twice)."""
+    args = tiny(corpus, tmp_path / "cache", "trainer.max_steps=600", "trainer.val_check_interval=200",
+                "monitor.every_n_steps=50", "monitor.attn_every_n_steps=100")
+    run = tmp_path / "run"
+    res = _interrupt_cli(args, run, tmp_path, signal.SIGINT, twice=True)
+    assert (run / "summary.json").is_file(), res.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert res.returncode == 130 and summary["status"] == "interrupted" and summary["signal"] == signal.SIGINT, \
+        res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [int(row["step"]) for row in figures(run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 599, summary["steps"]
 
 
 def test_a_signal_to_one_ddp_rank_stops_both_without_a_hang(corpus: Path, tmp_path: Path) -> None:

@@ -58,3 +58,19 @@ def test_resume_keeps_the_rows_before_the_resumed_step(tmp_path: Path) -> None:
     assert [int(r["step"]) for r in read] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert [float(r["loss"]) for r in read] == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 106.0, 107.0]
     assert read[0]["lr"] == "" and read[7]["lr"] == "0.5"
+
+
+def test_a_resumed_log_joins_the_row_of_a_step_read_back_from_the_file(tmp_path) -> None:
+    """Rows read back hold their step as text: the resumed run's figures for the last kept step join that row."""
+    first = MetricsCSV(tmp_path)
+    for step in range(5):
+        first.log_metrics({"train/loss": 5.0 - step}, step=step)
+    first.save()
+    resumed = MetricsCSV(tmp_path, resume_step=3)
+    resumed.log_metrics({"val/loss": 2.5}, step=2)  # a figure of step 2, logged after the resume
+    resumed.log_metrics({"train/loss": 2.0}, step=3)
+    resumed.save()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[2]["train/loss"] == "3.0" and rows[2]["val/loss"] == "2.5" and rows[3]["train/loss"] == "2.0"

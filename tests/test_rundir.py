@@ -227,3 +227,49 @@ def test_compare_lists_incomplete_runs(finished, tmp_path: Path) -> None:
     for name, status in (("done", "completed"), ("killed", "killed"), ("running", "running")):
         row = next(line for line in table.splitlines() if f"| {name} |" in line)
         assert f"| {status} |" in row, row
+
+
+SAVER = """
+import sys, torch
+from lmlab.rundir import atomic_checkpoint_io
+atomic_checkpoint_io().save_checkpoint({"w": torch.zeros(2**27)}, sys.argv[1])  # 512 MB: a kill lands mid-write
+"""
+
+
+def test_a_checkpoint_write_killed_midway_leaves_its_temporary_beside_it_and_the_next_start_removes_it(
+        tmp_path: Path) -> None:
+    """SIGKILL while last.ckpt is written: nothing in $TMPDIR (Lightning's writer staged through a temporary file
+    there, leaked at every kill), the old checkpoint intact, and the temporary gone once a run starts again."""
+    from lmlab.rundir import RunDir
+
+    run, tmpdir = tmp_path / "run", tmp_path / "tmpdir"
+    (run / "checkpoints").mkdir(parents=True)
+    tmpdir.mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"the previous checkpoint")
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(run / "checkpoints" / "last.ckpt")], env=env)
+    deadline = time.time() + 120
+    while not list((run / "checkpoints").glob(".last.ckpt.*.tmp")):
+        assert proc.poll() is None and time.time() < deadline, "the save ended before it could be killed"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert list(tmpdir.iterdir()) == []
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"the previous checkpoint"
+    (run / "checkpoints" / ".last.ckpt.old").mkdir()  # a sharded save killed between its two renames:
+    (run / "checkpoints" / ".best.ckpt.old").mkdir()  # best.ckpt/ was moved aside and not yet replaced
+    (run / ".summary.json.123.tmp").write_text("{")
+    (killed,) = (run / "checkpoints").glob(".last.ckpt.*.tmp")
+    removed = RunDir(run).clean_temporaries()
+    assert sorted(p.name for p in removed) == sorted([".last.ckpt.old", ".summary.json.123.tmp", killed.name])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"the previous checkpoint"
+
+
+def test_a_run_start_cleans_the_temporaries(finished, corpus: Path, tmp_path: Path) -> None:
+    src, cache = finished
+    run = copy_run(src, tmp_path / "run")
+    stale = run / "checkpoints" / ".last.ckpt.4242.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    summary = train(compose(tiny(corpus, cache, "trainer.max_steps=22")), run)  # continues the finished run
+    assert summary["status"] == "completed" and summary["steps"] == 22 and not stale.exists()

@@ -186,7 +186,19 @@ def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
     if not tokenizer.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json (lmlab reads fast tokenizers; save the tokenizer with "
                                 f"save_pretrained)")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from lmlab.memory import check_model_fits
+
+    # The size from config.json before transformers builds anything (num_hidden_layers=200000 would build for hours).
+    check_model_fits(lmlab_config(transformers.AutoConfig.from_pretrained(path)), what=f"{path}/config.json")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    # Strict: transformers fills a missing tensor with its random init and goes on (a score of a model that was never
+    # trained); an unexpected one is a checkpoint of another architecture than config.json says.
+    problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(problems.values()):
+        found = "; ".join(f"{k.replace('_keys', '')}: {v[:5]}{' ...' if len(v) > 5 else ''}"
+                          for k, v in problems.items() if v)
+        raise ValueError(f"{path}: the weights do not match its config.json ({found}); lmlab loads every tensor of "
+                         f"the architecture and nothing else (a missing one would be transformers' random init)")
     return from_hf(hf), tokenizer
 
 

@@ -2,7 +2,9 @@
 `placement` group (`x + F(N(x))`, `N(x + F(x))`, ... applied per sublayer).
 
 Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is
-built for (RoPE's rotated size, ALiBi's slopes), and `sublayers()`, the layer's modules in order, by attribute name.
+built for (RoPE's rotated size, ALiBi's slopes), `sublayers()`, the layer's modules in order, by attribute name, and
+`n_params()`, a layer's weights from the sizes alone (what a size bound reads before anything is built), and
+`cache_width`, the numbers a layer's KV cache holds per token (keys and values).
 A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens`
 (called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers
 (`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
@@ -29,6 +31,14 @@ class Transformer:
     def __init__(self, cfg: GPTConfig) -> None:
         self.cfg = cfg
         self.heads, self.head_dim = cfg.n_head, cfg.head_dim
+        self.cache_width = 2 * cfg.kv_heads * cfg.head_dim
+
+    def n_params(self) -> int:
+        """Fused QKV (n_head + 2·kv_heads heads of head_dim), the output projection, the FFN (its option's count)."""
+        cfg = self.cfg
+        qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
+        return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
     def sublayers(self) -> dict[str, nn.Module]:
         cfg = self.cfg
@@ -49,6 +59,11 @@ class GAUBlock:
         self.cfg, self.s, self.score = cfg, s, score
         self.e = max(1, round(expansion * cfg.d_model))
         self.heads, self.head_dim = 1, s
+        self.cache_width = s + self.e  # one head: keys of size s, values of size e
+
+    def n_params(self) -> int:
+        d, e, s = self.cfg.d_model, self.e, self.s
+        return d * (2 * e + s) + e * d + 4 * s + self.cfg.bias * (2 * e + s + d)
 
     def sublayers(self) -> dict[str, nn.Module]:
         cfg = self.cfg

@@ -1,0 +1,72 @@
+"""Size bounds from the config's arithmetic, before anything is built: the parameter estimate is a lower bound within
+1% of the built model's count for every block, FFN and attention; a model or a generation the machine cannot hold is
+refused in seconds with the estimate (a million layers took 6 minutes and 7.5 GB of meta-device objects to fail)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from lmlab import compose
+from lmlab.config import GPTConfig
+from lmlab.memory import GiB, check_generation_fits, check_model_fits, model_bytes
+from lmlab.model.block import BLOCKS
+from lmlab.model.ffn import FFNS
+from lmlab.model.gpt import GPT
+
+
+@pytest.mark.parametrize(("block", "ffn"), sorted(itertools.product(BLOCKS, FFNS)))
+@pytest.mark.parametrize(("bias", "tie", "attention"), [(False, True, "mha"), (True, False, "gqa"),
+                                                         (False, False, "mqa")])
+def test_the_parameter_estimate_is_a_lower_bound_within_one_percent(block: str, ffn: str, bias: bool, tie: bool,
+                                                                    attention: str) -> None:
+    cfg = GPTConfig(vocab_size=100, n_layer=3, d_model=64, n_head=4, n_kv_head=2, block={"name": block},
+                    ffn={"name": ffn}, bias=bias, tie_embeddings=tie, attention={"name": attention})
+    with torch.device("meta"):
+        built = GPT(cfg).num_params()
+    assert cfg.n_params_estimate <= built <= 1.01 * cfg.n_params_estimate  # norms and gains aside
+
+
+def test_cache_width_is_what_the_cache_holds(tiny_cfg) -> None:
+    from lmlab.model.cache import KVCache
+
+    for cfg in (tiny_cfg(attention={"name": "gqa"}, n_kv_head=2), tiny_cfg(block={"name": "gau", "s": 8})):
+        model, cache = GPT(cfg.validate()).eval(), KVCache(cfg.n_layer)
+        with torch.no_grad():
+            model(torch.zeros(2, 5, dtype=torch.long), cache=cache)
+        per_token = sum(t.numel() for layer in cache.layers for t in (layer.k, layer.v)) / (2 * 5)
+        assert per_token == cfg.n_layer * cfg.cache_width
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_training_in_seconds() -> None:
+    from lmlab.training import check_config
+
+    for overrides in (["model.n_layer=1000000"], ["model.n_layer=1000000", "model.d_model=8", "model.n_head=2"],
+                      ["model.d_model=2000000", "model.n_head=1"]):
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=r"model: model\.n_layer=\d+ model\.d_model=\d+ .*needs at least ~[\d.]+ "
+                                             r"GiB to build .*available memory is ~[\d.]+ GiB"):
+            check_config(compose(overrides))
+        assert time.monotonic() - started < 30, overrides
+
+
+def test_the_bounds_compare_the_estimate_with_free_memory(tiny_cfg, monkeypatch) -> None:
+    import lmlab.memory as memory
+
+    cfg = tiny_cfg()
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": model_bytes(cfg))
+    check_model_fits(cfg)  # exactly what is free: accepted
+    with pytest.raises(ValueError, match="needs at least"):
+        check_model_fits(cfg, bytes_per_param=16)
+    per_token = 2 * 4 * cfg.n_layer * 3 * cfg.cache_width
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": per_token * 100)
+    check_generation_fits(cfg, 10, 90, 3)
+    with pytest.raises(ValueError, match=r"max_new_tokens=91 .*room for ~100 tokens"):
+        check_generation_fits(cfg, 10, 91, 3)
+    alibi = tiny_cfg(position={"name": "alibi"})
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1 * GiB)
+    with pytest.raises(ValueError, match=r"the prompt \(20000 tokens, n=1\) with position=alibi"):
+        check_generation_fits(alibi, 20000, 1, 1)
