@@ -4,19 +4,37 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+# Path keys whose values Hydra's grammar rejects unquoted when they hold non-ASCII characters (`data.paths=[/d/é]`
+# gives LexerNoViableAltException); quoted for the user when they do, left as typed otherwise.
+UNICODE_PATH_KEYS = ("data.paths", "hf_data_paths", "hydra.run.dir", "hydra.sweep.dir", "data.cache_dir")
+
 
 def quote_paths(argv: Sequence[str], keys: Iterable[str]) -> list[str]:
     """Quote the values of path keys for Hydra's parser: Hydra names sweep jobs by their overrides, so run
     directories hold '=' and ',' (`multirun/.../experiment=x,position=rope`), which Hydra would otherwise read
-    as syntax. Values already quoted are left alone."""
+    as syntax. Values already quoted are left alone. The values (or list items) of UNICODE_PATH_KEYS that hold
+    non-ASCII characters are quoted too."""
     keys = set(keys)
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
         if eq and key in keys and value and value[0] not in "'\"":
             arg = f"{key}='{value}'"
+        elif eq and key.lstrip("+") in UNICODE_PATH_KEYS and not value.isascii():
+            arg = f"{key}={_quote_unicode(value)}"
         out.append(arg)
     return out
+
+
+def _quote_unicode(value: str) -> str:
+    """A path, or a [list, of, paths], with each non-ASCII item quoted (items already quoted are left alone)."""
+    def one(item: str) -> str:
+        item = item.strip()
+        return item if item.isascii() or item[:1] in ("'", '"') or "'" in item else f"'{item}'"
+
+    if value.startswith("[") and value.endswith("]"):
+        return "[" + ",".join(one(v) for v in value[1:-1].split(",")) + "]"
+    return one(value)
 
 
 def as_lists(argv: Sequence[str], keys: dict[str, str]) -> list[str]:

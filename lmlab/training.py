@@ -258,7 +258,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.data import build_datamodule
-    from lmlab.interrupt import RunInterrupted, requeue_on_slurm
+    from lmlab.interrupt import EXIT_CODES, RunInterrupted, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
     from lmlab.perf import Throughput, flops_per_token
@@ -327,7 +327,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                                      logger=tracking.loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
     stop.take_over(trainer)
 
-    start, status, error = time.time(), "completed", None
+    start, status, error, at_once = time.time(), "completed", None, False
     tokens_at_start = lit.tokens_seen
     try:
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
@@ -343,7 +343,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         status = "interrupted"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit(1))
         stop.record()
-        status, stop.signum = "interrupted", int(signal.SIGINT)  # train.py exits 130, as for one Ctrl-C
+        status, stop.signum, at_once = "interrupted", int(signal.SIGINT), True
         trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
         stop.record()
@@ -368,4 +368,6 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
               + (f"; {requeued}" if requeued else "")
               + f"\n  to continue: python train.py <the same overrides> hydra.run.dir={run.path}  (resume=auto)")
+    if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
+        raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
     return summary

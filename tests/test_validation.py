@@ -247,3 +247,21 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
         load_text_files(paths=[str(tmp_path)], cache_dir=tmp_path / "cache")
     msg = str(err.value)
     assert str(bad.resolve()) in msg and "not UTF-8 text" in msg and "good.txt" not in msg, msg
+
+
+def test_non_ascii_paths_are_quoted_for_hydras_parser() -> None:
+    """Hydra's grammar rejects `data.paths=[/d/é.txt]` unquoted (LexerNoViableAltException): train.py and eval.py
+    quote non-ASCII path values and list items; ASCII ones are passed as typed."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from lmlab.cli import quote_paths
+
+    parser = OverridesParser.create()
+    typed = ["data.paths=[/d/é.txt,/d/b.txt]", "hydra.run.dir=/runs/ü", "model.n_layer=2", "data.paths=[/a,/b]"]
+    with pytest.raises(OverrideParseException):
+        parser.parse_overrides(typed[:1])
+    quoted = quote_paths(typed, ())
+    assert quoted == ["data.paths=['/d/é.txt',/d/b.txt]", "hydra.run.dir='/runs/ü'", *typed[2:]]
+    parsed = parser.parse_overrides(quoted)
+    assert parsed[0].value() == ["/d/é.txt", "/d/b.txt"] and parsed[1].value() == "/runs/ü"
