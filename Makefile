@@ -11,9 +11,11 @@ install:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
+# units: no training run, no process started (a few minutes)
 test: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(ARGS)
 
+# everything: units, e2e (runs, processes, sweeps) and slow; what CI runs
 test-all: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" $(ARGS)
 

@@ -115,6 +115,7 @@ def test_seed_band_is_the_mean_and_sd_over_seeds_per_step() -> None:
     assert sd[:3] == pytest.approx([statistics.stdev([4.0, 5.0])] * 3) and sd[3] == 0.0  # one seed: no band
 
 
+@pytest.mark.e2e
 def test_cli_two_seed_sweep_gives_one_row_per_variant(corpus: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.val_"))]

@@ -8,7 +8,8 @@ from lmlab.consolidate import consolidate
 from lmlab.rundir import load_checkpoint
 from tests.runs import ROOT, cli, sharded_checkpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "assuming the intent is ... single process"
+# e2e: starts lmlab.consolidate; DCP warns "assuming the intent is ... single process"
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def test_an_existing_directory_as_out_is_refused_and_kept(tmp_path) -> None:

@@ -14,6 +14,8 @@ from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.training import train
 from tests.runs import tiny
 
+pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
+
 L = 32
 
 

@@ -78,6 +78,7 @@ def runs(corpus: Path, tmp_path_factory) -> dict[str, Path]:
     return {"one": one, "two": two, "base": base, "args": args}
 
 
+@pytest.mark.e2e
 def test_fsdp2_figures_equal_one_process_on_the_same_global_batch(runs) -> None:
     """Losses, global and per-layer gradient norms, parameter norms, update ratios, activations, attention maps and
     the probe's output change: each rank holds half of every parameter and gradient, the logged figures are the
@@ -94,6 +95,7 @@ def test_fsdp2_figures_equal_one_process_on_the_same_global_batch(runs) -> None:
         "peak_grad_norm"], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_fsdp2_checkpoint_is_sharded_and_consolidates_to_the_one_process_checkpoint(runs, tmp_path) -> None:
     """last.ckpt is a directory of one DCP shard per rank; `python -m lmlab.consolidate` makes the file a
     one-process run writes: the same weights and AdamW moments under the same keys, within fp32 rounding."""
@@ -117,6 +119,7 @@ def test_fsdp2_checkpoint_is_sharded_and_consolidates_to_the_one_process_checkpo
     assert mine["global_step"] == ref["global_step"] == 6
 
 
+@pytest.mark.e2e
 def test_eval_reads_the_sharded_run_and_its_consolidated_file(runs, tmp_path) -> None:
     """eval.py run= on the FSDP2 run (sharded, read in one process), and on a copy whose checkpoint is the
     consolidated file: the validation loss the run itself measured at its last step."""
@@ -143,6 +146,7 @@ ENTRY_POINTS = {  # every command that reads a sharded checkpoint: (arguments, w
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("genuine", [False, True], ids=["alone", "before_genuine"])
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_a_hostile_sharded_checkpoint_is_refused_by_every_entry_point(runs, tmp_path, entry: str,
@@ -194,6 +198,7 @@ def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
             assert b[step] == pytest.approx(a[step], rel=1e-5), (name, step)
 
 
+@pytest.mark.e2e
 def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
     from lmlab.training import train
 

@@ -119,6 +119,7 @@ def test_sampling_rules() -> None:
     assert torch.equal(a, sample(logits, generator=torch.Generator().manual_seed(5)))  # seeded: reproducible
 
 
+@pytest.mark.e2e
 def test_generate_cli_streams_a_sample(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=60", "trainer.val_check_interval=60")), run)

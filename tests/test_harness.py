@@ -23,6 +23,8 @@ from lmlab.interop.harness import run_harness  # noqa: E402
 from lmlab.training import train  # noqa: E402
 from tests.runs import ROOT, cli, tiny  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
+
 QUESTIONS = [
     {"question": "The king shall", "choices": ["speak.", "hear.", "sword"], "answer": 0},
     {"question": "Thou lord of the", "choices": ["night.", "day.", "queen"], "answer": 1},

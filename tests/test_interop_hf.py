@@ -159,6 +159,7 @@ def test_an_unrepresentable_hf_config_is_refused() -> None:
         lmlab_config(config)
 
 
+@pytest.mark.e2e
 def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path) -> None:
     """The default architecture (GPT-2-like: learned positions, LayerNorm, GELU MLP, no linear biases) trained a
     few steps, exported by eval.py, reloaded by transformers' Auto classes: same tokens, same logits."""
@@ -181,6 +182,7 @@ def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path)
     torch.testing.assert_close(_logits(hf, idx), _logits(load_model(run), idx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_a_transformers_directory_is_studied_with_lmlabs_tools(corpus: Path, tmp_path: Path) -> None:
     """eval.py hf=<dir> scores an exported model as eval.py run= scores its run; train.py init_from=<dir> takes its
     architecture and weights (with lr ~ 0, the val loss is the source's)."""
@@ -221,6 +223,7 @@ def _llama_dir(path: Path, **config) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_hf_import_refuses_missing_or_unexpected_tensors_by_name(corpus: Path, tmp_path: Path) -> None:
     """transformers fills a tensor missing from the file with its random init (an import scored 4.411 where the
     model's own loss is 4.405); lmlab refuses it, in eval.py hf= and train.py init_from=, naming the tensors."""

@@ -19,6 +19,8 @@ from lmlab import compose
 from lmlab.training import train
 from tests.runs import ROOT, cli, tiny
 
+pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
+
 
 def figures(run: Path) -> list[dict[str, str]]:
     """metrics.csv's rows as text, every column but `perf/` (wall-clock speed and memory: the machine's figures,

@@ -164,7 +164,9 @@ def test_lion_decoupled_weight_decay() -> None:
 # ---- schedules ----------------------------------------------------------------------------------------------
 
 
-END_VALUE = {"cosine": "min_lr_ratio", "linear": "min_lr_ratio", "wsd": "min_lr_ratio", "constant": 1.0}
+# The multiplier at max_steps of each schedule: a key of its YAML, a number, or a function of its YAML's values
+END_VALUE = {"cosine": "min_lr_ratio", "linear": "min_lr_ratio", "wsd": "min_lr_ratio", "constant": 1.0,
+             "inverse_sqrt": lambda p, max_steps: math.sqrt(p["warmup_steps"] / max_steps)}  # no end point: √(w/T)
 
 
 @pytest.mark.parametrize("warmup", [1, 10, 100])
@@ -191,10 +193,10 @@ def test_yaml_schedule_values(name: str) -> None:
     values = [fn(s, max_steps, **params) for s in range(max_steps + 1)]
     assert all(0 <= v <= 1 + 1e-12 for v in values)
     assert all(a >= b - 1e-12 for a, b in zip(values[warmup:], values[warmup + 1:]))  # never rises after warmup
-    end = END_VALUE.get(name)
-    if end is not None:
-        expected = params[end] if isinstance(end, str) else end
-        assert values[-1] == pytest.approx(expected, abs=1e-12)
+    assert set(END_VALUE) == set(SCHEDULES)  # a new schedule states where it ends
+    end = END_VALUE[name]
+    expected = params[end] if isinstance(end, str) else end(params, max_steps) if callable(end) else end
+    assert values[-1] == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize("min_ratio", [0.0, 0.1])

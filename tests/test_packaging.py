@@ -7,7 +7,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.runs import ROOT
+
+pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
 
 
 def test_a_wheel_ships_the_configs_and_compose_works_from_it(tmp_path: Path) -> None:

@@ -118,8 +118,8 @@ EXPECTED_FINAL_NORM = {"pre": True, "post": False, "double": True, "post_nonres"
 @pytest.mark.parametrize("name", sorted(PLACEMENTS))
 def test_final_norm_flag(name: str) -> None:
     """Placements whose blocks end with a norm (post, deepnorm) need no final norm; the others do."""
-    assert PLACEMENTS[name].final_norm is EXPECTED_FINAL_NORM.get(name, PLACEMENTS[name].final_norm)
-    assert set(EXPECTED_FINAL_NORM) <= set(PLACEMENTS)
+    assert set(EXPECTED_FINAL_NORM) == set(PLACEMENTS)  # a new placement states its expectation here
+    assert PLACEMENTS[name].final_norm is EXPECTED_FINAL_NORM[name]
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

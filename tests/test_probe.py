@@ -105,6 +105,7 @@ def test_which_models_see_the_same_thing_everywhere(position: str, score: str, b
     assert (spread < 1e-5) == blind, spread
 
 
+@pytest.mark.e2e
 def test_a_short_probe_run_leaves_its_metrics(tmp_path: Path) -> None:
     run = tmp_path / "run"
     overrides = ["experiment=position_probe", "position=learned", "model.max_seq_len=16", "trainer.max_steps=30",

@@ -20,6 +20,8 @@ from lmlab.rundir import CheckpointError, RunDirBusy, RunLock, load_checkpoint
 from lmlab.training import train
 from tests.runs import ROOT, cli, metric, tiny
 
+pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
+
 
 def snapshot(run: Path) -> dict[str, str]:
     """sha256 of every file under the run directory."""

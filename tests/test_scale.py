@@ -26,6 +26,7 @@ def sbatch_flags(script: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script, flags=re.M))
 
 
+@pytest.mark.e2e
 def test_slurm_dry_run_prints_the_sbatch_script_for_4_nodes_of_8_gpus(tmp_path: Path) -> None:
     out = dry_run(tmp_path, "trainer=ddp", "trainer.num_nodes=4", "trainer.devices=8", "model=gpt2_124m",
                   "hydra.launcher.timeout_min=600", "hydra.launcher.partition=gpu")
@@ -44,6 +45,7 @@ def test_slurm_dry_run_prints_the_sbatch_script_for_4_nodes_of_8_gpus(tmp_path: 
     assert not list(tmp_path.rglob("summary.json"))
 
 
+@pytest.mark.e2e
 def test_slurm_dry_run_of_a_sweep_is_one_job_array(tmp_path: Path) -> None:
     out = dry_run(tmp_path, "trainer.devices=2", "seed=1,2,3", "hydra.launcher.signal_delay_s=300")
     flags = sbatch_flags(out)
@@ -52,6 +54,7 @@ def test_slurm_dry_run_of_a_sweep_is_one_job_array(tmp_path: Path) -> None:
     assert "array task 2: trainer.devices=2 seed=3" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("overrides", "key"), [
     (["trainer=ddp"], "trainer.devices='auto'"),  # ddp's default: auto is not a number of tasks
     (["trainer.devices=2", "trainer.num_nodes=0"], "trainer.num_nodes=0"),
@@ -138,6 +141,7 @@ def test_presets_build_and_run_at_a_small_depth(model: str) -> None:
     assert model_(torch.randint(0, 64, (1, 16))).shape == (1, 16, 64)
 
 
+@pytest.mark.e2e
 def test_torchrun_gives_the_losses_of_lightnings_own_ddp_launcher(corpus: Path, tmp_path: Path) -> None:
     """torchrun starts the ranks (Lightning's TorchElasticEnvironment reads RANK / LOCAL_RANK / WORLD_SIZE);
     the same run through Lightning's own launcher (trainer.devices=2) logs the same per-step losses."""

@@ -65,6 +65,7 @@ def test_the_search_config_searches_lr_and_warmup_in_the_sweep_dir() -> None:
     assert cfg.optim.lr == 3e-3  # nothing else changes: a single run with it trains the defaults
 
 
+@pytest.mark.e2e
 def test_optuna_search_runs_end_to_end_and_bad_trials_are_the_worst(corpus: Path, tmp_path: Path) -> None:
     """3 trials through the real CLI, the learning rate a choice of a diverging 1e3, a sane 3e-3 and an invalid
     'abc' (that job raises before training): the diverged and the failed trial are complete trials with the value
@@ -97,12 +98,14 @@ def test_optuna_search_runs_end_to_end_and_bad_trials_are_the_worst(corpus: Path
     assert len(_study(sweep).trials) == 4
 
 
+@pytest.mark.e2e
 def test_a_single_run_that_raises_still_raises(tmp_path: Path) -> None:
     res = cli(str(ROOT / "train.py"), "model.n_head=3", "model.d_model=32", "logger=none",
               f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert res.returncode != 0 and "n_head=3" in res.stderr, res.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_lr_sweep_marks_each_architectures_best_lr(corpus: Path, tmp_path: Path) -> None:
     """experiment=lr_sweep is a grid of architectures x learning rates; compare's best_lr column stars, for each
     architecture, the lr with the lowest best val loss (a diverged run never: its objective is +inf)."""

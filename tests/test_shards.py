@@ -235,6 +235,7 @@ def test_fingerprint_is_of_the_bytes(tmp_path: Path) -> None:
     assert source.fingerprint == h.hexdigest()
 
 
+@pytest.mark.e2e  # generates a corpus and prepares it in 1 and 2 processes
 def test_the_data_benchmark_reports_speed_memory_and_the_targets(tmp_path: Path) -> None:
     from lmlab.bench.data import main, parse_size, tree_rss
 

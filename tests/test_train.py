@@ -14,6 +14,7 @@ from tests.runs import ROOT, CtrlC, metric, tiny
 from tests.runs import cli as _cli
 
 
+@pytest.mark.e2e
 def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     summary = train(compose(tiny(corpus, tmp_path / "cache")), run, overrides=["model.n_layer=2"])
@@ -42,6 +43,7 @@ def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
     assert len(steps) == len(set(steps))  # one row per step
 
 
+@pytest.mark.e2e
 def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     straight = tmp_path / "straight"
@@ -64,6 +66,7 @@ def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
     assert summary["steps"] == 40 and sorted(metric(resumed, "train/loss")) == list(range(40))
 
 
+@pytest.mark.e2e
 def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     summary = train(compose(tiny(corpus, tmp_path / "cache", "optim.lr=1e3", "optim.grad_clip=0")), run)
@@ -74,6 +77,7 @@ def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> Non
     assert (run / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.e2e
 def test_cli_train_then_eval(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "cli_run"
     res = _cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"), f"hydra.run.dir={run}", cwd=tmp_path)
@@ -93,6 +97,7 @@ def test_cli_train_then_eval(corpus: Path, tmp_path: Path) -> None:
     assert [(r["length"], r["rope_scaling"]) for r in rows] == [(16, "none"), (32, "none")]
 
 
+@pytest.mark.e2e
 def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith("trainer.max_steps")]
@@ -115,6 +120,7 @@ def test_multirun_goes_on_after_a_diverging_job(corpus: Path, tmp_path: Path) ->
     assert (job / "eval" / "eval.md").exists()
 
 
+@pytest.mark.e2e
 def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tmp_path: Path) -> None:
     """2 CPU ranks x batch 4 (gloo) against 1 process x batch 8: the same global batch, the same figures."""
     common = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "data.batch"))]
@@ -137,6 +143,7 @@ def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tm
             assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), (name, step)
 
 
+@pytest.mark.e2e
 def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2")), run)
@@ -144,6 +151,7 @@ def test_resume_refuses_another_architecture(corpus: Path, tmp_path: Path) -> No
         train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=4", "norm=rms", "resume=true")), run)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_optimizer_steps_on_clipped_gradients(corpus: Path, tmp_path: Path, monkeypatch, precision: str) -> None:
     """fp32 and bf16-mixed (CPU autocast) with the default fused AdamW, which Lightning's bf16 plugin refuses to
@@ -191,6 +199,7 @@ def test_fp16_loss_scaling_gets_the_unfused_optimizer(scaler) -> None:
     assert bool(lit.configure_optimizers()["optimizer"].defaults["fused"]) == (scaler is None)
 
 
+@pytest.mark.e2e
 def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: Path) -> None:
     """Training by steps leaves Lightning's max_epochs at -1; its Rich bar said 'Epoch 0/-2'."""
     from lightning.pytorch.callbacks import ProgressBar

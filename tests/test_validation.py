@@ -161,6 +161,7 @@ def test_warmup_longer_than_the_run_warns_naming_both_keys() -> None:
     (["threads=0"], "threads=0 must be an integer >= 1 or null"),
     (["threads=abc"], "threads='abc' must be an integer >= 1 or null"),
 ])
+@pytest.mark.e2e
 def test_eval_cli_refuses_bad_arguments_before_loading_the_run(args: list[str], message: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "eval.py", f"run={tmp_path / 'no_such_run'}", *args], cwd=ROOT,

@@ -58,6 +58,7 @@ def steps_of(run: dict, name: str) -> list[int]:
 
 # --- end to end -------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_an_in_process_sweep_gives_one_wandb_run_per_job(corpus: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     res = cli(str(ROOT / "train.py"), "-m", *wandb_tiny(corpus, tmp_path / "cache"), "seed=1,2",
@@ -106,6 +107,7 @@ def test_a_submitit_sweep_gives_one_wandb_run_per_job(corpus: Path, tmp_path: Pa
     assert all(r[0]["summary"]["status"] == "completed" for r in runs)
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_continues_its_wandb_run(corpus: Path, tmp_path: Path) -> None:
     cache, run = tmp_path / "cache", tmp_path / "run"
     args = [a for a in wandb_tiny(corpus, cache) if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=10"]
@@ -125,6 +127,7 @@ def test_a_resumed_run_continues_its_wandb_run(corpus: Path, tmp_path: Path) -> 
     assert fresh["run_id"] != first["run_id"] and steps_of(fresh, "train/loss") == list(range(10))
 
 
+@pytest.mark.e2e
 def test_a_diverged_run_says_so_in_wandb(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [a for a in wandb_tiny(corpus, tmp_path / "cache") if not a.startswith("trainer.max_steps")]
@@ -138,6 +141,7 @@ def test_a_diverged_run_says_so_in_wandb(corpus: Path, tmp_path: Path) -> None:
     assert w["state"] == "finished"  # a result, not a crash
 
 
+@pytest.mark.e2e
 def test_eval_joins_its_training_runs_group(corpus: Path, tmp_path: Path) -> None:
     from lmlab.evaluate import evaluate
 
@@ -192,6 +196,7 @@ def test_studies_log_like_any_run() -> None:
         assert "wandb" in (cfg.logger or {}), path.stem
 
 
+@pytest.mark.e2e
 def test_live_throughput_at_every_logging_step(corpus: Path, tmp_path: Path) -> None:
     from lmlab.perf import FLOPS_FORMULA, flops_per_token
 

@@ -1,0 +1,73 @@
+"""Golden files: what the default corpus tokenizes to and what a tiny run on it logs, pinned so a silent change to
+the data pipeline or the training numbers fails a test (torchtitan's tests/assets/losses/ is the model).
+
+    python -m tests.golden.regenerate        # rewrite tests/golden/*.json on purpose (say why in the commit)
+
+`tests/test_golden.py` computes the same figures with the same functions and compares them with the files.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TOKENS, LOSSES = HERE / "tokens.json", HERE / "losses.json"
+# The tiny run: the default `python train.py` (model=tiny, data=shakespeare, char tokens) cut to 50 steps, one thread
+RUN = ["trainer.max_steps=50", "trainer.val_check_interval=25", "trainer.log_every_n_steps=1", "logger=none",
+       "threads=1", "trainer.enable_progress_bar=false"]
+DIGITS = 6  # the losses are pinned to this many decimals
+
+
+def _sha256(tokens: Any) -> str:
+    return hashlib.sha256(np.asarray(tokens).astype("<u4").tobytes()).hexdigest()
+
+
+def token_hashes() -> dict[str, Any]:
+    """For the default corpus with `data.tokenizer=char` and `=bpe`: the vocabulary size, the number of train and
+    val tokens and the sha256 of each stream's ids (as little-endian uint32), and of the tokenizer."""
+    from omegaconf import OmegaConf
+
+    from lmlab import compose
+    from lmlab.data import TextDataModule
+
+    out = {}
+    for tokenizer in ("char", "bpe"):
+        cfg = compose([f"data.tokenizer={tokenizer}"])
+        dm = TextDataModule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                            seed=cfg.seed)
+        dm.setup("fit")
+        out[tokenizer] = {"vocab_size": dm.vocab_size, "train_tokens": len(dm.train_tokens),
+                          "val_tokens": len(dm.val_tokens), "train_sha256": _sha256(dm.train_tokens),
+                          "val_sha256": _sha256(dm.val_tokens), "tokenizer_sha256": dm.tokenizer_sha256}
+    return out
+
+
+def tiny_run_losses() -> dict[str, Any]:
+    """train/loss at each of the first 50 steps and val/loss at each validation of the tiny run (RUN)."""
+    from lmlab import compose
+    from lmlab.training import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train(compose(RUN), Path(tmp) / "run")
+        with open(Path(tmp) / "run" / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+    pick = {name: {r["step"]: round(float(r[name]), DIGITS) for r in rows if r.get(name)}
+            for name in ("train/loss", "val/loss")}
+    return {"overrides": RUN, **pick}
+
+
+def main() -> None:
+    TOKENS.write_text(json.dumps(token_hashes(), indent=1) + "\n")
+    LOSSES.write_text(json.dumps(tiny_run_losses(), indent=1) + "\n")
+    print(f"wrote {TOKENS} and {LOSSES}")
+
+
+if __name__ == "__main__":
+    main()
