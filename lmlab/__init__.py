@@ -71,7 +71,7 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
     """The GPT `train.py` would build for `cfg`. The vocabulary size comes from `vocab_size`, else
     `cfg.model.vocab_size`, else the configured tokenizer (which loads the corpus, cached after the first time)."""
     from lmlab.config import arch_config
-    from lmlab.model.gpt import GPT
+    from lmlab.model.gpt import GPT, validate
 
     if vocab_size is None and cfg.model.get("vocab_size") is None:
         from omegaconf import OmegaConf
@@ -85,7 +85,7 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
         data.prepare_data()
         data.setup("fit")
         vocab_size = data.vocab_size
-    return GPT(arch_config(cfg, vocab_size=vocab_size).validate())
+    return GPT(validate(arch_config(cfg, vocab_size=vocab_size)))
 
 
 __all__ = ["compose", "build_model"]

@@ -1,9 +1,12 @@
-"""GPTConfig: the sizes and one spec per architecture axis, with every derived size worked out once.
+"""GPTConfig: the sizes and one spec per architecture axis, plus the sizes derived from them, declared and saved.
 
 `arch_config(cfg)` gathers the flat Hydra groups (`cfg.model`, `cfg.norm`, `cfg.placement`, ...) into one
 GPTConfig; that plain dict is what checkpoints and summaries store, so a run can be rebuilt without `conf/`.
-`validate()` resolves every name and key and builds the model on the meta device, so bad input fails before
-any data is loaded or any step is taken.
+The derived sizes (`DERIVED`: head size, key/value heads, the FFN's width, the attention geometry the position
+scheme is built for, the KV cache's width) depend on the options' own rules, so `lmlab.model.resolve` works them out
+once, from the option registries; they are then fields like any other, saved with the record and read back as they
+are. This module sits below the model and imports none of it; `lmlab.model.gpt.validate` resolves a config and
+builds the model on the meta device, so bad input fails before any data is loaded or any step is taken.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from lmlab.registry import PositiveFloat, PositiveInt, Range, build, check_value, check_values, option_params
+from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
 
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
@@ -23,6 +26,8 @@ COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not 
 # option's own keys.
 # `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).
 FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt, "hidden": PositiveInt | None}
+# The derived sizes (lmlab.model.resolve fills them; None in a record written before December 2026: worked out then)
+DERIVED = ("head_dim", "kv_heads", "ffn_hidden", "attn_heads", "attn_head_dim", "cache_width")
 
 
 @dataclass
@@ -48,15 +53,20 @@ class GPTConfig:
     rope_scaling: dict = field(default_factory=lambda: {"name": "none"})
     attention: dict = field(default_factory=lambda: {"name": "mha"})
     init: dict = field(default_factory=lambda: {"name": "gpt2"})
+    # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
+    head_dim: int | None = None  # d_model / n_head
+    kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)
+    ffn_hidden: int | None = None  # the FFN's width, matched to the MLP's parameter count (lmlab.model.ffn)
+    attn_heads: int | None = None  # the attention geometry the position scheme is built for: the block's heads
+    attn_head_dim: int | None = None  # ... and their size (one head of key size s for GAU)
+    cache_width: int | None = None  # numbers a layer's KV cache holds per token
 
     def __post_init__(self) -> None:
-        from lmlab.model.attention import ATTENTIONS
-        from lmlab.model.block import BLOCKS
-        from lmlab.model.ffn import FFNS, matched_hidden
-
         types = _field_types()
         for f in dataclasses.fields(self):  # the sizes are `model.<key>`; the groups are named by themselves
-            check_value(f.name if f.name in ARCH_GROUPS else f"model.{f.name}", getattr(self, f.name), types[f.name])
+            if f.name not in DERIVED:
+                check_value(f.name if f.name in ARCH_GROUPS else f"model.{f.name}", getattr(self, f.name),
+                            types[f.name])
         for group in ARCH_GROUPS:  # plain dicts, whatever mapping type came in (OmegaConf, a dataclass field, ...)
             setattr(self, group, dict(getattr(self, group)))
         if self.train_len is None:
@@ -64,49 +74,19 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                              f"choose n_head among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}")
-        self.head_dim = self.d_model // self.n_head
 
-        attn_name, _ = option_params("attention", ATTENTIONS, self.attention)
-        self.kv_heads = ATTENTIONS[attn_name].kv_heads(self.n_head, self.n_kv_head)
-        if self.kv_heads < 1 or self.n_head % self.kv_heads:
-            divisors = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
-            raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head} (attention="
-                             f"{attn_name}); choose among {divisors}")
+    @property
+    def ffn_spec(self) -> dict[str, Any]:
+        """The ffn group as its option takes it: without the sizing keys (FFN_SIZES), which give `ffn_hidden`."""
+        return {k: v for k, v in self.ffn.items() if k not in FFN_SIZES}
 
-        # The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to
-        # the MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it.
-        check_values("ffn.", self.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
-        self.ffn_spec = {k: v for k, v in self.ffn.items() if k not in FFN_SIZES}
-        ffn_name, _ = option_params("ffn", FFNS, self.ffn_spec)
-        multiple_of = self.ffn.get("multiple_of", 64)
-        mlp_hidden = max(multiple_of, multiple_of * round(self.ffn.get("hidden_mult", 4) * self.d_model / multiple_of))
-        self.ffn_hidden = self.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], self.d_model, mlp_hidden,
-                                                                    self.bias, multiple_of)
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, name) is not None for name in DERIVED)
 
-        # The attention geometry the position scheme is built for: (n_head, head_dim), or one head of GAU's key size.
-        kind = build("block", BLOCKS, self.block, self)
-        self.attn_heads, self.attn_head_dim, self.cache_width = kind.heads, kind.head_dim, kind.cache_width
-        # Weights from the sizes alone (the blocks' and the embeddings'; norms, gains and position tables aside): what
-        # the size bound reads before a model is built, even on the meta device (lmlab.memory.check_model_fits).
-        self.n_params_estimate = kind.n_params() * self.n_layer + self.vocab_size * self.d_model * (
-            1 if self.tie_embeddings else 2)
-
-    def validate(self) -> GPTConfig:
-        """Resolve every option and build the model on the meta device; raise ValueError naming the bad key."""
-        import torch
-
-        from lmlab.memory import check_model_fits
-        from lmlab.model.gpt import GPT
-        from lmlab.model.position import POSITIONS
-
-        pos_name, _ = option_params("position", POSITIONS, self.position)
-        if self.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
-            raise ValueError(f"rope_scaling={self.rope_scaling['name']!r} needs position=rope (got position="
-                             f"{pos_name!r}); use rope_scaling=none with this scheme")
-        check_model_fits(self)  # before the meta build, which itself holds tens of kB of Python objects per layer
-        with torch.device("meta"):
-            GPT(self)
-        return self
+    def inputs(self) -> dict[str, Any]:
+        """The record without its derived sizes: what a user chose (compared on resume and init_from)."""
+        return {k: v for k, v in self.to_dict().items() if k not in DERIVED}
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -127,7 +107,7 @@ def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None) -> GPTCon
         sizes["vocab_size"] = vocab_size
     if sizes.get("vocab_size") is None:
         raise ValueError("model.vocab_size is unknown: it comes from the tokenizer (pass vocab_size=...)")
-    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS)
+    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED)  # derived: not set
     if unknown := sorted(sizes.keys() - known):
         raise ValueError(f"model does not take {unknown}; it takes {sorted(known)}")
     return GPTConfig(**sizes, **{g: plain[g] for g in ARCH_GROUPS if g in plain})

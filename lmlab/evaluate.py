@@ -18,45 +18,18 @@ import torch.nn.functional as F
 
 from lmlab.config import GPTConfig
 from lmlab.memory import check_attention_fits
-from lmlab.model.gpt import GPT
+from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
-from lmlab.rundir import RunDir, atomic_write, dumps, load_checkpoint, model_config
+from lmlab.rundir import RunDir, atomic_write, dumps, load_model, load_run  # noqa: F401  (load_model: public here)
 
 COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
 
 
 class RunRefused(ValueError):
     """An evaluation that would be meaningless (beyond a scheme's reach), refused with the reason."""
-
-
-def load_run(run_dir: str | Path, what: str = "run") -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model config dict, state dict, composed run config) of a run directory; `what` names the key it came from."""
-    run = RunDir(run_dir)
-    if not run.path.is_dir():
-        raise FileNotFoundError(f"{what}={run.path}: no such run directory")
-    if not run.last.exists():
-        raise FileNotFoundError(f"{what}={run.path}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
-    state = load_checkpoint(run.last, f"{what}={run.path}")
-    model_cfg = model_config(state)
-    weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    summary = run.read_summary()
-    if summary is not None and summary.get("config"):  # the resolved config, written by every run (CLI or library)
-        run_cfg = summary["config"]
-    else:  # a run that is still going, or was killed
-        from omegaconf import OmegaConf
-
-        run_cfg = OmegaConf.to_container(OmegaConf.load(run.path / ".hydra" / "config.yaml"), resolve=False)
-    return model_cfg, weights, run_cfg
-
-
-def load_model(run_dir: str | Path, what: str = "run") -> GPT:
-    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True), in eval mode."""
-    model_cfg, weights, _ = load_run(run_dir, what)
-    model = GPT(GPTConfig(**model_cfg).validate())
-    model.load_state_dict(weights)
-    return model.eval()
 
 
 def run_note(run_dir: str | Path) -> tuple[str, str | None]:
@@ -97,7 +70,7 @@ def extension_model(model_cfg: dict[str, Any], weights: dict[str, torch.Tensor],
         cfg["rope_scaling"] = dict(scaling)
     if not POSITIONS[cfg["position"]["name"]].table_bound:  # a learned table keeps its size
         cfg["max_seq_len"] = length
-    model = GPT(GPTConfig(**cfg).validate())
+    model = GPT(validate(GPTConfig(**cfg)))
     model.load_state_dict(weights)
     return model.eval()
 
@@ -180,7 +153,8 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     for s in scalings or []:
         scaling_spec(s)  # raises naming the choices
     run_dir = Path(run_dir)
-    model_cfg, weights, run_cfg = load_run(run_dir)
+    saved = load_run(run_dir)
+    model_cfg, weights, run_cfg = saved.model, saved.weights, saved.config
     run_status, note = run_note(run_dir)
     trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]
     position = model_cfg["position"]["name"]
@@ -192,7 +166,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     for length in lengths:  # refuse before computing anything
         for s in scalings:
             check_reach(position, s, length, trained, allow_extrapolation)
-        check_attention_fits(f"length {length}", position, model_cfg["n_head"], length,
+        check_attention_fits(f"length {length}", position, resolve(GPTConfig(**model_cfg)).attn_heads, length,
                              min(batch_size, max_windows or batch_size))
 
     dm = run_data(run_dir, run_cfg, seq_len=trained)

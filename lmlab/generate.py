@@ -16,7 +16,8 @@ import torch
 from lmlab.memory import check_generation_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.gpt import GPT
-from lmlab.registry import NonNegativeFloat, PositiveInt, Range
+from lmlab.registry import NonNegativeFloat, PositiveInt, Range, check_values, parameter_types
+from lmlab.rundir import RunDir, load_model
 
 
 def sample(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -73,8 +74,6 @@ def generate_text(run: str, prompt: str, *, max_new_tokens: PositiveInt = 200, t
     is written to `stream` token by token as it is drawn. Returns the texts, prompt included."""
     from tokenizers import Tokenizer
 
-    from lmlab.evaluate import load_model
-    from lmlab.rundir import RunDir
 
     run_dir = RunDir(run)
     model = load_model(run_dir.path, what="run")
@@ -109,7 +108,6 @@ def run_generate(cfg: Any) -> None:
     """generate.py: check the arguments by type and range before anything is loaded, then stream a sample."""
     import sys
 
-    from lmlab.registry import check_values, parameter_types
 
     if not cfg.run:
         raise SystemExit("generate.py needs run=<run dir>")

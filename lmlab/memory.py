@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lmlab.config import GPTConfig
+from lmlab.config import GPTConfig
+from lmlab.model.resolve import n_params_estimate
 
 GiB = 2**30
 # Python objects of one layer's modules, parameters and hooks, whatever its width (measured with tracemalloc on the
@@ -66,7 +65,7 @@ def check_attention_fits(what: str, position: str, n_head: int, length: int, bat
 def model_bytes(cfg: GPTConfig, bytes_per_param: int = 4) -> int:
     """What building `cfg`'s model takes at least: its weights at `bytes_per_param` (4: fp32; training adds the
     gradients and the optimizer's state) and the Python objects of its layers. From the config's arithmetic only."""
-    return cfg.n_params_estimate * bytes_per_param + cfg.n_layer * LAYER_OBJECT_BYTES
+    return n_params_estimate(cfg) * bytes_per_param + cfg.n_layer * LAYER_OBJECT_BYTES
 
 
 def check_model_fits(cfg: GPTConfig, what: str = "model", bytes_per_param: int = 4, device: str = "cpu") -> None:
@@ -76,7 +75,7 @@ def check_model_fits(cfg: GPTConfig, what: str = "model", bytes_per_param: int =
     if need > (free := available_bytes(device)):
         raise ValueError(
             f"{what}: model.n_layer={cfg.n_layer} model.d_model={cfg.d_model} (vocab {cfg.vocab_size}) has about "
-            f"{cfg.n_params_estimate / 1e9:.3g} B parameters and needs at least ~{need / GiB:.1f} GiB to build "
+            f"{n_params_estimate(cfg) / 1e9:.3g} B parameters and needs at least ~{need / GiB:.1f} GiB to build "
             f"({bytes_per_param} bytes per parameter, plus ~{LAYER_OBJECT_BYTES // 1024} kB per layer); available "
             f"memory is ~{free / GiB:.1f} GiB ({device}). Use fewer or narrower layers"
         )

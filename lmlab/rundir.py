@@ -28,6 +28,7 @@ import pickle
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,19 +153,73 @@ def _load_sharded(path: Path, what: str, weights: bool) -> dict[str, Any]:
 def model_config(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's model config, with the FFN width its weights have.
 
-    Checkpoints store the config, not the derived hidden size; lmlab sized GLU FFNs by another rule before
-    December 2026 (hidden_mult · 2/3 rounded to multiple_of, not matched to the MLP within 1%), so the width is
-    read from the weights when it differs from today's rule and pinned as `ffn.hidden`: such runs still load.
+    Records saved since December 2026 hold their derived sizes (`lmlab.config.DERIVED`) and are returned as they are:
+    the model is rebuilt with the width they declare (`lmlab.model.resolve` refuses options that disagree with it).
+    Older records hold the config only; lmlab sized GLU FFNs by another rule before December 2026 (hidden_mult · 2/3
+    rounded to multiple_of, not matched to the MLP within 1%), so for them the width is read from the weights when
+    it differs from today's rule and pinned as `ffn.hidden`: such runs still load.
     """
     cfg = dict(state["hyper_parameters"]["model"])
     ffn = dict(cfg.get("ffn") or {})
+    if cfg.get("ffn_hidden") is not None:
+        return cfg
     proj = (state.get("state_dict") or {}).get("model.h.0.mlp.c_proj.weight")
     if ffn.get("hidden") is None and proj is not None and getattr(proj, "ndim", 0) == 2:
         from lmlab.config import GPTConfig
+        from lmlab.model.resolve import resolve
 
-        if GPTConfig(**cfg).ffn_hidden != proj.shape[1]:
+        if resolve(GPTConfig(**cfg)).ffn_hidden != proj.shape[1]:
             cfg["ffn"] = {**ffn, "hidden": int(proj.shape[1])}
     return cfg
+
+
+@dataclass
+class SavedRun:
+    """A run directory read back: the model config as saved, its weights, the step they are of, the run's composed
+    config and its tokenizer. What evaluation, generation, export, the harness and `init_from=` build on."""
+
+    path: Path
+    model: dict[str, Any]  # the GPTConfig record (lmlab.config), widths as the weights have them (model_config)
+    weights: dict[str, Any]  # the GPT's state dict (the Lightning module's `model.` prefix removed)
+    step: int
+    config: dict[str, Any]  # the composed config it ran with (summary.json's, or .hydra/config.yaml's)
+    tokenizer: Path
+
+    def build(self) -> Any:
+        """The run's GPT with its weights, in eval mode."""
+        from lmlab.config import GPTConfig  # here, not at the top: reading records needs no torch model code
+        from lmlab.model.gpt import GPT, validate
+
+        model = GPT(validate(GPTConfig(**self.model)))
+        model.load_state_dict(self.weights)
+        return model.eval()
+
+
+def load_run(run_dir: str | Path, what: str = "run") -> SavedRun:
+    """Read a run directory back (its last checkpoint with weights_only=True); `what` names the key it came from."""
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise FileNotFoundError(f"{what}={run.path}: no such run directory")
+    if not run.last.exists():
+        raise FileNotFoundError(f"{what}={run.path}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
+    state = load_checkpoint(run.last, f"{what}={run.path}")
+    weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    summary = run.read_summary()
+    if isinstance(summary, dict) and summary.get("config"):  # the resolved config, written by every run
+        config = summary["config"]
+    elif (run.path / HYDRA / "config.yaml").is_file():  # a run that is still going, or was killed
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.load(run.path / HYDRA / "config.yaml"), resolve=False)
+    else:  # a checkpoint alone (copied without its records): its weights and model config are all there is
+        config = {}
+    return SavedRun(path=run.path, model=model_config(state), weights=weights, step=int(state.get("global_step", 0)),
+                    config=config, tokenizer=run.tokenizer)
+
+
+def load_model(run_dir: str | Path, what: str = "run") -> Any:
+    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True), in eval mode."""
+    return load_run(run_dir, what).build()
 
 
 class RunDir:

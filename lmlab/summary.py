@@ -11,6 +11,7 @@ from typing import Any
 from lmlab.rundir import RunDir
 
 STATUSES = ("completed", "diverged", "collapsed", "interrupted", "failed")
+FINISHED = ("completed", "diverged", "collapsed")  # results: a resume leaves them as they are, the job exits 0
 
 
 def objective(summary: Mapping[str, Any] | None) -> float:

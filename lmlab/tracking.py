@@ -199,8 +199,7 @@ class Tracking:
         if self.run is None:
             return
         from lmlab.interrupt import EXIT_CODES
-        from lmlab.summary import STATUSES
-        from lmlab.training import FINISHED
+        from lmlab.summary import FINISHED, STATUSES
 
         status, run, self.run = summary["status"], self.run, None
         try:

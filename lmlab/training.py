@@ -17,8 +17,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.config import COMPUTE_KEYS, arch_config
-from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint, model_config
+from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
+from lmlab.model.gpt import validate
+from lmlab.model.resolve import resolve
+from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint, load_run, model_config
 
 
 def setup_env(cfg: DictConfig) -> None:
@@ -66,7 +69,7 @@ def check_config(cfg: DictConfig) -> None:
     from lmlab.memory import check_attention_fits
     from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, Range, check_values
 
-    gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256).validate()
+    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256))
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data, typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
@@ -90,7 +93,7 @@ def check_config(cfg: DictConfig) -> None:
             strategy, "trainer=cpu (trainer.accelerator=cpu)")
         raise ValueError(f"{key} needs a CUDA GPU (none found); on CPU use {fix}")
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.n_head,
+    check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,
                          gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
 
     warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
@@ -137,7 +140,6 @@ def check_launch(devices: Any, num_nodes: int) -> None:
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
 EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
 RESUME_MODES = ("auto", "true", "false")
-FINISHED = ("completed", "diverged", "collapsed")
 
 
 def resume_mode(cfg: DictConfig) -> str:
@@ -174,19 +176,14 @@ def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
     source = RunDir(cfg.init_from)
     if not source.path.is_dir():
         raise FileNotFoundError(f"init_from={source.path}: no such run directory")
-    from lmlab.interop.hf import is_hf_dir
-
     if is_hf_dir(source.path):  # a transformers checkpoint: its architecture is the one studied
-        from lmlab.interop.hf import adopt, load_hf_dir
-
         model, tokenizer = load_hf_dir(source.path)
         adopt(cfg, model.cfg)
         model_cfg, weights = model.cfg.to_dict(), model.state_dict()
         cfg.data.tokenizer = str(tokenizer)
     else:
-        state = load_checkpoint(source.last, f"init_from={source.path}")
-        model_cfg = model_config(state)
-        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        saved = load_run(source.path, "init_from")
+        model_cfg, weights = saved.model, saved.weights
         if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
             cfg.data.tokenizer = str(source.tokenizer)
     if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
@@ -195,7 +192,10 @@ def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_differ: tuple[str, ...] = ()) -> None:
-    """Refuse a checkpoint whose architecture differs from the config, naming every differing key."""
+    """Refuse a checkpoint whose architecture differs from the config, naming every differing key. Both are compared
+    resolved and without their derived sizes: a record saved before the derived sizes were declared (or with a
+    RoPE scaling's `original_max_len` left null) is the same architecture as today's record of it."""
+    new, saved = (resolve(GPTConfig(**d)).inputs() for d in (new, saved))
     differ = sorted(k for k in new if k not in may_differ and new[k] != saved.get(k))
     if differ:
         detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)
@@ -264,7 +264,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.perf import Throughput, flops_per_token
     from lmlab.progress import progress_bar
     from lmlab.rundir import atomic_checkpoint_io
-    from lmlab.summary import STATUSES, record, summarize
+    from lmlab.summary import FINISHED, STATUSES, record, summarize
     from lmlab.tracking import Tracking
 
     # --- everything that can refuse the start, before the run directory is touched ---
@@ -274,7 +274,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                             seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
-    gcfg = arch_config(cfg, vocab_size=data.vocab_size).validate()
+    gcfg = validate(arch_config(cfg, vocab_size=data.vocab_size))
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
     saved, resume_step, previous = None, 0, None  # previous: the summary a resume continues
     if ckpt is not None:

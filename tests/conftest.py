@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmlab.config import GPTConfig
+from lmlab.model.resolve import resolve
 from tests.runs import write_corpus
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
@@ -26,10 +27,11 @@ def _one_thread_seeded() -> None:
 
 @pytest.fixture
 def tiny_cfg():
-    """`tiny_cfg(**overrides) -> GPTConfig`: vocab 50, 2 layers, d_model 32, 4 heads, max_seq_len 16."""
+    """`tiny_cfg(**overrides) -> GPTConfig`, resolved (its derived sizes worked out): vocab 50, 2 layers, d_model 32,
+    4 heads, max_seq_len 16."""
 
     def make(**overrides) -> GPTConfig:
-        return GPTConfig(**{**TINY, **overrides})
+        return resolve(GPTConfig(**{**TINY, **overrides}))
 
     return make
 

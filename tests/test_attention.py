@@ -12,6 +12,7 @@ import torch
 from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.registry import build
 
 B, T, C, NH = 2, 7, 32, 4
@@ -22,8 +23,8 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 def _cfg(attention: str = "mha", **kw) -> GPTConfig:
     spec = {"name": attention, **kw.pop("flags", {})}
     n_kv = kw.pop("n_kv_head", 2 if attention == "gqa" else None)
-    return GPTConfig(vocab_size=50, n_layer=2, d_model=C, n_head=NH, n_kv_head=n_kv, max_seq_len=16,
-                     attention=spec, bias=True, **kw)
+    return resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=C, n_head=NH, n_kv_head=n_kv, max_seq_len=16,
+                     attention=spec, bias=True, **kw))
 
 
 def _attn(cfg: GPTConfig):
@@ -219,20 +220,20 @@ def test_logn_scaling_past_the_trained_length() -> None:
 
 def test_d_model_not_divisible_by_n_head() -> None:
     with pytest.raises(ValueError, match=r"model\.d_model=30 is not divisible by model\.n_head=4.*\[1, 2, 3, 5, 6"):
-        GPTConfig(vocab_size=50, d_model=30, n_head=4)
+        resolve(GPTConfig(vocab_size=50, d_model=30, n_head=4))
 
 
 @pytest.mark.parametrize("n_kv", [3, 8, 0])
 def test_n_kv_head_must_divide_n_head(n_kv: int) -> None:
     with pytest.raises(ValueError, match=r"model\.n_kv_head.*model\.n_head=4.*\[1, 2, 4\]"):
-        GPTConfig(vocab_size=50, d_model=32, n_head=4, n_kv_head=n_kv, attention={"name": "gqa"})
+        resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, n_kv_head=n_kv, attention={"name": "gqa"}))
 
 
 def test_gqa_needs_n_kv_head() -> None:
     with pytest.raises(ValueError, match=r"attention=gqa needs model\.n_kv_head"):
-        GPTConfig(vocab_size=50, d_model=32, n_head=4, attention={"name": "gqa"})
+        resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, attention={"name": "gqa"}))
 
 
 def test_unknown_attention_flag() -> None:
     with pytest.raises(ValueError, match=r"attention='mha' does not take \['rope'\]"):
-        GPTConfig(vocab_size=50, d_model=32, n_head=4, attention={"name": "mha", "rope": True})
+        resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, attention={"name": "mha", "rope": True}))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lmlab.config import GPTConfig
 from lmlab.model.activation import Activation
 from lmlab.model.ffn import FFNS, GLU
+from lmlab.model.resolve import resolve
 from lmlab.registry import build
 
 D, H = 16, 24
@@ -108,7 +109,7 @@ WIDTHS = [32, 64, 96, 128, 256, 384, 512, 768, 1024, 2048, 4096]
 
 def _ffn_params(name: str, d: int, bias: bool, **sizes) -> tuple[int, int]:
     """(hidden, parameter count) of the FFN GPTConfig sizes for this option, counted on a built module."""
-    cfg = GPTConfig(vocab_size=50, d_model=d, n_head=4, bias=bias, ffn={"name": name, **sizes})
+    cfg = resolve(GPTConfig(vocab_size=50, d_model=d, n_head=4, bias=bias, ffn={"name": name, **sizes}))
     with torch.device("meta"):
         ffn = build("ffn", FFNS, cfg.ffn_spec, d, cfg.ffn_hidden, activation={"name": "gelu"}, bias=bias)
     return cfg.ffn_hidden, _n_params(ffn)
@@ -163,23 +164,23 @@ def test_glu_hidden_is_the_formula(d: int, bias: bool) -> None:
     ("glu", 32, 1, 64, False, 43),        # the MLP's 64 (at least one multiple) matched: 42.7 -> 43
 ])
 def test_ffn_hidden_values(name: str, d: int, mult: float, multiple_of: int, bias: bool, hidden: int) -> None:
-    cfg = GPTConfig(vocab_size=50, d_model=d, n_head=4, bias=bias,
-                    ffn={"name": name, "hidden_mult": mult, "multiple_of": multiple_of})
+    cfg = resolve(GPTConfig(vocab_size=50, d_model=d, n_head=4, bias=bias,
+                    ffn={"name": name, "hidden_mult": mult, "multiple_of": multiple_of}))
     assert cfg.ffn_hidden == hidden
     assert cfg.ffn_spec == {"name": name}
 
 
 def test_explicit_hidden_size_wins() -> None:
     """ffn.hidden sets the size itself (what a transformers config's intermediate_size means), unmatched."""
-    cfg = GPTConfig(vocab_size=50, d_model=64, n_head=4, ffn={"name": "swiglu", "hidden": 100})
+    cfg = resolve(GPTConfig(vocab_size=50, d_model=64, n_head=4, ffn={"name": "swiglu", "hidden": 100}))
     assert cfg.ffn_hidden == 100 and cfg.ffn_spec == {"name": "swiglu"}
     with pytest.raises(ValueError, match=r"ffn\.hidden=0 must be"):
-        GPTConfig(vocab_size=50, d_model=64, n_head=4, ffn={"name": "swiglu", "hidden": 0})
+        resolve(GPTConfig(vocab_size=50, d_model=64, n_head=4, ffn={"name": "swiglu", "hidden": 0}))
 
 
 def test_ffn_spec_keys_are_checked() -> None:
     with pytest.raises(ValueError, match=r"ffn='mlp' does not take \['gate'\]"):
-        GPTConfig(vocab_size=50, d_model=32, n_head=4, ffn={"name": "mlp", "gate": "silu"})
+        resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, ffn={"name": "mlp", "gate": "silu"}))
 
 
 def test_compare_shows_total_and_ffn_parameters(tmp_path) -> None:
@@ -194,8 +195,8 @@ def test_compare_shows_total_and_ffn_parameters(tmp_path) -> None:
     sweep = tmp_path / "sweep"
     counts = {}
     for name in ("mlp", "swiglu", "reglu"):
-        cfg = GPTConfig(vocab_size=50, n_layer=3, d_model=64, n_head=4, ffn={"name": name, "hidden_mult": 4,
-                                                                                "multiple_of": 64})
+        cfg = resolve(GPTConfig(vocab_size=50, n_layer=3, d_model=64, n_head=4, ffn={"name": name, "hidden_mult": 4,
+                                                                                "multiple_of": 64}))
         with torch.device("meta"):
             total = GPT(cfg).num_params()
         counts[name] = (total if name != "reglu" else total + 1, 3 * FFNS[name].n_params(64, cfg.ffn_hidden, False))
@@ -223,9 +224,9 @@ def test_a_checkpoint_sized_by_the_earlier_rule_still_loads() -> None:
     from lmlab.rundir import model_config
 
     old = build_model(compose(["ffn=swiglu", "+ffn.hidden=320"]), vocab_size=40)
-    saved_cfg = old.cfg.to_dict()
-    saved_cfg["ffn"] = {k: v for k, v in saved_cfg["ffn"].items() if k != "hidden"}  # as old checkpoints store it
-    assert GPTConfig(**saved_cfg).ffn_hidden == 344
+    saved_cfg = old.cfg.inputs()  # as old checkpoints store it: no derived sizes, no ffn.hidden
+    saved_cfg["ffn"] = {k: v for k, v in saved_cfg["ffn"].items() if k != "hidden"}
+    assert resolve(GPTConfig(**saved_cfg)).ffn_hidden == 344
     state = {"hyper_parameters": {"model": saved_cfg},
              "state_dict": {f"model.{k}": v for k, v in old.state_dict().items()}}
     cfg = model_config(state)
@@ -235,3 +236,21 @@ def test_a_checkpoint_sized_by_the_earlier_rule_still_loads() -> None:
     state = {"hyper_parameters": {"model": today.cfg.to_dict()},
              "state_dict": {f"model.{k}": v for k, v in today.state_dict().items()}}
     assert "hidden" not in model_config(state)["ffn"]  # today's runs are left as they are
+
+
+def test_a_record_with_its_derived_sizes_is_read_as_saved() -> None:
+    """Records saved since the derived sizes are declared hold the FFN's width: it is pinned from the record, not
+    re-derived from the weights or today's rule; a derived size that disagrees with the options is refused."""
+    from lmlab import build_model, compose
+    from lmlab.config import DERIVED, GPTConfig
+    from lmlab.rundir import model_config
+
+    model = build_model(compose(["ffn=swiglu"]), vocab_size=40)
+    record = model.cfg.to_dict()
+    assert all(record[k] is not None for k in DERIVED) and record["ffn_hidden"] == 344
+    proj = "model.h.0.mlp.c_proj.weight"
+    state = {"hyper_parameters": {"model": record}, "state_dict": {proj: torch.zeros(128, 320)}}
+    assert model_config(state) == record  # the weights are not looked at: the record says the width
+    assert resolve(GPTConfig(**record)).to_dict() == record  # resolving a resolved record changes nothing
+    with pytest.raises(ValueError, match=r"model\.ffn_hidden=320 in the record, but its sizes and options give 344"):
+        resolve(GPTConfig(**{**record, "ffn_hidden": 320}))

@@ -237,10 +237,10 @@ def mesh(tmp_path):
 
 
 def _tiny_gpt(tiny_cfg, **overrides):
-    from lmlab.model.gpt import GPT
+    from lmlab.model.gpt import GPT, validate
 
     torch.manual_seed(0)
-    return GPT(tiny_cfg(**overrides).validate())
+    return GPT(validate(tiny_cfg(**overrides)))
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

@@ -16,6 +16,7 @@ from lmlab.config import GPTConfig
 from lmlab.model.gau import GAU
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.model.score import SCORES
 from lmlab.monitor import layer_groups
 from lmlab.registry import build
@@ -69,15 +70,15 @@ def test_gau_param_count(bias: bool) -> None:
 
 def test_gau_model_param_count() -> None:
     """The whole model: embeddings + per layer (GAU, e = 2d, + one norm) + final norm."""
-    cfg = GPTConfig(vocab_size=50, n_layer=3, d_model=32, n_head=4, norm={"name": "rms"},
-                    block={"name": "gau", "s": 16, "expansion": 2.0})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=3, d_model=32, n_head=4, norm={"name": "rms"},
+                    block={"name": "gau", "s": 16, "expansion": 2.0}))
     d, s, e = 32, 16, 64
     assert GPT(cfg).num_params() == 50 * d + 3 * (d * s + 3 * d * e + 4 * s + d) + d
 
 
 def test_deepnet_scales_u_v_and_the_output_not_z() -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=8, d_model=64, n_head=4, placement={"name": "deepnorm"},
-                    init={"name": "deepnet"}, block={"name": "gau", "s": 32, "expansion": 2.0})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=8, d_model=64, n_head=4, placement={"name": "deepnorm"},
+                    init={"name": "deepnet"}, block={"name": "gau", "s": 32, "expansion": 2.0}))
     gau = GPT(cfg).h[0].gau
     beta, d, e = (8 * 8) ** -0.25, 64, 128
     W = gau.c_fc.weight
@@ -110,7 +111,7 @@ def test_tiny_gau_matches_tiny() -> None:
 
 def test_gpt2_init_scales_by_the_number_of_residual_writes() -> None:
     """GPT-2's residual projections: 1/√N with N = sublayers writing into the stream: L for GAU (2L for attn + FFN)."""
-    cfg = GPTConfig(vocab_size=50, n_layer=8, d_model=64, n_head=4, block={"name": "gau", "s": 32})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=8, d_model=64, n_head=4, block={"name": "gau", "s": 32}))
     gau = GPT(cfg).h[0].gau
     assert gau.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
     assert gau.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)

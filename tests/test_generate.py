@@ -13,7 +13,7 @@ from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.generate import generate, sample
 from lmlab.model.cache import KVCache
-from lmlab.model.gpt import GPT
+from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.model.score import SCORES
@@ -26,7 +26,7 @@ V, PROMPT, NEW = 40, 5, 19  # the text grows from 5 to 24 tokens
 def _model(**kw) -> GPT:
     base = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=24, norm={"name": "rms"})
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**base, **kw}).validate()).eval()
+    model = GPT(validate(GPTConfig(**{**base, **kw}))).eval()
     with torch.no_grad():  # sharp, position-dependent attention: at init it is nearly uniform and hides mistakes
         for name, p in model.named_parameters():  # attention's q, k, v; GAU's scales of Q and K
             if name.endswith("attn.c_attn.weight"):

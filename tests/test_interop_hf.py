@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from lmlab import compose  # noqa: E402
 from lmlab.config import GPTConfig  # noqa: E402
 from lmlab.interop.hf import NotRepresentable, family, from_hf, lmlab_config, to_hf  # noqa: E402
-from lmlab.model.gpt import GPT  # noqa: E402
+from lmlab.model.gpt import GPT, validate  # noqa: E402
 from lmlab.training import train  # noqa: E402
 from tests.runs import ROOT, cli, tiny  # noqa: E402
 
@@ -117,7 +117,7 @@ LMLAB_CASES = {
 def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
     kw = {"vocab_size": V, "n_layer": 2, "d_model": 32, "n_head": 4, "max_seq_len": 16, **LMLAB_CASES[case]}
     torch.manual_seed(3)
-    ours = GPT(GPTConfig(**kw).validate()).eval()
+    ours = GPT(validate(GPTConfig(**kw))).eval()
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if "ln" in name:
@@ -148,7 +148,7 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
 def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
     kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,
           "norm": {"name": "layer"}, "position": {"name": "learned"}, **override}
-    model = GPT(GPTConfig(**kw).validate())
+    model = GPT(validate(GPTConfig(**kw)))
     with pytest.raises(NotRepresentable, match=f"^{axis.replace('(', '[(]')}"):
         to_hf(model)
 

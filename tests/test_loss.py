@@ -166,8 +166,9 @@ def test_compute_keys_may_change_on_resume() -> None:
     from lmlab.config import COMPUTE_KEYS
     from lmlab.training import check_same_arch
 
-    saved = {"n_layer": 2, "d_model": 32}  # a checkpoint from before chunked_loss existed
-    check_same_arch("resume", {"n_layer": 2, "d_model": 32, "checkpointing": True, "chunked_loss": True}, saved,
-                    ("dropout", *COMPUTE_KEYS))
+    saved = {"vocab_size": 50, "n_layer": 2, "d_model": 32}  # a checkpoint from before chunked_loss existed
+    check_same_arch("resume", {"vocab_size": 50, "n_layer": 2, "d_model": 32, "checkpointing": True,
+                               "chunked_loss": True}, saved, ("dropout", *COMPUTE_KEYS))
     with pytest.raises(ValueError, match="model/d_model"):
-        check_same_arch("resume", {"n_layer": 2, "d_model": 64, "chunked_loss": True}, saved, COMPUTE_KEYS)
+        check_same_arch("resume", {"vocab_size": 50, "n_layer": 2, "d_model": 64, "chunked_loss": True}, saved,
+                        COMPUTE_KEYS)

@@ -16,10 +16,11 @@ from lmlab.model.activation import ACTIVATIONS
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS
-from lmlab.model.gpt import GPT
+from lmlab.model.gpt import GPT, validate
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.model.score import SCORES
 
 V, T, B = 50, 12, 2
@@ -166,7 +167,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("overrides", CONFIGS, ids=range(len(CONFIGS)))
 def test_param_count_formula(overrides: dict) -> None:
-    cfg = GPTConfig(**{**BASE, **overrides})
+    cfg = resolve(GPTConfig(**{**BASE, **overrides}))
     model = GPT(cfg)
     assert model.num_params() == _expected_params(cfg)
     unique = {id(p) for p in model.parameters()}
@@ -174,7 +175,7 @@ def test_param_count_formula(overrides: dict) -> None:
 
 
 def test_param_count_by_hand_second_config() -> None:
-    cfg = GPTConfig(**{**BASE, **CONFIGS[1]})
+    cfg = resolve(GPTConfig(**{**BASE, **CONFIGS[1]}))
     # swiglu with biases matched to the MLP's 2·32·128 + 128 + 32 = 8352 (lmlab.model.ffn.matched_hidden): exact
     # 84.9, and 84 (a multiple of 4 or 2) is -1.05%, so 85 (+0.1%); gqa: 4 q heads + 2·2 kv heads of 8
     assert cfg.ffn_hidden == 85
@@ -208,18 +209,18 @@ BAD = [
 @pytest.mark.parametrize(("overrides", "pattern"), BAD)
 def test_validate_names_the_bad_key(overrides: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        GPTConfig(**{**BASE, **overrides}).validate()
+        validate(GPTConfig(**{**BASE, **overrides}))
 
 
 @pytest.mark.parametrize(("key", "value"), [("vocab_size", 0), ("n_layer", 0), ("d_model", -4), ("n_head", 2.0)])
 def test_sizes_must_be_positive_integers(key: str, value) -> None:
     with pytest.raises(ValueError, match=rf"model\.{key}={value!r} must be an integer >= 1"):
-        GPTConfig(**{**BASE, key: value})
+        resolve(GPTConfig(**{**BASE, key: value}))
 
 
 def test_validate_returns_self_on_a_good_config(tiny_cfg) -> None:
     cfg = tiny_cfg()
-    assert cfg.validate() is cfg
+    assert validate(cfg) is cfg
 
 
 def test_arch_config_gathers_groups_and_rejects_unknown_model_keys() -> None:

@@ -14,6 +14,7 @@ from lmlab.model.gpt import GPT
 from lmlab.model.norm import NoNorm
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.registry import build
 
 D, N_LAYER = 16, 3
@@ -60,8 +61,8 @@ def _formula(name: str, b: nn.Module, A, M, x: torch.Tensor) -> torch.Tensor:
 
 
 def _block(name: str, norm: str = "layer", block: str = "transformer") -> nn.Module:
-    cfg = GPTConfig(vocab_size=50, n_layer=N_LAYER, d_model=D, n_head=2, norm={"name": norm},
-                    placement={"name": name}, block={"name": block})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=N_LAYER, d_model=D, n_head=2, norm={"name": norm},
+                    placement={"name": name}, block={"name": block}))
     block = build("placement", PLACEMENTS, cfg.placement, cfg, 1)
     with torch.no_grad():  # distinct affine parameters per norm, so swapped norms are caught
         for p in block.parameters():
@@ -125,7 +126,8 @@ def test_final_norm_flag(name: str) -> None:
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("name", sorted(PLACEMENTS))
 def test_model_ln_f_follows_final_norm(name: str, norm: str) -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=2, d_model=D, n_head=2, norm={"name": norm}, placement={"name": name})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=D, n_head=2, norm={"name": norm},
+                            placement={"name": name}))
     model = GPT(cfg)
     assert isinstance(model.ln_f, NoNorm) == (not PLACEMENTS[name].final_norm)
     n_ln_f = sum(p.numel() for p in model.ln_f.parameters())
@@ -143,13 +145,13 @@ def test_double_has_post_norms() -> None:
 def test_deepnorm_constants(n_layer: int) -> None:
     deepnorm = PLACEMENTS["deepnorm"]
     assert deepnorm.init_gain(n_layer) == pytest.approx((8 * n_layer) ** -0.25, rel=1e-12)
-    cfg = GPTConfig(vocab_size=50, n_layer=n_layer, d_model=D, n_head=2, placement={"name": "deepnorm"})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=n_layer, d_model=D, n_head=2, placement={"name": "deepnorm"}))
     assert deepnorm(cfg, 0).alpha == pytest.approx((2 * n_layer) ** 0.25, rel=1e-12)
 
 
 def test_deepnorm_numbers() -> None:
     assert PLACEMENTS["deepnorm"].init_gain(2) == pytest.approx(0.5)  # (16)^(-1/4)
-    cfg = GPTConfig(vocab_size=50, n_layer=8, d_model=D, n_head=2, placement={"name": "deepnorm"})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=8, d_model=D, n_head=2, placement={"name": "deepnorm"}))
     assert PLACEMENTS["deepnorm"](cfg, 0).alpha == pytest.approx(2.0)  # (16)^(1/4)
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from lmlab.config import GPTConfig
+from lmlab.model.gpt import validate
 from lmlab.model.position import POSITIONS, alibi_slopes
+from lmlab.model.resolve import resolve
 from lmlab.registry import build
 
 D, NH, HS, L = 32, 4, 8, 16
@@ -43,13 +45,13 @@ def test_hooks_keep_shapes_and_bias_is_causal(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(POSITIONS))
 def test_scaling_option_needs_a_scheme_that_accepts_it(name: str) -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=1, d_model=D, n_head=NH, max_seq_len=L, position={"name": name},
-                    rope_scaling={"name": "linear", "factor": 2.0})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=D, n_head=NH, max_seq_len=L, position={"name": name},
+                    rope_scaling={"name": "linear", "factor": 2.0}))
     if POSITIONS[name].accepts_scaling:
-        assert cfg.validate() is cfg
+        assert validate(cfg) is cfg
     else:
         with pytest.raises(ValueError, match=rf"rope_scaling='linear' needs position=rope.*position='{name}'"):
-            cfg.validate()
+            validate(cfg)
 
 
 def test_only_rope_accepts_scaling() -> None:
@@ -130,21 +132,22 @@ def test_rope_partial_rotary_leaves_tail_untouched() -> None:
 
 
 def test_odd_head_dim_with_rope_fails_in_validate() -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=1, d_model=30, n_head=6, position={"name": "rope"})  # head_dim 5
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=30, n_head=6, position={"name": "rope"}))  # head_dim 5
     with pytest.raises(ValueError, match=r"position=rope.*model\.d_model / model\.n_head.*5 is odd"):
-        cfg.validate()
+        validate(cfg)
 
 
 def test_rotary_dim_below_two_fails_in_validate() -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=1, d_model=32, n_head=4, position={"name": "rope", "rotary_pct": 0.2})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=32, n_head=4,
+                            position={"name": "rope", "rotary_pct": 0.2}))
     with pytest.raises(ValueError, match=r"position\.rotary_pct"):
-        cfg.validate()
+        validate(cfg)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in POSITIONS if n != "rope"))
 def test_odd_head_dim_is_fine_without_rope(name: str) -> None:
-    cfg = GPTConfig(vocab_size=50, n_layer=1, d_model=30, n_head=6, position={"name": name})
-    assert cfg.validate() is cfg
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=30, n_head=6, position={"name": name}))
+    assert validate(cfg) is cfg
 
 
 def test_rope_linear_scaling_divides_positions() -> None:

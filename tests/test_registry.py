@@ -18,6 +18,7 @@ from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.optim import OPTIMIZERS, SCHEDULES
 from lmlab.registry import build, option_params
 
@@ -44,7 +45,7 @@ def _load(path: Path) -> dict:
 def _option_spec(group: str, spec: dict) -> dict:
     """The part of a group's YAML that goes to the option itself (the rest is read by GPTConfig / the loop)."""
     if group == "ffn":  # hidden_mult / multiple_of are turned into the hidden size by GPTConfig
-        return GPTConfig(vocab_size=50, d_model=32, n_head=4, ffn=spec).ffn_spec
+        return resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, ffn=spec)).ffn_spec
     if group == "optim":  # weight_decay / grad_clip are read by param_groups / the training loop
         from lmlab.lit import optimizer_spec
 

@@ -340,9 +340,10 @@ def test_the_two_ramps_agree_outside_the_ramp_and_differ_on_it() -> None:
 def test_the_ratio_ramp_is_refused_by_the_transformers_export() -> None:
     from lmlab.config import GPTConfig
     from lmlab.interop.hf import NotRepresentable, hf_config
+    from lmlab.model.resolve import resolve
 
-    cfg = GPTConfig(vocab_size=20, n_layer=1, d_model=32, n_head=4, max_seq_len=32, train_len=16,
+    cfg = resolve(GPTConfig(vocab_size=20, n_layer=1, d_model=32, n_head=4, max_seq_len=32, train_len=16,
                     norm={"name": "rms"}, ffn={"name": "swiglu"}, position={"name": "rope"},
-                    rope_scaling={"name": "yarn", "factor": 2.0, "ramp": "ratio"})
+                    rope_scaling={"name": "yarn", "factor": 2.0, "ramp": "ratio"}))
     with pytest.raises(NotRepresentable, match="rope_scaling.ramp='ratio'"):
         hf_config(cfg)

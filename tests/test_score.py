@@ -12,8 +12,9 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS
-from lmlab.model.gpt import GPT
+from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.model.score import SCORES, attend, log_ratio, scale_queries
 from lmlab.monitor import StabilityMonitor
 from lmlab.registry import build
@@ -79,8 +80,8 @@ def test_softmax_by_hand() -> None:
 @pytest.mark.parametrize("position", sorted(POSITIONS))
 def test_score_softmax_is_todays_attention(position: str) -> None:
     """`score: softmax` (the YAML default) is the hand-written softmax attention, on SDPA's fast path."""
-    cfg = GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, bias=True,
-                    attention={"name": "mha", "score": "softmax"})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, bias=True,
+                    attention={"name": "mha", "score": "softmax"}))
     attn = build("attention", ATTENTIONS, cfg.attention, cfg).eval()
     assert SCORES["softmax"].sdpa
     pos = build("position", POSITIONS, {"name": position}, 32, 8, 4, 16, 16, {"name": "none"})
@@ -96,13 +97,14 @@ def test_softmax_plus_and_logn_scaling_share_the_factor_but_not_the_range() -> N
     assert plus[0] == 0 and plus[3] == 1 and plus[7] == 1.5
     assert SCORES["softmax"](4).query_scale(n) is None and SCORES["relu2"](4).query_scale(n) is None
     with pytest.raises(ValueError, match="logn_scaling.*softmax_plus"):
-        GPTConfig(vocab_size=50, n_head=4, attention={"name": "mha", "score": "softmax_plus", "logn_scaling": True}
-                  ).validate()
+        validate(GPTConfig(vocab_size=50, n_head=4,
+                           attention={"name": "mha", "score": "softmax_plus", "logn_scaling": True}
+                  ))
 
 
 def test_an_unknown_score_names_the_key() -> None:
     with pytest.raises(ValueError, match=r"attention.score='relu3' is not an option.*'relu2'"):
-        GPTConfig(vocab_size=50, n_head=4, attention={"name": "mha", "score": "relu3"}).validate()
+        validate(GPTConfig(vocab_size=50, n_head=4, attention={"name": "mha", "score": "relu3"}))
 
 
 CASES = {"mha": {}, "gqa+qk_norm": {"attention": {"name": "gqa", "qk_norm": True}, "n_kv_head": 2},
@@ -128,8 +130,8 @@ def test_every_score_is_causal(score: str, case: str) -> None:
 @pytest.mark.parametrize("score", sorted(SCORES))
 def test_probs_are_the_scores_weights(score: str) -> None:
     """The monitor's weights: rows sum to one exactly when the score says so; relu2 rows are relu²(logits)/n."""
-    cfg = GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16,
-                    attention={"name": "mha", "score": score})
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16,
+                    attention={"name": "mha", "score": score}))
     attn = build("attention", ATTENTIONS, cfg.attention, cfg)
     pos = build("position", POSITIONS, {"name": "alibi"}, 32, 8, 4, 16, 16, {"name": "none"})
     x = torch.randn(2, 6, 32) * 3

@@ -23,6 +23,7 @@ from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.optim import OPTIMIZERS, SCHEDULES
 from lmlab.training import check_config
@@ -132,11 +133,11 @@ def test_registry_check_value_handles_omegaconf_lists_and_unions() -> None:
 
 def test_ffn_sizes_are_checked_before_the_hidden_size_is_derived() -> None:
     with pytest.raises(ValueError, match=r"ffn\.hidden_mult=0 must be a float > 0"):
-        GPTConfig(vocab_size=50, ffn={"name": "mlp", "hidden_mult": 0, "multiple_of": 64})
+        resolve(GPTConfig(vocab_size=50, ffn={"name": "mlp", "hidden_mult": 0, "multiple_of": 64}))
     with pytest.raises(ValueError, match=r"ffn\.hidden_mult=-2 must be a float > 0"):
-        GPTConfig(vocab_size=50, ffn={"name": "mlp", "hidden_mult": -2, "multiple_of": 64})
+        resolve(GPTConfig(vocab_size=50, ffn={"name": "mlp", "hidden_mult": -2, "multiple_of": 64}))
     with pytest.raises(ValueError, match=r"ffn\.multiple_of=0 must be an integer >= 1"):
-        GPTConfig(vocab_size=50, ffn={"name": "swiglu", "hidden_mult": 4, "multiple_of": 0})
+        resolve(GPTConfig(vocab_size=50, ffn={"name": "swiglu", "hidden_mult": 4, "multiple_of": 0}))
     assert "ffn.hidden_mult=0 must be" in _refused(["ffn.hidden_mult=0"])
 
 
@@ -214,8 +215,11 @@ def test_evaluate_refuses_an_alibi_length_that_cannot_fit(monkeypatch, tmp_path:
     import lmlab.evaluate
     import lmlab.memory
 
-    cfg = GPTConfig(vocab_size=50, n_layer=1, d_model=32, n_head=4, max_seq_len=16, position={"name": "alibi"})
-    monkeypatch.setattr(lmlab.evaluate, "load_run", lambda run_dir, *a, **k: (cfg.to_dict(), {}, {"data": {}}))
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=32, n_head=4, max_seq_len=16, position={"name": "alibi"}))
+    from lmlab.rundir import SavedRun
+
+    saved = SavedRun(path=tmp_path, model=cfg.to_dict(), weights={}, step=0, config={"data": {}}, tokenizer=tmp_path)
+    monkeypatch.setattr(lmlab.evaluate, "load_run", lambda run_dir, *a, **k: saved)
     monkeypatch.setattr(lmlab.evaluate, "run_data", lambda *a, **k: pytest.fail("data was read"))
     monkeypatch.setattr(lmlab.memory, "available_bytes", lambda device="cpu": 8 * 2**30)
     with pytest.raises(ValueError, match=r"length 100000 with position=alibi needs .*GiB.*~8\.0 GiB"):

@@ -62,6 +62,7 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lmlab import compose
     from lmlab.config import arch_config
+    from lmlab.model.gpt import validate
     from lmlab.training import setup_env
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch  # noqa: F401  (its import sets its logger to INFO: quiet it after)
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the per-fit GPU/TPU banner and tips
-    gcfg = arch_config(cfg, vocab_size=cfg.model.vocab_size).validate()
+    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size))
     torch.manual_seed(0)
     contestants, lit = contestants_for(args, cfg, gcfg, peer_kind, device)
     ours, peer = contestants[:2]

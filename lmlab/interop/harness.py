@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from lmlab.generate import generate
 from lmlab.model.gpt import GPT
+from lmlab.rundir import RunDir, atomic_write, dumps, load_model
 
 
 def _lm_base() -> type:
@@ -104,9 +105,7 @@ def harness_model(run_dir: str | Path, batch_size: int = 8, route: str = "auto")
     architecture, else 'lmlab' (LmlabLM). `route` forces one."""
     from tokenizers import Tokenizer
 
-    from lmlab.evaluate import load_model
     from lmlab.interop.hf import NotRepresentable, export, family
-    from lmlab.rundir import RunDir
 
     run = RunDir(run_dir)
     model = load_model(run.path)
@@ -146,7 +145,6 @@ def harness_cli(cfg: Any) -> dict[str, Any]:
     """eval.py run=<run> harness=<tasks>: run lm-eval, print its table, write <out or run/eval>/harness.json."""
     from lm_eval.utils import make_table
 
-    from lmlab.rundir import atomic_write, dumps
 
     tasks = list(cfg.harness) if not isinstance(cfg.harness, str) else cfg.harness.split(",")
     results = run_harness(cfg.run, tasks, include=cfg.get("harness_include"), limit=cfg.get("harness_limit"),

@@ -18,7 +18,9 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
-from lmlab.model.gpt import GPT
+from lmlab.memory import check_model_fits
+from lmlab.model.gpt import GPT, validate
+from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model
 
 # --- weights -----------------------------------------------------------------------------------------------
 
@@ -110,7 +112,6 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     lmlab `GPT`, or a run directory (its last checkpoint)."""
     import transformers
 
-    from lmlab.evaluate import load_model
 
     model = load_model(model_or_run_dir) if isinstance(model_or_run_dir, (str, Path)) else model_or_run_dir
     config = hf_config(model.cfg)
@@ -129,7 +130,7 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
 
 def from_hf(hf_model: Any) -> GPT:
     """An lmlab GPT computing what a transformers LlamaForCausalLM / GPT2LMHeadModel computes."""
-    cfg = lmlab_config(hf_model.config).validate()
+    cfg = validate(lmlab_config(hf_model.config))
     fam = family(cfg)
     model = GPT(cfg)
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in hf_model.state_dict().items()}
@@ -140,7 +141,6 @@ def from_hf(hf_model: Any) -> GPT:
 def export(run_dir: str | Path, out: str | Path) -> Path:
     """`eval.py run=<run> export=hf out=<dir>`: a save_pretrained directory (config.json, model.safetensors) with the
     run's tokenizer as a PreTrainedTokenizerFast, loadable by AutoModelForCausalLM / AutoTokenizer."""
-    from lmlab.rundir import RunDir
 
     run, out = RunDir(run_dir), Path(out)
     hf = to_hf(run.path)
@@ -186,7 +186,6 @@ def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
     if not tokenizer.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json (lmlab reads fast tokenizers; save the tokenizer with "
                                 f"save_pretrained)")
-    from lmlab.memory import check_model_fits
 
     # The size from config.json before transformers builds anything (num_hidden_layers=200000 would build for hours).
     check_model_fits(lmlab_config(transformers.AutoConfig.from_pretrained(path)), what=f"{path}/config.json")
@@ -222,7 +221,6 @@ def adopt(cfg: Any, arch: GPTConfig) -> None:
 def as_run(hf_dir: str | Path, run_dir: str | Path, data: dict[str, Any]) -> Path:
     """Write a transformers directory as an lmlab run directory (checkpoint, tokenizer, summary with its data
     config), so eval's length sweep, generate.py and lm-eval read it like any run: `eval.py hf=<dir>`."""
-    from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write
 
     model, tokenizer = load_hf_dir(hf_dir)
     run = RunDir(run_dir)

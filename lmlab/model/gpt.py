@@ -1,6 +1,8 @@
 """The GPT: token embeddings -> position scheme -> blocks -> (final norm) -> LM head.
 
-Every part comes from its axis's registry through `build`; this file never asks which option it has.
+Every part comes from its axis's registry through `build`; this file never asks which option it has. `validate`
+checks a config before anything else happens: its options resolved, its size against the machine, the model built on
+the meta device.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
 from lmlab.loss import cross_entropy, linear_cross_entropy
+from lmlab.memory import check_model_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
-from lmlab.registry import build
+from lmlab.model.resolve import resolve
+from lmlab.registry import build, option_params
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = resolve(cfg)  # the derived sizes, once (a resolved record is only checked)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
@@ -68,3 +72,17 @@ class GPT(nn.Module):
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if exclude_embeddings else n
+
+
+def validate(cfg: GPTConfig) -> GPTConfig:
+    """Resolve every option and build the model on the meta device; raise ValueError naming the bad key. Returns
+    `cfg`, resolved."""
+    resolve(cfg)
+    pos_name, _ = option_params("position", POSITIONS, cfg.position)
+    if cfg.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
+        raise ValueError(f"rope_scaling={cfg.rope_scaling['name']!r} needs position=rope (got position="
+                         f"{pos_name!r}); use rope_scaling=none with this scheme")
+    check_model_fits(cfg)  # before the meta build, which itself holds tens of kB of Python objects per layer
+    with torch.device("meta"):
+        GPT(cfg)
+    return cfg

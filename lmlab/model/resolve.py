@@ -1,0 +1,68 @@
+"""The derived sizes of a GPTConfig, worked out once from the options' own rules (`lmlab.config.DERIVED`).
+
+`resolve(cfg)` fills them in the record (which is then saved with them) and returns it: the attention option says
+how many key/value heads it keeps, the FFN option how wide it is at the MLP's parameter count, the block kind the
+attention geometry the position scheme is built for and what its KV cache holds. A RoPE scaling without its own
+`original_max_len` scales relative to the trained length, which is written into the record too (a saved record
+never holds `null` for a number the model used). A record that already carries derived sizes (one saved after
+December 2026) is checked against them: they are the model its weights belong to.
+
+`n_params_estimate(cfg)` counts the weights from the sizes alone, for the size bounds (`lmlab.memory`).
+"""
+
+from __future__ import annotations
+
+from lmlab.config import DERIVED, FFN_SIZES, GPTConfig
+from lmlab.model.attention import ATTENTIONS
+from lmlab.model.block import BLOCKS
+from lmlab.model.ffn import FFNS, matched_hidden
+from lmlab.model.rope_scaling import ROPE_SCALINGS
+from lmlab.registry import build, check_values, option_params
+
+
+def resolve(cfg: GPTConfig) -> GPTConfig:
+    """`cfg` with its derived sizes filled (in place; resolving twice changes nothing); returns it."""
+    derived = {"head_dim": cfg.d_model // cfg.n_head}
+    attn_name, _ = option_params("attention", ATTENTIONS, cfg.attention)
+    kv = derived["kv_heads"] = ATTENTIONS[attn_name].kv_heads(cfg.n_head, cfg.n_kv_head)
+    if kv < 1 or cfg.n_head % kv:
+        divisors = [h for h in range(1, cfg.n_head + 1) if cfg.n_head % h == 0]
+        raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={cfg.n_head} (attention={attn_name}); "
+                         f"choose among {divisors}")
+
+    # The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to the
+    # MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it.
+    check_values("ffn.", cfg.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
+    ffn_name, _ = option_params("ffn", FFNS, cfg.ffn_spec)
+    multiple_of = cfg.ffn.get("multiple_of", 64)
+    mlp_hidden = max(multiple_of, multiple_of * round(cfg.ffn.get("hidden_mult", 4) * cfg.d_model / multiple_of))
+    derived["ffn_hidden"] = cfg.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], cfg.d_model, mlp_hidden,
+                                                                     cfg.bias, multiple_of)
+    for name, value in derived.items():
+        _fill(cfg, name, value)
+
+    kind = build("block", BLOCKS, cfg.block, cfg)  # reads the sizes above
+    for name, value in (("attn_heads", kind.heads), ("attn_head_dim", kind.head_dim),
+                        ("cache_width", kind.cache_width)):
+        _fill(cfg, name, value)
+
+    scaling, _ = option_params("rope_scaling", ROPE_SCALINGS, cfg.rope_scaling)
+    if scaling != "none" and cfg.rope_scaling.get("original_max_len") is None:
+        cfg.rope_scaling = {**cfg.rope_scaling, "original_max_len": cfg.train_len}
+    assert cfg.resolved, [n for n in DERIVED if getattr(cfg, n) is None]
+    return cfg
+
+
+def _fill(cfg: GPTConfig, name: str, value: int) -> None:
+    saved = getattr(cfg, name)
+    if saved is not None and saved != value:
+        raise ValueError(f"model.{name}={saved} in the record, but its sizes and options give {value}: the record "
+                         f"was changed after it was resolved (change the options, not the derived sizes)")
+    setattr(cfg, name, value)
+
+
+def n_params_estimate(cfg: GPTConfig) -> int:
+    """Weights from the sizes alone: the blocks' (each kind's `n_params`) and the embeddings' (norms, gains and
+    position tables aside: a lower bound within 1% of the built model's count)."""
+    kind = build("block", BLOCKS, cfg.block, resolve(cfg))
+    return kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
