@@ -16,13 +16,12 @@ sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "co
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
+    from lmlab import env
     from lmlab.registry import PositiveInt, check_value
 
     check_value("threads", cfg.threads, PositiveInt | None)  # the other arguments: evaluate() checks them first
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(int(cfg.threads))
+    env.offline()
+    env.set_threads(cfg.threads)
     if cfg.compare:
         from lmlab.compare import compare
 

@@ -76,10 +76,10 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
     if vocab_size is None and cfg.model.get("vocab_size") is None:
         from omegaconf import OmegaConf
 
+        from lmlab import env
         from lmlab.data import build_datamodule
-        from lmlab.training import setup_env
 
-        setup_env(cfg)
+        env.setup(cfg)
         data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
                                 seed=cfg.seed)
         data.prepare_data()

@@ -13,6 +13,7 @@ from typing import Annotated, Any, TextIO
 
 import torch
 
+from lmlab import env
 from lmlab.memory import check_generation_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.gpt import GPT
@@ -113,8 +114,7 @@ def run_generate(cfg: Any) -> None:
         raise SystemExit("generate.py needs run=<run dir>")
     args = {k: cfg[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "n")}
     check_values("", args, parameter_types(generate_text))
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    env.set_threads(cfg.threads)
     texts = generate_text(str(cfg.run), str(cfg.prompt), **args, stream=sys.stdout)
     for i, text in enumerate(texts[1:], start=2):
         print(f"\n--- sample {i} ---\n{text}")

@@ -338,12 +338,6 @@ class RunDir:
         return "killed" if self.holds_run() else "empty"
 
 
-def is_rank_zero() -> bool:
-    """Whether this process is the job's global rank 0, from the launchers' environment (torchrun, SLURM,
-    Lightning's own DDP launcher); works before any Trainer exists."""
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
-
-
 class RunLock:
     """An exclusive `flock` on `<run dir>/.lmlab.lock`, holding a line that names the holder. Also guards other
     directories lmlab writes once for many jobs (token shards: `wait=True`, the second job waits).

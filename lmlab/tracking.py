@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lmlab.rundir import RunDir, is_rank_zero, strict_json
+from lmlab.env import is_rank_zero
+from lmlab.rundir import RunDir, strict_json
 
 _DATE, _TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
 # Keys of the W&B logger's config that are wandb.init's, not Lightning's (the rest go to Lightning's WandbLogger).

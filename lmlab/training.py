@@ -17,44 +17,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lmlab import env
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
-from lmlab.rundir import RunDir, RunLock, is_rank_zero, load_checkpoint, load_run, model_config
+from lmlab.rundir import RunDir, RunLock, load_checkpoint, load_run, model_config
 
 
 def setup_env(cfg: DictConfig) -> None:
-    """The HF hub is never reached (W&B's mode is lmlab.tracking's); warnings; threads; malloc."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(LeafSpec|litlogger|weights_only|does not have many workers).*")
-    if cfg.get("threads"):
-        import torch
-
-        torch.set_num_threads(int(cfg.threads))
-    if cfg.get("malloc") == "keep":
-        keep_freed_memory()
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory in the process: no mmap for big blocks, no trimming of the heap's top.
-
-    By default glibc returns big blocks (and the heap's free top) to the OS on free, so each CPU training step
-    page-faults its largest activations back in: ~40k faults per step at the benchmark's default size, a few % of
-    a step. The process keeps its high-water mark instead. Nothing happens without glibc.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    for option, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0), (m_top_pad, 64 << 20)):
-        libc.mallopt(option, value)
+    """The run's process environment (lmlab.env.setup): kept under this name for callers of earlier lmlab."""
+    env.setup(cfg)
 
 
 def check_config(cfg: DictConfig) -> None:

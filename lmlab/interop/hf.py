@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lmlab import env
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
 from lmlab.memory import check_model_fits
@@ -176,11 +177,10 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
     """(lmlab GPT, tokenizer.json) of a transformers directory, read offline."""
-    import os
 
     import transformers
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env.offline()
     path = Path(path)
     tokenizer = path / "tokenizer.json"
     if not tokenizer.is_file():

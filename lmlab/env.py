@@ -1,0 +1,58 @@
+"""The process environment, in one place: the Hugging Face hub offline, torch's threads, glibc's malloc, lmlab's
+warning filters, and which rank this process is. Every entry point (train.py, eval.py, generate.py, the bench,
+`build_model`) sets it up through `setup`; W&B's mode is `lmlab.tracking`'s."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+
+def offline() -> None:
+    """The Hugging Face hub and datasets offline unless the user said otherwise (they read these once, at import:
+    call before importing them)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads (None: torch's default, every core)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def setup(cfg: Mapping[str, Any]) -> None:
+    """A run's environment from its config: offline, lmlab's warning filters, `threads`, `malloc`."""
+    offline()
+    warnings.filterwarnings("ignore", message=".*(LeafSpec|litlogger|weights_only|does not have many workers).*")
+    set_threads(cfg.get("threads"))
+    if cfg.get("malloc") == "keep":
+        keep_freed_memory()
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory in the process: no mmap for big blocks, no trimming of the heap's top.
+
+    By default glibc returns big blocks (and the heap's free top) to the OS on free, so each CPU training step
+    page-faults its largest activations back in: ~40k faults per step at the benchmark's default size, a few % of
+    a step. The process keeps its high-water mark instead. Nothing happens without glibc.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    for option, value in ((m_trim_threshold, 2**31 - 1), (m_mmap_max, 0), (m_top_pad, 64 << 20)):
+        libc.mallopt(option, value)
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is the job's global rank 0, from the launchers' environment (torchrun, SLURM,
+    Lightning's own DDP launcher); works before any Trainer exists."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
