@@ -10,43 +10,20 @@ overrides (an architecture) with the lowest objective: best val loss, +inf for a
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmlab.data.tasks import TASKS
 from lmlab.plots import plot_curves, plot_init_profile, read_metrics
-from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
+from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
+from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
 
 SEED, LR = "seed", "optim.lr"
 FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s")  # over seeds
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
-def write_table(rows: Sequence[dict[str, Any]], cols: Sequence[str], stem: Path, md_cols: Sequence[str] | None = None,
-                md_cell: Callable[[dict[str, Any], str], str] | None = None) -> str:
-    """Write stem.md and stem.csv; return the markdown. The markdown shows `md_cols` (default: `cols`), each cell
-    `md_cell(row, col)` (default: the value)."""
-    md_cols, md_cell = md_cols or cols, md_cell or (lambda r, c: _fmt(r.get(c)))
-    lines = ["| " + " | ".join(md_cols) + " |", "|" + "---|" * len(md_cols)]
-    lines += ["| " + " | ".join(md_cell(r, c) for c in md_cols) + " |" for r in rows]
-    md = "\n".join(lines) + "\n"
-    atomic_write(stem.with_suffix(".md"), md)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(cols), extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(stem.with_suffix(".csv"), buf.getvalue())
-    return md
 
 
 def find_runs(sweep_dir: Path) -> list[Path]:
@@ -195,34 +172,6 @@ def _mean_sd(row: dict[str, Any], col: str) -> str:
     return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
 
 
-def probe_section(sweep_dir: Path, runs: Sequence[Path], overrides: dict[Path, dict[str, str]],
-                  keys: Sequence[str]) -> str:
-    """For the runs that hold a probe.json (data=position_probe): compare_probe.{md,csv}, one row per variant (its
-    seeds averaged) with the mean accuracy, error |argmax − position| and p(true position) over positions, and
-    plots/position_probe.png, accuracy and error at each position per variant. "" when no run has one."""
-    if not any((r / "probe.json").is_file() for r in runs):
-        return ""
-    from lmlab.data.probe import read_probe
-    from lmlab.plots import plot_probe
-
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in runs:
-        if (probe := read_probe(r)) is not None:
-            groups.setdefault(tuple(overrides[r].get(k, "") for k in keys), []).append(probe)
-    rows, curves = [], {}
-    for key, probes in groups.items():
-        label = ",".join(f"{k}={v}" for k, v in zip(keys, key)) or "run"
-        rows.append({**dict(zip(keys, key)), "n": len(probes), "step": probes[0]["step"],
-                     **{f: statistics.fmean(p[f"mean_{f}"] for p in probes) for f in ("accuracy", "error", "p_true")},
-                     "chance_accuracy": probes[0]["chance_accuracy"]})
-        per_position = {f: [statistics.fmean(v) for v in zip(*(p[f] for p in probes))] for f in ("accuracy", "error")}
-        curves[label] = {"position": probes[0]["position"], **per_position}
-    plot_probe(curves, sweep_dir / "plots" / "position_probe.png")
-    cols = [*keys, "n", "step", "accuracy", "error", "p_true", "chance_accuracy"]
-    return ("\nPosition probe (accuracy and |argmax − position| over the positions; plots/position_probe.png)\n\n"
-            + write_table(rows, cols, sweep_dir / "compare_probe"))
-
-
 def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
     seed varies, compare_variants.{md,csv}. Returns the rows and the markdown of the tables."""
@@ -286,5 +235,6 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
-    md += probe_section(sweep_dir, runs, overrides, variant_keys)
+    for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
+        md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

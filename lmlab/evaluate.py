@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.config import GPTConfig
+from lmlab.data.tasks import module_class
 from lmlab.memory import check_attention_fits
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
@@ -24,6 +25,7 @@ from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
 from lmlab.rundir import RunDir, atomic_write, dumps, load_model, load_run  # noqa: F401  (load_model: public here)
+from lmlab.tables import write_table
 
 COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
 
@@ -48,15 +50,14 @@ def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
     """The run's validation data, tokenized with the run's own tokenizer.json."""
     from omegaconf import OmegaConf
 
-    from lmlab.data import TASKS, TextDataModule
 
     data = OmegaConf.to_container(OmegaConf.create({"data": run_cfg["data"]}), resolve=True)["data"]
-    if data.get("name") in TASKS:
+    if not module_class(data.get("name")).evaluable:
         raise ValueError(f"run={run_dir} trained on data={data['name']}, a task, not text: eval.py measures loss on "
                          f"a corpus's validation text. The task's own figures are in <run>/probe.json and "
                          f"summary.json; eval.py compare=<sweep> tabulates and plots them")
     data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")  # the run's own tokenizer
-    dm = TextDataModule(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
+    dm = module_class(data.get("name"))(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))
     dm.setup("validate")
     return dm
 
@@ -202,7 +203,6 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
 
 
 def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]], out: Path) -> None:
-    from lmlab.compare import write_table
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "eval.json", dumps({**result, "per_position": curves}))

@@ -55,7 +55,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "wall_time_s": wall_time,
         "n_params": lit.model.num_params(),
         "overrides": overrides,
-        **(data.figures() if hasattr(data, "figures") else {}),  # a task's own figures (data=position_probe)
+        **data.figures(),  # a task's own figures (data=position_probe); a corpus has none
         "error": error,
         "model": lit.hparams.model,
         "config": config,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab import env
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.data.datamodule import DATA_KEYS
 from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
@@ -35,22 +36,20 @@ def check_config(cfg: DictConfig) -> None:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
     and ranges from each option's signature), the run's own keys, the devices, and the attention's memory."""
     import warnings
-    from typing import Annotated, Literal
+    from typing import Literal
 
     import torch
 
     from lmlab.lit import validate_optim
     from lmlab.memory import check_attention_fits
-    from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, Range, check_values
+    from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
     gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256))
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
-    run_keys = {  # the keys of train.yaml and the shared ones of conf/data, typed like an option's keys
+    run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
-        "trainer.max_steps": PositiveInt, "data.batch_size": PositiveInt, "data.vocab_size": PositiveInt,
-        "data.val_fraction": Annotated[float, Range(gt=0, lt=1)], "data.val_windows": PositiveInt | None,
-        "data.num_workers": NonNegativeInt, "perf.peak_flops": PositiveFloat | None,
-        "trainer.num_nodes": PositiveInt,
+        "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
+        **{f"data.{k}": t for k, t in DATA_KEYS.items()},
     }
     absent = object()
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
@@ -291,7 +290,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
-    task = data.callbacks(run.path) if hasattr(data, "callbacks") else []  # a task's own metrics (data=position_probe)
+    task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins

@@ -332,7 +332,7 @@ def test_hf_reads_a_local_dataset_like_text_files(tmp_path: Path, corpus: list[P
     from lmlab import compose
     from lmlab.data import TASKS
 
-    for preset in stems - set(CORPORA) - TASKS:  # presets (bpe50k: a tokenizer on a corpus) extend a loader's YAML
+    for preset in stems - set(CORPORA) - set(TASKS):  # presets (bpe50k: a tokenizer on a corpus) extend a loader's YAML
         assert compose([f"data={preset}"]).data.name in CORPORA, preset
 
 

@@ -12,7 +12,6 @@ from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, load_tokenizer
 
 __all__ = [
     "CORPORA",
-    "TASKS",
     "TOKENIZERS",
     "TextDataModule",
     "build_datamodule",
@@ -23,17 +22,12 @@ __all__ = [
 ]
 
 
-TASKS = {"position_probe"}  # synthetic tasks with their own data module; every other data.name is a corpus
-
-
 def build_datamodule(data: dict[str, Any], *, seq_len: int, seed: int) -> Any:
-    """The data module for the composed `data` group (a plain dict): the position probe (`probe.py`) for
-    `data=position_probe`, `TextDataModule` over a corpus for every other option."""
-    if data.get("name") == "position_probe":
-        from lmlab.data.probe import PositionProbeDataModule as Module
-    else:
-        from lmlab.data.datamodule import TextDataModule as Module
-    return Module(data, seq_len=seq_len, seed=seed)
+    """The data module for the composed `data` group (a plain dict): a task's own (`lmlab.data.tasks.TASKS`), or
+    `TextDataModule` over a corpus."""
+    from lmlab.data import tasks  # Lightning: not for the shard workers and tokenizer-only users importing lmlab.data
+
+    return tasks.build(data, seq_len=seq_len, seed=seed)
 
 
 def __getattr__(name: str) -> Any:
@@ -41,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from lmlab.data.datamodule import TextDataModule
 
         return TextDataModule
+    if name == "TASKS":  # the registry of data tasks (lmlab.data.tasks), imported on first use as TextDataModule is
+        from lmlab.data.tasks import TASKS
+
+        return TASKS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

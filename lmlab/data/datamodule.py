@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -41,7 +41,7 @@ from lmlab.data import shards
 from lmlab.data.corpus import CORPORA
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
-from lmlab.registry import PositiveInt, check_values, option_params
+from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values, option_params
 from lmlab.rundir import RunLock, atomic_write, remember
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,13 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-# The shard keys of every conf/data corpus YAML, typed like an option's keys (checked at construction).
-SHARD_KEYS = {"num_proc": PositiveInt, "tokenizer_sample": PositiveInt | None, "shard_size": PositiveInt,
-              "eod": str | None}
+# The keys every corpus shares (conf/data_base/corpus.yaml), typed like an option's keys: checked before training
+# (lmlab.training.check_config) and at construction. A task (data=position_probe) has the loader's keys only.
+DATA_KEYS = {"batch_size": PositiveInt, "vocab_size": PositiveInt,
+             "val_fraction": Annotated[float, Range(gt=0, lt=1)], "val_windows": PositiveInt | None,
+             "num_workers": NonNegativeInt, "num_proc": PositiveInt | None, "tokenizer_sample": PositiveInt | None,
+             "shard_size": PositiveInt, "eod": str | None}
+SHARD_KEYS = {k: DATA_KEYS[k] for k in ("num_proc", "tokenizer_sample", "shard_size", "eod")}  # the shards' recipe
 
 
 def usable_cpus() -> int:
@@ -376,6 +380,20 @@ class TextDataModule(pl.LightningDataModule):
     def save_tokenizer(self, path: str | Path) -> None:
         self._require_setup()
         save_tokenizer(self.tokenizer, path)
+
+    # --- the task protocol (lmlab.data.tasks): a corpus has no callbacks, figures or compare section of its own ---
+
+    evaluable = True
+
+    def callbacks(self, run_dir: str | Path) -> list[Any]:
+        return []
+
+    def figures(self) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def compare_section(sweep_dir: Path, runs: Any, overrides: Any, keys: Any) -> str:
+        return ""
 
     # --- checkpoint: refuse to resume with another tokenizer ---
 

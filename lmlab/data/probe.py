@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lmlab.tables import write_table
 
 NAME = "position_probe"
 PROBE_FILE = "probe.json"
@@ -133,6 +136,8 @@ class PositionProbeDataModule(pl.LightningDataModule):
 
         atomic_write(path, self.tokenizer.to_str())
 
+    evaluable = False  # eval.py's loss per length is a corpus's figure: the probe's are its own (probe.json)
+
     def callbacks(self, run_dir: str | Path) -> list[Callback]:
         return [ProbeMetrics(self, Path(run_dir))]
 
@@ -142,6 +147,34 @@ class PositionProbeDataModule(pl.LightningDataModule):
         return {"probe_accuracy": last.get("mean_accuracy"), "probe_error": last.get("mean_error"),
                 "probe_p_true": last.get("mean_p_true"), "probe_chance_accuracy": 1.0 / self.seq_len,
                 "probe_step": last.get("step")}
+
+    @staticmethod
+    def compare_section(sweep_dir: Path, runs: Sequence[Path], overrides: dict[Path, dict[str, str]],
+                        keys: Sequence[str]) -> str:
+        """For the runs that hold a probe.json (data=position_probe): compare_probe.{md,csv}, one row per variant (its
+        seeds averaged) with the mean accuracy, error |argmax − position| and p(true position) over positions, and
+        plots/position_probe.png, accuracy and error at each position per variant. "" when no run has one."""
+        if not any((r / "probe.json").is_file() for r in runs):
+            return ""
+        from lmlab.plots import plot_probe  # matplotlib: imported when there is something to draw
+
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for r in runs:
+            if (probe := read_probe(r)) is not None:
+                groups.setdefault(tuple(overrides[r].get(k, "") for k in keys), []).append(probe)
+        rows, curves = [], {}
+        for key, probes in groups.items():
+            label = ",".join(f"{k}={v}" for k, v in zip(keys, key)) or "run"
+            means = {f: statistics.fmean(p[f"mean_{f}"] for p in probes) for f in ("accuracy", "error", "p_true")}
+            rows.append({**dict(zip(keys, key)), "n": len(probes), "step": probes[0]["step"], **means,
+                         "chance_accuracy": probes[0]["chance_accuracy"]})
+            per_position = {f: [statistics.fmean(v) for v in zip(*(p[f] for p in probes))]
+                            for f in ("accuracy", "error")}
+            curves[label] = {"position": probes[0]["position"], **per_position}
+        plot_probe(curves, sweep_dir / "plots" / "position_probe.png")
+        cols = [*keys, "n", "step", "accuracy", "error", "p_true", "chance_accuracy"]
+        return ("\nPosition probe (accuracy and |argmax − position| over the positions; plots/position_probe.png)\n\n"
+                + write_table(rows, cols, sweep_dir / "compare_probe"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokenizer_sha256": self.tokenizer_sha256, "seq_len": self.seq_len}

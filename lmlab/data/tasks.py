@@ -1,0 +1,31 @@
+"""Which data module a `data` option is, and what the rest of lmlab may ask of one (the task protocol).
+
+A corpus (every `data.name` that is not a task) is read by `TextDataModule`; a synthetic task brings its own data
+module (`data=position_probe`: `lmlab.data.probe`). The training loop, the summary, eval and compare ask every data
+module the same things, and a corpus answers with nothing:
+
+- `callbacks(run_dir)`: the task's own callbacks (its metrics, its files in the run directory);
+- `figures()`: what `summary.json` records of it;
+- `evaluable`: whether `eval.py run=`'s loss per length applies to its runs;
+- `compare_section(sweep_dir, runs, overrides, keys)`: its own tables and plots in `eval.py compare=` ("" for none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmlab.data.datamodule import TextDataModule
+from lmlab.data.probe import NAME as PROBE
+from lmlab.data.probe import PositionProbeDataModule
+
+TASKS = {PROBE: PositionProbeDataModule}  # data.name -> its data module; every other name is a corpus
+
+
+def module_class(name: str | None) -> type:
+    """The data module class of the option `data.name`."""
+    return TASKS.get(name or "", TextDataModule)
+
+
+def build(data: dict[str, Any], *, seq_len: int, seed: int) -> Any:
+    """The data module for the composed `data` group (a plain dict)."""
+    return module_class(data.get("name"))(data, seq_len=seq_len, seed=seed)
