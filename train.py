@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float:
         return math.inf  # the worst value a search can see, not an error that ends it
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
-    from lmlab.rundir import is_rank_zero
+    from lmlab.env import is_rank_zero
 
     if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
         from lmlab.interrupt import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's error)

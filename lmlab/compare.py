@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmlab import names
 from lmlab.data.tasks import TASKS
 from lmlab.plots import plot_curves, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
@@ -39,7 +40,7 @@ def _incomplete(run: Path) -> dict[str, Any]:
     """What a run without a summary shows: its state (running / killed) and the last step in metrics.csv."""
     series = read_metrics(run / METRICS) if (run / METRICS).exists() else {}
     steps = max((s for points in series.values() for s, _ in points), default=None)
-    vals = series.get("val/loss", [])
+    vals = series.get(names.VAL_LOSS, [])
     return {"status": RunDir(run).state(), "steps": steps, "final_val_loss": vals[-1][1] if vals else None,
             "best_val_loss": min(v for _, v in vals) if vals else None, "overrides": []}
 
@@ -229,9 +230,10 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
         if (r / METRICS).exists():
             series.setdefault(name(r, variant_keys), []).append(read_metrics(r / METRICS))
     plots = sweep_dir / "plots"
-    plot_curves(series, "train/loss", plots / "train_loss.png", title="training loss")
-    plot_curves(series, "val/loss", plots / "val_loss.png", title="validation loss")
-    plot_curves(series, "grad/norm", plots / "grad_norm.png", log=True, title="global gradient norm (before clipping)")
+    plot_curves(series, names.TRAIN_LOSS, plots / "train_loss.png", title="training loss")
+    plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
+    plot_curves(series, names.GRAD_NORM, plots / "grad_norm.png", log=True,
+                title="global gradient norm (before clipping)")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
+from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.monitor import Divergence, local, sum_over_shards
@@ -81,11 +82,11 @@ class LitGPT(L.LightningModule):
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
         if self.logs_now():
-            self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
+            self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
             self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
-            self.log("tokens", torch.tensor(self.tokens_seen, dtype=torch.float64))
+            self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
         return loss
 
     def logs_now(self) -> bool:
@@ -95,11 +96,11 @@ class LitGPT(L.LightningModule):
         return self.trainer._logger_connector.should_update_logs
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
+        self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
 
     def on_validation_epoch_end(self) -> None:
-        if (loss := self.trainer.callback_metrics.get("val/loss")) is not None and not self.trainer.sanity_checking:
-            self.log("val/ppl", math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
+        if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:
+            self.log(names.VAL_PPL, math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
             self.val_history.append((self.global_step, float(loss)))
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -110,7 +111,7 @@ class LitGPT(L.LightningModule):
         self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts
         self._grad_norm = norm  # clipping reuses it
         if self.logs_now():
-            self.log("grad/norm", norm)
+            self.log(names.GRAD_NORM, norm)
 
     def configure_optimizers(self) -> dict:
         optim = dict(self.hparams.optim)

@@ -23,6 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lmlab import names
+
 
 class Divergence:
     """Decides when a run has failed.
@@ -78,9 +80,9 @@ def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
         for attr in block.sublayer_names:
             module = getattr(block, attr)
             params = list(module.parameters())
-            groups[f"layer_{i:02d}/{getattr(module, 'sublayer', attr)}"] = params
+            groups[f"{names.layer(i)}/{getattr(module, 'sublayer', attr)}"] = params
             taken.update(params)
-        groups[f"layer_{i:02d}/norm"] = [p for p in block.parameters() if p not in taken]
+        groups[f"{names.layer(i)}/norm"] = [p for p in block.parameters() if p not in taken]
     embed = {id(p) for p in groups["embed"]}
     groups["head"] = [p for p in list(model.ln_f.parameters()) + list(model.lm_head.parameters())
                       if id(p) not in embed]  # a tied head is counted once, with the embeddings
@@ -206,7 +208,7 @@ class StabilityMonitor(Callback):
                 self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i)))
             for attr in block.sublayer_names:
                 module = getattr(block, attr)
-                name = f"act/ratio/layer_{i:02d}/{getattr(module, 'sublayer', attr)}"
+                name = names.per_layer(names.ACT_RATIO, i, getattr(module, "sublayer", attr))
                 self._hooks.append(module.register_forward_hook(self._ratio_hook(name)))
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -256,8 +258,8 @@ class StabilityMonitor(Callback):
         layers = sorted({k.split("/")[0] for k in norms if k.startswith("layer_")})
         per_layer = {layer: math.sqrt(sum(norms[k] ** 2 for k in norms if k.startswith(layer + "/")))
                      for layer in layers}
-        metrics = {f"grad/norm/{k}": v for k, v in norms.items() if not k.endswith("/norm")}
-        metrics.update({f"grad/norm/{k}": v for k, v in per_layer.items()})
+        metrics = {names.grad_norm(k): v for k, v in norms.items() if not k.endswith("/norm")}
+        metrics.update({names.grad_norm(k): v for k, v in per_layer.items()})
         if first:
             self.profile = {"embed": norms["embed"], **per_layer, "head": norms["head"]}
             self._log_profile(trainer)
@@ -265,7 +267,7 @@ class StabilityMonitor(Callback):
             params = {k: [p for p in ps] for k, ps in self.groups.items()}
             pnorms = self._norms(trainer, params)
             for layer in layers:
-                metrics[f"param/norm/{layer}"] = math.sqrt(sum(pnorms[k] ** 2 for k in pnorms
+                metrics[f"{names.PARAM_NORM}/{layer}"] = math.sqrt(sum(pnorms[k] ** 2 for k in pnorms
                                                                if k.startswith(layer + "/")))
             self._before = {layer: [p.detach().clone() for k in self.groups if k.startswith(layer + "/")
                                     for p in self.groups[k]] for layer in layers}
@@ -287,26 +289,26 @@ class StabilityMonitor(Callback):
                 den.append(_sq(self._before[layer]))
             sq = self._reduce_sq(trainer, torch.stack(num + den))
             for j, layer in enumerate(layers):
-                metrics[f"update/ratio/{layer}"] = math.sqrt(sq[j] / max(float(sq[len(layers) + j]), 1e-30))
+                metrics[f"{names.UPDATE_RATIO}/{layer}"] = math.sqrt(sq[j] / max(float(sq[len(layers) + j]), 1e-30))
             self._before = None
         if self._out_before is not None:
             after = self._probe_logits(pl_module)
             change = (after - self._out_before).norm() / self._out_before.norm().clamp_min(1e-30)
-            metrics["update/output_change"] = float(change)
+            metrics[names.OUTPUT_CHANGE] = float(change)
             self._out_before = None
         if self._ratio:
-            names = list(self._ratio)
-            sq = torch.stack([torch.stack(self._ratio[k]) for k in names])  # (sublayers, 2): ‖F(x)‖², ‖x‖²
+            ratios = list(self._ratio)
+            sq = torch.stack([torch.stack(self._ratio[k]) for k in ratios])  # (sublayers, 2): ‖F(x)‖², ‖x‖²
             sq = trainer.strategy.reduce(sq, reduce_op="sum") if trainer.world_size > 1 else sq
-            metrics.update({k: math.sqrt(out / max(inp, 1e-30)) for k, (out, inp) in zip(names, sq.tolist())})
+            metrics.update({k: math.sqrt(out / max(inp, 1e-30)) for k, (out, inp) in zip(ratios, sq.tolist())})
         if self._act:
             ms = torch.stack([self._act[i] for i in sorted(self._act)])
             ms = trainer.strategy.reduce(ms, reduce_op="mean") if trainer.world_size > 1 else ms
-            metrics.update({f"act/rms/layer_{i:02d}": v for i, v in enumerate(ms.sqrt().tolist())})
+            metrics.update({names.per_layer(names.ACT_RMS, i): v for i, v in enumerate(ms.sqrt().tolist())})
         if self._attn_in and self._due(step, self.attn_every):
             metrics.update(self._attention_stats(trainer, pl_module))
         if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
-            metrics["train/loss_vs_unigram"] = float(outputs["loss"]) - self.unigram
+            metrics[names.LOSS_VS_UNIGRAM] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
         self._ratios_due, self._ratio = False, {}
         if metrics:
@@ -344,17 +346,17 @@ class StabilityMonitor(Callback):
         distributions = [attention_sublayer(block).score.sums_to_one for block in model.h]
         for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):
             if distributions[i]:
-                out[f"attn/entropy/layer_{i:02d}"] = ent
-            out[f"attn/max_logit/layer_{i:02d}"] = m
+                out[names.per_layer(names.ATTN_ENTROPY, i)] = ent
+            out[names.per_layer(names.ATTN_MAX_LOGIT, i)] = m
         return out
 
     def _log_profile(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
-        names, values = list(self.profile), list(self.profile.values())
+        parts, values = list(self.profile), list(self.profile.values())
         for logger in trainer.loggers:
             if hasattr(logger, "log_table"):  # W&B
-                logger.log_table("grad_norm_at_init", columns=["part", "grad_norm"], data=list(zip(names, values)))
+                logger.log_table("grad_norm_at_init", columns=["part", "grad_norm"], data=list(zip(parts, values)))
         if self.plot_dir:
             from lmlab.plots import plot_init_profile
 

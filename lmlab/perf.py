@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lmlab import names
+
 FLOPS_FORMULA = "train 6*N + 12*L*T*d FLOPs/token, eval 2*N + 4*L*T*d (N = matmul weights, tied head once)"
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, without sparsity), matched as whole words of
@@ -83,9 +85,9 @@ class Throughput(Callback):
         now, tokens = time.perf_counter(), pl_module.tokens_seen
         if now > self._since and tokens > self._tokens:
             rate = (tokens - self._tokens) / (now - self._since)  # the global batch's tokens under DDP
-            pl_module.log("perf/tokens_per_s", torch.tensor(rate, dtype=torch.float64))  # a CPU tensor: no copy
+            pl_module.log(names.TOKENS_PER_S, torch.tensor(rate, dtype=torch.float64))  # a CPU tensor: no copy
             if self.peak:
                 mfu = rate * self.flops_per_token / (self.peak * trainer.world_size)
-                pl_module.log("perf/mfu", torch.tensor(mfu, dtype=torch.float64))
-        pl_module.log("perf/max_memory", torch.tensor(max_memory_gib(pl_module.device), dtype=torch.float64))
+                pl_module.log(names.MFU, torch.tensor(mfu, dtype=torch.float64))
+        pl_module.log(names.MAX_MEMORY, torch.tensor(max_memory_gib(pl_module.device), dtype=torch.float64))
         self._since, self._tokens = now, tokens

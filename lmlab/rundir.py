@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmlab.env import is_rank_zero  # noqa: F401  (importable from here, as in earlier lmlab)
+
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"
 BEST = "best.ckpt"

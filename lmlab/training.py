@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab import env
+from lmlab import env, names
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
 from lmlab.data.datamodule import DATA_KEYS
 from lmlab.env import is_rank_zero
@@ -25,6 +25,7 @@ from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
 from lmlab.rundir import RunDir, RunLock, load_checkpoint, load_run, model_config
+from lmlab.summary import FINISHED
 
 
 def setup_env(cfg: DictConfig) -> None:
@@ -237,7 +238,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.perf import Throughput, flops_per_token
     from lmlab.progress import progress_bar
     from lmlab.rundir import atomic_checkpoint_io
-    from lmlab.summary import FINISHED, STATUSES, record, summarize
+    from lmlab.summary import STATUSES, record, summarize
     from lmlab.tracking import Tracking
 
     # --- everything that can refuse the start, before the run directory is touched ---
@@ -286,7 +287,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         if saved is None or not run.tokenizer.is_file():  # a resume has checked it builds the run's tokenizer
             data.save_tokenizer(run.tokenizer)
 
-    checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor="val/loss", mode="min",
+    checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor=names.VAL_LOSS, mode="min",
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))

@@ -1,0 +1,34 @@
+"""What lmlab logs, by name: one vocabulary for the training loop, the stability monitor, the throughput callback,
+compare, plots and tracking (metrics.csv columns and W&B keys; the slashes group them into W&B panels). A figure's
+name is written once, here; every module that logs or reads one imports it."""
+
+from __future__ import annotations
+
+TRAIN_LOSS = "train/loss"
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+TOKENS = "tokens"  # tokens trained on so far
+GRAD_NORM = "grad/norm"  # global, before clipping; per part: grad_norm(part)
+LOSS_VS_UNIGRAM = "train/loss_vs_unigram"  # the train loss minus the unigram entropy of the training split
+OUTPUT_CHANGE = "update/output_change"  # ||f(x; θ_t+1) − f(x; θ_t)|| / ||f(x; θ_t)|| on the monitor's probe
+PERF = "perf/"  # the machine's figures (differ between any two runs): tokens/s, MFU, memory
+TOKENS_PER_S, MFU, MAX_MEMORY = f"{PERF}tokens_per_s", f"{PERF}mfu", f"{PERF}max_memory"
+
+# Per-layer figures: <prefix>/layer_XX[/<sublayer>]
+PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "act/rms", "act/ratio"
+ATTN_ENTROPY, ATTN_MAX_LOGIT = "attn/entropy", "attn/max_logit"
+
+
+def layer(i: int) -> str:
+    """A block's name in the figures: layer_00, layer_01, ..."""
+    return f"layer_{i:02d}"
+
+
+def per_layer(prefix: str, i: int, sublayer: str | None = None) -> str:
+    """`<prefix>/layer_XX`, or `<prefix>/layer_XX/<sublayer>` (attn, ffn, gau)."""
+    return f"{prefix}/{layer(i)}" + (f"/{sublayer}" if sublayer else "")
+
+
+def grad_norm(part: str) -> str:
+    """grad/norm/<part>: a layer (layer_03, layer_03/attn), embed or head."""
+    return f"{GRAD_NORM}/{part}"
