@@ -18,14 +18,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab import env, names
-from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.config import arch_config
 from lmlab.data.datamodule import DATA_KEYS
 from lmlab.env import is_rank_zero
-from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
-from lmlab.model.resolve import resolve
-from lmlab.rundir import RunDir, RunLock, load_checkpoint, load_run, model_config
-from lmlab.summary import FINISHED
+from lmlab.plan import (  # noqa: F401  (check_same_arch, prepare_init_from, ...: importable here, as before)
+    EXTENSIBLE,
+    RESUME_MODES,
+    check_same_arch,
+    check_same_data,
+    load_init_from,
+    make_plan,
+    prepare_init_from,
+    resume_checkpoint,
+    resume_mode,
+)
+from lmlab.rundir import RunDir, RunLock
 
 
 def setup_env(cfg: DictConfig) -> None:
@@ -111,90 +119,6 @@ def check_launch(devices: Any, num_nodes: int) -> None:
             raise ValueError(f"{key}={value} but {launcher} started {flag}={have}; use {key}={have}")
 
 
-# Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
-EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
-RESUME_MODES = ("auto", "true", "false")
-
-
-def resume_mode(cfg: DictConfig) -> str:
-    """`resume`: auto (continue when the run directory holds a checkpoint, else start), true (a checkpoint is
-    required) or false (start; a directory that holds a run is refused unless overwrite=true)."""
-    value = cfg.get("resume", "auto")
-    mode = {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else str(value).lower()
-    if mode not in RESUME_MODES:
-        raise ValueError(f"resume={value!r} is not an option; choose one of {list(RESUME_MODES)}")
-    if not isinstance(cfg.get("overwrite", False), bool):
-        raise ValueError(f"overwrite={cfg.overwrite!r} must be true or false")
-    return mode
-
-
-def resume_checkpoint(run: RunDir, mode: str, overwrite: bool) -> Path | None:
-    """The checkpoint this start continues from (None: a fresh start), or a refusal naming the path."""
-    ckpt = run.checkpoint()
-    if mode == "true" and ckpt is None:
-        raise FileNotFoundError(f"resume=true: {run.last} does not exist, so there is nothing to continue; "
-                                f"resume=auto starts a fresh run when there is no checkpoint")
-    if mode == "false" and run.holds_run() and not overwrite:
-        raise FileExistsError(f"resume=false: {run.path} already holds a run; continue it with resume=auto, or start "
-                              f"over with overwrite=true (which deletes its checkpoints, metrics and summary)")
-    return ckpt if mode != "false" else None
-
-
-def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
-    """For `init_from=<run dir>`: use the source run's tokenizer, and scale RoPE relative to the length the
-    source was trained at. For `init_from=<transformers dir>` (save_pretrained, e.g. from eval.py export=hf), the
-    config takes that model's architecture too. Returns the source's model config and weights (None without
-    init_from)."""
-    if not cfg.get("init_from"):
-        return None
-    source = RunDir(cfg.init_from)
-    if not source.path.is_dir():
-        raise FileNotFoundError(f"init_from={source.path}: no such run directory")
-    if is_hf_dir(source.path):  # a transformers checkpoint: its architecture is the one studied
-        model, tokenizer = load_hf_dir(source.path)
-        adopt(cfg, model.cfg)
-        model_cfg, weights = model.cfg.to_dict(), model.state_dict()
-        cfg.data.tokenizer = str(tokenizer)
-    else:
-        saved = load_run(source.path, "init_from")
-        model_cfg, weights = saved.model, saved.weights
-        if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
-            cfg.data.tokenizer = str(source.tokenizer)
-    if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
-        cfg.rope_scaling.original_max_len = model_cfg.get("train_len") or model_cfg["max_seq_len"]
-    return {"model": model_cfg, "weights": weights, "path": str(source.path)}
-
-
-def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_differ: tuple[str, ...] = ()) -> None:
-    """Refuse a checkpoint whose architecture differs from the config, naming every differing key. Both are compared
-    resolved and without their derived sizes: a record saved before the derived sizes were declared (or with a
-    RoPE scaling's `original_max_len` left null) is the same architecture as today's record of it."""
-    new, saved = (resolve(GPTConfig(**d)).inputs() for d in (new, saved))
-    differ = sorted(k for k in new if k not in may_differ and new[k] != saved.get(k))
-    if differ:
-        detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)
-        raise ValueError(f"{what}: the checkpoint's architecture doesn't match the config ({detail})")
-
-
-def check_same_data(what: str, data, saved: dict[str, Any]) -> None:
-    """Refuse a checkpoint trained with another tokenizer than the config builds now (it would read other ids)."""
-    state = saved.get(type(data).__qualname__) or {}
-    if state.get("tokenizer_sha256") not in (None, data.tokenizer_sha256):
-        raise ValueError(f"{what}: the checkpoint was trained with another tokenizer than data.tokenizer="
-                         f"{data.tokenizer_kind!r} builds now (different corpus, data.val_fraction or "
-                         f"data.vocab_size?); resume with the run's own data config")
-
-
-def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
-    """Copy the source run's weights into `model`, refusing when the architectures differ."""
-    check_same_arch(f"init_from={source['path']}", new, source["model"], EXTENSIBLE)
-    try:
-        model.load_state_dict(source["weights"])
-    except RuntimeError as err:  # a learned position table of another length, typically
-        raise ValueError(f"init_from={source['path']}: weights don't fit the config ({str(err).splitlines()[-1]}); "
-                         f"position=learned cannot change model.max_seq_len") from None
-
-
 def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str | None = None,
           callbacks: list | None = None, hydra: Any = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything into `run_dir`; return the summary. `group`: the W&B group (None:
@@ -231,7 +155,6 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    from lmlab.data import build_datamodule
     from lmlab.interrupt import EXIT_CODES, RunInterrupted, requeue_on_slurm
     from lmlab.lit import LitGPT
     from lmlab.monitor import StabilityMonitor
@@ -242,31 +165,13 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.tracking import Tracking
 
     # --- everything that can refuse the start, before the run directory is touched ---
-    source = prepare_init_from(cfg)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                            seed=cfg.seed)
-    data.prepare_data()
-    data.setup("fit")
-    gcfg = validate(arch_config(cfg, vocab_size=data.vocab_size))
-    ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
-    saved, resume_step, previous = None, 0, None  # previous: the summary a resume continues
-    if ckpt is not None:
-        what = f"resume={mode} ({ckpt})"
-        if ckpt.is_dir() and strategy_name(cfg) != "FSDP2Strategy":
-            raise ValueError(f"{what}: the checkpoint is sharded (written by trainer=fsdp2); continue it with "
-                             f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
-        saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
-        check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
-        check_same_arch(what, gcfg.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))
-        resume_step = int(saved["global_step"])
-        previous = run.read_summary()
-        ended = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
-            "completed" if resume_step >= cfg.trainer.max_steps else None)
-        if ended and (previous or {}).get("status") in FINISHED:  # a no-op: every file stays as it was
-            print(f"{run.path}: the run has ended ({previous['status']} at step {previous.get('steps')}; "
-                  f"trainer.max_steps={cfg.trainer.max_steps}): nothing to resume")
-            return previous
+    plan = make_plan(cfg, run, mode, strategy_name(cfg))
+    cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
+    resume_step, previous = plan.resume_step, plan.previous
+    if plan.ended:  # a no-op: every file stays as it was
+        print(f"{run.path}: the run has ended ({previous['status']} at step {previous.get('steps')}; "
+              f"trainer.max_steps={cfg.trainer.max_steps}): nothing to resume")
+        return previous
     unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
     lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,

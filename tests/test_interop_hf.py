@@ -213,13 +213,15 @@ def test_a_transformers_directory_is_studied_with_lmlabs_tools(corpus: Path, tmp
 
 def _llama_dir(path: Path, **config) -> Path:
     """A small transformers Llama saved with save_pretrained, and a tokenizer.json of its vocabulary."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     cfg = transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
                                              max_position_embeddings=32), **config})
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    Tokenizer(models.WordLevel({chr(65 + i): i for i in range(64)}, unk_token="A")).save(str(path / "tokenizer.json"))
+    tok = Tokenizer(models.WordLevel({chr(65 + i): i for i in range(64)}, unk_token="A"))  # one id per character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    tok.save(str(path / "tokenizer.json"))
     return path
 
 
@@ -267,3 +269,23 @@ def test_hf_import_refuses_a_config_too_large_for_the_machine_before_building(tm
                                          r"parameters and needs at least ~\d+\.\d GiB to build"):
         load_hf_dir(path)
     assert time.monotonic() - started < 30  # refused from the arithmetic, not after a build
+
+
+def test_the_plan_adopts_an_init_from_source_into_its_own_copy_of_the_config(corpus: Path, tmp_path: Path) -> None:
+    """plan -> accept -> fit -> record: what init_from=<transformers dir> adopts (its architecture, its tokenizer,
+    RoPE's reference length) is in the plan's effective config, and the caller's config is left as it was."""
+    from omegaconf import OmegaConf
+
+    from lmlab.plan import make_plan
+    from lmlab.rundir import RunDir
+
+    source = _llama_dir(tmp_path / "hf")
+    cfg = compose(tiny(corpus, tmp_path / "cache", f"init_from={source}", "rope_scaling=linear",
+                       "rope_scaling.factor=2"))
+    before = OmegaConf.to_yaml(cfg)
+    plan = make_plan(cfg, RunDir(tmp_path / "run"), "auto", "auto")
+    assert OmegaConf.to_yaml(cfg) == before  # no helper wrote into the caller's config
+    assert plan.cfg.data.tokenizer == str(source / "tokenizer.json") and plan.cfg.norm.name == "rms"
+    assert plan.cfg.rope_scaling.original_max_len == 32  # the source's trained length
+    assert plan.model.ffn_hidden == 64 and plan.model.n_layer == 2 and plan.source["path"] == str(source)
+    assert plan.ckpt is None and not plan.ended and not (tmp_path / "run").exists()  # nothing written

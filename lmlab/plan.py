@@ -1,0 +1,155 @@
+"""A run's plan: everything that decides what it will do, worked out before its directory is touched.
+
+`make_plan(cfg, run, mode)` turns the Hydra config into one `RunPlan`: the effective config (a copy: what `init_from=`
+adopts is written there, never into the caller's config; it is what `.hydra/config.yaml` and `summary.json` record),
+the resolved model record, the data module, the source an `init_from=` starts from, the checkpoint a resume
+continues and what it saved. Every refusal happens here, so a refused start writes nothing. `lmlab.training` then
+accepts the plan (writes the run directory), fits and records.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.seed import seed_everything
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.data import build_datamodule
+from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
+from lmlab.model.gpt import validate
+from lmlab.model.resolve import resolve
+from lmlab.rundir import RunDir, load_checkpoint, load_run, model_config
+from lmlab.summary import FINISHED
+
+
+@dataclass
+class RunPlan:
+    cfg: DictConfig  # the effective config (the caller's, plus what init_from adopted)
+    model: GPTConfig  # the model record, resolved and validated
+    data: Any  # the data module, set up
+    source: dict[str, Any] | None  # init_from: the source's model record, weights and path
+    ckpt: Path | None  # the checkpoint a resume continues (None: a fresh start)
+    saved: dict[str, Any] | None  # that checkpoint's metadata (its weights are Lightning's to load)
+    resume_step: int
+    previous: dict[str, Any] | None  # the summary a resume continues
+    ended: bool  # a resume of a run that has ended: nothing to do, every file stays as it is
+
+
+def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan:
+    """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
+    naming the key or path for anything that refuses the start."""
+    cfg = copy.deepcopy(cfg)
+    source = prepare_init_from(cfg)
+    seed_everything(cfg.seed, workers=True, verbose=False)  # after the source's model was read, as always: same numbers
+    data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                            seed=cfg.seed)
+    data.prepare_data()
+    data.setup("fit")
+    model = validate(arch_config(cfg, vocab_size=data.vocab_size))
+    ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
+    saved, resume_step, previous, ended = None, 0, None, False
+    if ckpt is not None:
+        what = f"resume={mode} ({ckpt})"
+        if ckpt.is_dir() and strategy != "FSDP2Strategy":
+            raise ValueError(f"{what}: the checkpoint is sharded (written by trainer=fsdp2); continue it with "
+                             f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
+        saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
+        check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
+        check_same_arch(what, model.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))
+        resume_step = int(saved["global_step"])
+        previous = run.read_summary()
+        status = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
+            "completed" if resume_step >= cfg.trainer.max_steps else None)
+        ended = bool(status) and (previous or {}).get("status") in FINISHED
+    return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
+                   previous=previous, ended=ended)
+
+
+# Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
+EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
+RESUME_MODES = ("auto", "true", "false")
+
+
+def resume_mode(cfg: DictConfig) -> str:
+    """`resume`: auto (continue when the run directory holds a checkpoint, else start), true (a checkpoint is
+    required) or false (start; a directory that holds a run is refused unless overwrite=true)."""
+    value = cfg.get("resume", "auto")
+    mode = {True: "true", False: "false"}.get(value, value) if isinstance(value, bool) else str(value).lower()
+    if mode not in RESUME_MODES:
+        raise ValueError(f"resume={value!r} is not an option; choose one of {list(RESUME_MODES)}")
+    if not isinstance(cfg.get("overwrite", False), bool):
+        raise ValueError(f"overwrite={cfg.overwrite!r} must be true or false")
+    return mode
+
+
+def resume_checkpoint(run: RunDir, mode: str, overwrite: bool) -> Path | None:
+    """The checkpoint this start continues from (None: a fresh start), or a refusal naming the path."""
+    ckpt = run.checkpoint()
+    if mode == "true" and ckpt is None:
+        raise FileNotFoundError(f"resume=true: {run.last} does not exist, so there is nothing to continue; "
+                                f"resume=auto starts a fresh run when there is no checkpoint")
+    if mode == "false" and run.holds_run() and not overwrite:
+        raise FileExistsError(f"resume=false: {run.path} already holds a run; continue it with resume=auto, or start "
+                              f"over with overwrite=true (which deletes its checkpoints, metrics and summary)")
+    return ckpt if mode != "false" else None
+
+
+def prepare_init_from(cfg: DictConfig) -> dict[str, Any] | None:
+    """For `init_from=<run dir>`: use the source run's tokenizer, and scale RoPE relative to the length the
+    source was trained at. For `init_from=<transformers dir>` (save_pretrained, e.g. from eval.py export=hf), the
+    config takes that model's architecture too. Returns the source's model config and weights (None without
+    init_from). Writes into `cfg`: `make_plan` calls it on its own copy, the run's effective config."""
+    if not cfg.get("init_from"):
+        return None
+    source = RunDir(cfg.init_from)
+    if not source.path.is_dir():
+        raise FileNotFoundError(f"init_from={source.path}: no such run directory")
+    if is_hf_dir(source.path):  # a transformers checkpoint: its architecture is the one studied
+        model, tokenizer = load_hf_dir(source.path)
+        adopt(cfg, model.cfg)
+        model_cfg, weights = model.cfg.to_dict(), model.state_dict()
+        cfg.data.tokenizer = str(tokenizer)
+    else:
+        saved = load_run(source.path, "init_from")
+        model_cfg, weights = saved.model, saved.weights
+        if cfg.data.tokenizer in ("char", "bpe"):  # the vocabulary must be the source's, token for token
+            cfg.data.tokenizer = str(source.tokenizer)
+    if cfg.rope_scaling.name != "none" and cfg.rope_scaling.get("original_max_len") is None:
+        cfg.rope_scaling.original_max_len = model_cfg.get("train_len") or model_cfg["max_seq_len"]
+    return {"model": model_cfg, "weights": weights, "path": str(source.path)}
+
+
+def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_differ: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint whose architecture differs from the config, naming every differing key. Both are compared
+    resolved and without their derived sizes: a record saved before the derived sizes were declared (or with a
+    RoPE scaling's `original_max_len` left null) is the same architecture as today's record of it."""
+    new, saved = (resolve(GPTConfig(**d)).inputs() for d in (new, saved))
+    differ = sorted(k for k in new if k not in may_differ and new[k] != saved.get(k))
+    if differ:
+        detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)
+        raise ValueError(f"{what}: the checkpoint's architecture doesn't match the config ({detail})")
+
+
+def check_same_data(what: str, data, saved: dict[str, Any]) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the config builds now (it would read other ids)."""
+    state = saved.get(type(data).__qualname__) or {}
+    if state.get("tokenizer_sha256") not in (None, data.tokenizer_sha256):
+        raise ValueError(f"{what}: the checkpoint was trained with another tokenizer than data.tokenizer="
+                         f"{data.tokenizer_kind!r} builds now (different corpus, data.val_fraction or "
+                         f"data.vocab_size?); resume with the run's own data config")
+
+
+def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
+    """Copy the source run's weights into `model`, refusing when the architectures differ."""
+    check_same_arch(f"init_from={source['path']}", new, source["model"], EXTENSIBLE)
+    try:
+        model.load_state_dict(source["weights"])
+    except RuntimeError as err:  # a learned position table of another length, typically
+        raise ValueError(f"init_from={source['path']}: weights don't fit the config ({str(err).splitlines()[-1]}); "
+                         f"position=learned cannot change model.max_seq_len") from None
+
+
