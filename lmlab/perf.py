@@ -18,7 +18,8 @@ from torch import nn
 
 from lmlab import names
 
-FLOPS_FORMULA = "train 6*N + 12*L*T*d FLOPs/token, eval 2*N + 4*L*T*d (N = matmul weights, tied head once)"
+FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights, tied head once; "
+                 "w = the block's attention width: 2*d for a transformer layer, s + e for a GAU)")
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, without sparsity), matched as whole words of
 # torch.cuda.get_device_name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"; L4 is not L40S); first match wins.
@@ -36,10 +37,11 @@ def matmul_params(model: nn.Module) -> int:
 
 def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     """Model FLOPs per token of a GPT at `seq_len`, for a train step (forward + backward) and an eval forward
-    (FLOPS_FORMULA; d = n_head × head_dim, the width of the attention)."""
+    (FLOPS_FORMULA): the scores QKᵀ and the weighted sum A·V cost 2·T per unit of the block's own `attn_width`
+    forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e)."""
     cfg = model.cfg
-    n, attn = matmul_params(model), cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
-    return {"train": 6 * n + 12 * attn, "eval": 2 * n + 4 * attn}
+    n, attn = matmul_params(model), cfg.n_layer * seq_len * cfg.attn_width
+    return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -72,3 +72,18 @@ def test_the_bounds_compare_the_estimate_with_free_memory(tiny_cfg, monkeypatch)
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1 * GiB)
     with pytest.raises(ValueError, match=r"the prompt \(20000 tokens, n=1\) with position=alibi"):
         check_generation_fits(alibi, 20000, 1, 1)
+
+
+def test_the_flop_count_follows_the_blocks_own_attention_width(tiny_cfg) -> None:
+    """A transformer layer's scores cost the usual 12·L·T·d per trained token; a GAU's one head of key size s weighs
+    values of width e = 2·d, so its attention term is 6·L·T·(s + e), not the transformer's n_head·head_dim."""
+    from lmlab.perf import flops_per_token, matmul_params
+
+    for cfg, width in ((tiny_cfg(), 2 * 32), (tiny_cfg(block={"name": "gau", "s": 8}), 8 + 2 * 32)):
+        model = GPT(cfg)
+        assert cfg.attn_width == width
+        n, T = matmul_params(model), 16
+        assert flops_per_token(model, T) == {"train": 6 * n + 6 * cfg.n_layer * T * width,
+                                             "eval": 2 * n + 2 * cfg.n_layer * T * width}
+    transformer = GPT(tiny_cfg())
+    assert flops_per_token(transformer, 16)["train"] == 6 * matmul_params(transformer) + 12 * 2 * 16 * 32  # 12·L·T·d

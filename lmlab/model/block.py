@@ -4,7 +4,8 @@
 Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is
 built for (RoPE's rotated size, ALiBi's slopes), `sublayers()`, the layer's modules in order, by attribute name, and
 `n_params()`, a layer's weights from the sizes alone (what a size bound reads before anything is built), and
-`cache_width`, the numbers a layer's KV cache holds per token (keys and values).
+`cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`, the widths its
+scores read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow.
 A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens`
 (called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers
 (`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
@@ -32,6 +33,7 @@ class Transformer:
         self.cfg = cfg
         self.heads, self.head_dim = cfg.n_head, cfg.head_dim
         self.cache_width = 2 * cfg.kv_heads * cfg.head_dim
+        self.attn_width = 2 * cfg.n_head * cfg.head_dim  # QKᵀ over n_head heads of head_dim, then A·V as wide
 
     def n_params(self) -> int:
         """Fused QKV (n_head + 2·kv_heads heads of head_dim), the output projection, the FFN (its option's count)."""
@@ -60,6 +62,7 @@ class GAUBlock:
         self.e = max(1, round(expansion * cfg.d_model))
         self.heads, self.head_dim = 1, s
         self.cache_width = s + self.e  # one head: keys of size s, values of size e
+        self.attn_width = s + self.e  # QKᵀ of key size s, then A·V of width e (= 2·d at FLASH's expansion)
 
     def n_params(self) -> int:
         d, e, s = self.cfg.d_model, self.e, self.s

@@ -43,7 +43,7 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
 
     kind = build("block", BLOCKS, cfg.block, cfg)  # reads the sizes above
     for name, value in (("attn_heads", kind.heads), ("attn_head_dim", kind.head_dim),
-                        ("cache_width", kind.cache_width)):
+                        ("cache_width", kind.cache_width), ("attn_width", kind.attn_width)):
         _fill(cfg, name, value)
 
     scaling, _ = option_params("rope_scaling", ROPE_SCALINGS, cfg.rope_scaling)
