@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmlab import names
+from lmlab.tracking import log_at
 
 
 class Divergence:
@@ -116,17 +117,6 @@ def sum_over_shards(trainer, squares: torch.Tensor) -> torch.Tensor:
     if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.world_size > 1:
         return trainer.strategy.reduce(squares.to(trainer.strategy.root_device), reduce_op="sum")
     return squares
-
-
-def _write(trainer, metrics: dict[str, float], step: int) -> None:
-    """Hand the figures to the loggers with the step they were measured at (rank 0 writes).
-
-    Not through `LightningModule.log`: Lightning re-emits a callback's last value at every later logging step until
-    it is logged again, so a figure measured at step 0 would also appear at steps 9, 19, ... (and each Python float
-    would be copied to the GPU, a blocking sync).
-    """
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
 
 
 class StabilityMonitor(Callback):
@@ -273,7 +263,7 @@ class StabilityMonitor(Callback):
                                     for p in self.groups[k]] for layer in layers}
             if self.probe is not None:
                 self._out_before = self._probe_logits(pl_module)
-            _write(trainer, metrics, step)
+            log_at(trainer, metrics, step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step - 1  # the step just taken
@@ -312,7 +302,7 @@ class StabilityMonitor(Callback):
         self._recording, self._act, self._attn_in = False, {}, {}
         self._ratios_due, self._ratio = False, {}
         if metrics:
-            _write(trainer, metrics, step)
+            log_at(trainer, metrics, step)
 
     @torch.no_grad()
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:

@@ -44,9 +44,10 @@ HYDRA = ".hydra"
 LOCK = ".lmlab.lock"
 WANDB = "wandb"
 WANDB_RUN = "lmlab.json"  # in wandb/: the W&B run of this directory, continued on resume (lmlab/tracking.py)
+# The logger backends that write into the run directory, and the subfolder each writes (lmlab.tracking builds them)
+LOGGER_DIRS = {"wandb": WANDB, "tensorboard": "tensorboard"}
 # What `overwrite=true` clears: everything a run of lmlab writes (the lock and anything else are left alone).
-RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", WANDB, "tensorboard",
-             "probe.json")
+RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY, TOKENIZER, HYDRA, "plots", "eval", *LOGGER_DIRS.values(), "probe.json")
 
 
 class CheckpointError(ValueError):

@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from lmlab.rundir import RunDir
 
@@ -24,12 +24,41 @@ def objective(summary: Mapping[str, Any] | None) -> float:
     return float(best)
 
 
+class RunSummary(TypedDict, total=False):
+    """summary.json, key by key: what every reader (eval, compare, search, tracking, the studies) may rely on. A task
+    adds its own figures (`data.figures()`: probe_accuracy, ...); a record of an older lmlab may lack newer keys."""
+
+    status: str  # one of STATUSES
+    steps: int  # optimizer steps done
+    tokens: int
+    final_val_loss: float | None
+    final_val_ppl: float | None
+    best_val_loss: float | None
+    best_val_ppl: float | None
+    unigram_val_loss: float | None  # entropy of the val split's unigram distribution: the best unigram model's loss
+    val_loss_vs_unigram: float | None
+    diverged_at_step: int | None
+    divergence_reason: str | None
+    peak_grad_norm: float | None
+    grad_norm_at_init: dict[str, float] | None  # the gradient-norm profile at step 0 (embed, layer_XX, head)
+    tokens_per_s: float | None  # this attempt's
+    world_size: int
+    wall_time_s: float
+    n_params: int
+    overrides: list[str]
+    error: str | None
+    model: dict[str, Any]  # the GPTConfig record (lmlab.config), derived sizes included
+    config: dict[str, Any]  # the whole resolved config
+    signal: int | None  # the signal an interrupted run stopped for
+    attempts: list[dict[str, Any]]  # one per start or resume: status, from_step, to_step, overrides, error, ...
+
+
 def _ppl(loss: float | None) -> float | None:
     return math.exp(min(loss, 50.0)) if loss is not None and math.isfinite(loss) else None
 
 
 def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time: float, tokens_at_start: int,
-              overrides: list[str], config: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+              overrides: list[str], config: dict[str, Any], error: str | None = None) -> RunSummary:
     """The figures of a run from its live objects. `steps`: optimizer steps done (the resumed step when an attempt
     failed before Lightning restored its counters)."""
     assert status in STATUSES, status
@@ -62,8 +91,8 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
     }
 
 
-def record(run: RunDir, summary: dict[str, Any], *, started_at_step: int, started: float,
-           previous: dict[str, Any] | None) -> dict[str, Any]:
+def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: float,
+           previous: dict[str, Any] | None) -> RunSummary:
     """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides), the
     earlier ones kept from the previous summary, so a failed resume says what failed and when without losing what
     the run had reached."""
@@ -75,7 +104,7 @@ def record(run: RunDir, summary: dict[str, Any], *, started_at_step: int, starte
                      "overrides": summary["overrides"], "error": summary["error"],
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
                      "wall_time_s": summary["wall_time_s"]})
-    summary = {**summary, "attempts": attempts}
+    summary = RunSummary({**summary, "attempts": attempts})
     run.write_summary(summary)
     return summary
 

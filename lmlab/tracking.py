@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lmlab.env import is_rank_zero
-from lmlab.rundir import RunDir, strict_json
+from lmlab.rundir import LOGGER_DIRS, RunDir, strict_json
 
 _DATE, _TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
 # Keys of the W&B logger's config that are wandb.init's, not Lightning's (the rest go to Lightning's WandbLogger).
@@ -132,6 +132,18 @@ def _where(run, directory: Path) -> None:
 
 # --- a training run -------------------------------------------------------------------------------------------
 
+def log_at(trainer: Any, metrics: dict[str, float], step: int) -> None:
+    """The channel a callback logs through (the stability monitor, a task's metrics): hand the figures to the run's
+    loggers with the step they were measured at (rank 0 writes).
+
+    Not through `LightningModule.log`: Lightning re-emits a callback's last value at every later logging step until
+    it is logged again, so a figure measured at step 0 would also appear at steps 9, 19, ... (and each Python float
+    would be copied to the GPU, a blocking sync).
+    """
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
 class Tracking:
     """One job's loggers and W&B run: `start` before the Trainer exists, `finish` when the job ends."""
 
@@ -160,7 +172,8 @@ class Tracking:
                 extra = {"experiment": wandb_run, "save_dir": str(run_dir.path)}
                 spec = OmegaConf.create({k: v for k, v in spec.items() if k not in (*INIT_KEYS, "offline")})
             elif _is(spec, TensorBoardLogger):
-                extra = {k: v for k, v in {"save_dir": str(run_dir.path), "name": "tensorboard", "version": ""}.items()
+                extra = {k: v for k, v in {"save_dir": str(run_dir.path), "name": LOGGER_DIRS["tensorboard"],
+                                           "version": ""}.items()
                          if spec.get(k) is None}
             logger = instantiate(spec, **extra)
             if not isinstance(logger, WandbLogger):

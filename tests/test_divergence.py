@@ -58,3 +58,21 @@ def test_a_resumed_rule_continues_with_the_saved_minimum_and_window() -> None:
     assert resumed.best == 2.0 and list(resumed.recent) == [4.0, 2.0, 3.2, 3.3]
     assert _run(resumed, [6.5], start=4) == 4 and resumed.status == "diverged"  # 6.5 > 3 x the saved minimum 2.0
     assert _run(Divergence(spike_factor=3.0, min_steps=0), [6.5], start=4) is None  # a fresh rule would go on
+
+
+@pytest.mark.e2e  # trains two steps
+def test_every_key_a_run_writes_is_declared_in_the_typed_summary(corpus, tmp_path) -> None:
+    """RunSummary is the reference for summary.json's readers: a key summarize() writes without declaring it
+    (besides a task's own figures) fails here."""
+    import typing
+
+    from lmlab import compose
+    from lmlab.summary import RunSummary
+    from lmlab.training import train
+    from tests.runs import tiny
+
+    summary = train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                                 "monitor.every_n_steps=1")), tmp_path / "run")
+    declared = typing.get_type_hints(RunSummary)
+    assert set(summary) - set(declared) == set(), set(summary) - set(declared)
+    assert {"status", "steps", "model", "config", "attempts", "signal"} <= set(summary)
