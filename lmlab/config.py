@@ -27,7 +27,9 @@ COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not 
 # `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).
 FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt, "hidden": PositiveInt | None}
 # The derived sizes (lmlab.model.resolve fills them; None in a record written before December 2026: worked out then)
-DERIVED = ("head_dim", "kv_heads", "ffn_hidden", "attn_heads", "attn_head_dim", "cache_width", "attn_width")
+DERIVED = ("head_dim", "kv_heads", "ffn_hidden", "attn_heads", "attn_head_dim", "cache_width", "attn_width",
+           "unused")
+OPTIONAL_GROUPS = ("attention", "ffn")  # groups a block kind may not read (lmlab.model.block: each kind's `uses`)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class GPTConfig:
     attn_head_dim: int | None = None  # ... and their size (one head of key size s for GAU)
     cache_width: int | None = None  # numbers a layer's KV cache holds per token
     attn_width: int | None = None  # a layer's query/key width plus its value width: the scores' FLOPs (lmlab.perf)
+    unused: list[str] | None = None  # the groups the block does not read (block=gau: attention, ffn): not validated
 
     def __post_init__(self) -> None:
         types = _field_types()

@@ -115,3 +115,15 @@ def test_gpt2_init_scales_by_the_number_of_residual_writes() -> None:
     gau = GPT(cfg).h[0].gau
     assert gau.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
     assert gau.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_the_groups_a_gau_does_not_read_are_recorded_as_unused_not_validated() -> None:
+    """block=gau replaces attention + FFN: a bad ffn or attention value is not refused for it (it is for a transformer
+    layer), and the record says which groups did not apply."""
+    bad = dict(ffn={"name": "mlp", "hidden_mult": 0}, attention={"name": "gqa"})  # gqa without n_kv_head: refused
+    cfg = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, block={"name": "gau", "s": 8}, **bad))
+    assert cfg.unused == ["attention", "ffn"] and cfg.ffn_hidden == 0 and cfg.kv_heads == 0
+    assert cfg.to_dict()["unused"] == ["attention", "ffn"]  # saved with the record
+    with pytest.raises(ValueError, match="attention=gqa needs model.n_kv_head"):
+        resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, **bad))
+    assert resolve(GPTConfig(vocab_size=50, n_head=4)).unused == []

@@ -5,7 +5,8 @@ Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attentio
 built for (RoPE's rotated size, ALiBi's slopes), `sublayers()`, the layer's modules in order, by attribute name, and
 `n_params()`, a layer's weights from the sizes alone (what a size bound reads before anything is built), and
 `cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`, the widths its
-scores read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow.
+scores read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow. `uses`
+names the optional groups the kind reads (`attention`, `ffn`): the others are recorded as unused, not validated.
 A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens`
 (called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers
 (`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 class Transformer:
     """The transformer layer (Vaswani et al., 2017): attention (the `attention` group), then the FFN (`ffn`)."""
+
+    uses = ("attention", "ffn")
 
     def __init__(self, cfg: GPTConfig) -> None:
         self.cfg = cfg
@@ -55,6 +58,8 @@ class GAUBlock:
     softmax_plus (Su, 2022, the source note): FLASH's relu²/n generalised poorly to other lengths in Su's tests.
     One layer has d·s + 3·d·e + 4s parameters, about half an attention + FFN pair (12d²) at FLASH's sizes (s ≪ d):
     match a transformer's size with about twice the layers (conf/model/tiny_gau.yaml)."""
+
+    uses = ()  # one unit instead of attention + FFN: the attention and ffn groups do not apply
 
     def __init__(self, cfg: GPTConfig, *, s: PositiveInt = 128, expansion: PositiveFloat = 2.0,
                  score: str = "softmax_plus") -> None:

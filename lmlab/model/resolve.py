@@ -12,7 +12,9 @@ December 2026) is checked against them: they are the model its weights belong to
 
 from __future__ import annotations
 
-from lmlab.config import DERIVED, FFN_SIZES, GPTConfig
+from typing import Any
+
+from lmlab.config import DERIVED, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
@@ -21,23 +23,14 @@ from lmlab.registry import build, check_values, option_params
 
 
 def resolve(cfg: GPTConfig) -> GPTConfig:
-    """`cfg` with its derived sizes filled (in place; resolving twice changes nothing); returns it."""
-    derived = {"head_dim": cfg.d_model // cfg.n_head}
-    attn_name, _ = option_params("attention", ATTENTIONS, cfg.attention)
-    kv = derived["kv_heads"] = ATTENTIONS[attn_name].kv_heads(cfg.n_head, cfg.n_kv_head)
-    if kv < 1 or cfg.n_head % kv:
-        divisors = [h for h in range(1, cfg.n_head + 1) if cfg.n_head % h == 0]
-        raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={cfg.n_head} (attention={attn_name}); "
-                         f"choose among {divisors}")
-
-    # The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to the
-    # MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it.
-    check_values("ffn.", cfg.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
-    ffn_name, _ = option_params("ffn", FFNS, cfg.ffn_spec)
-    multiple_of = cfg.ffn.get("multiple_of", 64)
-    mlp_hidden = max(multiple_of, multiple_of * round(cfg.ffn.get("hidden_mult", 4) * cfg.d_model / multiple_of))
-    derived["ffn_hidden"] = cfg.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], cfg.d_model, mlp_hidden,
-                                                                     cfg.bias, multiple_of)
+    """`cfg` with its derived sizes filled (in place; resolving twice changes nothing); returns it. The groups the
+    block kind does not read (its `uses`) are recorded in `unused`, not validated, and size nothing (0)."""
+    block_name, _ = option_params("block", BLOCKS, cfg.block)
+    uses = BLOCKS[block_name].uses
+    derived: dict[str, Any] = {"head_dim": cfg.d_model // cfg.n_head,
+                               "unused": [g for g in OPTIONAL_GROUPS if g not in uses]}
+    derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
+    derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
         _fill(cfg, name, value)
 
@@ -53,7 +46,28 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     return cfg
 
 
-def _fill(cfg: GPTConfig, name: str, value: int) -> None:
+def _kv_heads(cfg: GPTConfig) -> int:
+    """The key/value heads the attention option keeps (MHA: n_head; GQA: model.n_kv_head; MQA: 1)."""
+    attn_name, _ = option_params("attention", ATTENTIONS, cfg.attention)
+    kv = ATTENTIONS[attn_name].kv_heads(cfg.n_head, cfg.n_kv_head)
+    if kv < 1 or cfg.n_head % kv:
+        divisors = [h for h in range(1, cfg.n_head + 1) if cfg.n_head % h == 0]
+        raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={cfg.n_head} (attention={attn_name}); "
+                         f"choose among {divisors}")
+    return kv
+
+
+def _ffn_hidden(cfg: GPTConfig) -> int:
+    """The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to the
+    MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it."""
+    check_values("ffn.", cfg.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
+    ffn_name, _ = option_params("ffn", FFNS, cfg.ffn_spec)
+    multiple_of = cfg.ffn.get("multiple_of", 64)
+    mlp_hidden = max(multiple_of, multiple_of * round(cfg.ffn.get("hidden_mult", 4) * cfg.d_model / multiple_of))
+    return cfg.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], cfg.d_model, mlp_hidden, cfg.bias, multiple_of)
+
+
+def _fill(cfg: GPTConfig, name: str, value: Any) -> None:
     saved = getattr(cfg, name)
     if saved is not None and saved != value:
         raise ValueError(f"model.{name}={saved} in the record, but its sizes and options give {value}: the record "
