@@ -6,7 +6,9 @@ checkpoint save can't hang, whichever rank the signal went to. The save happens 
 by then the step is finished in every way an uninterrupted run would finish it (its validation, its logged rows),
 so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's loop (setting `should_stop` would
 make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
-A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
+Before the run starts (its checks and data preparation, which can take minutes on a new corpus) a signal stops the
+process at once, with the signal's exit code: there is nothing to save, and a token-shard preparation goes on from
+its finished shards next time. A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
 checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
@@ -46,6 +48,7 @@ class StopOnSignal(Callback):
         self.received: int = 0  # the signal this process got (0: none)
         self.signum: int = 0  # the signal the run stopped for, the same on every rank
         self.recording = False  # set by record(): training is over, what it did is being written
+        self.preparing = True  # until prepared(): before the run starts, a signal stops the process at once
         self._original: dict[int, Any] = {}
 
     @property
@@ -53,9 +56,18 @@ class StopOnSignal(Callback):
         return "StopOnSignal"
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.preparing:  # nothing to save yet (data preparation, checks): stop now, as the signal's default would
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(EXIT_CODES[int(signum)])
         if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
+
+    def prepared(self) -> None:
+        """The run's plan is made (its data prepared) and the run is about to start: from here on a signal ends the
+        step it comes in and the run stops at that step boundary, with its checkpoint."""
+        self.preparing = False
 
     def record(self) -> None:
         """From here on the run is being saved and recorded (checkpoint, metrics, summary): a second Ctrl-C no longer

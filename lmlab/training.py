@@ -130,7 +130,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     from lmlab.interrupt import StopOnSignal
 
     run = RunDir(run_dir)
-    stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data loads stops after step 0
+    stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data is prepared stops at once
     try:
         check_config(cfg)
         setup_env(cfg)
@@ -166,6 +166,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
 
     # --- everything that can refuse the start, before the run directory is touched ---
     plan = make_plan(cfg, run, mode, strategy_name(cfg))
+    stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
     if plan.ended:  # a no-op: every file stays as it was

@@ -80,3 +80,24 @@ def sharded_checkpoint(path: Path) -> Path:
     dcp.save({"state_dict": ckpt["state_dict"], "optimizer_0": optim}, checkpoint_id=path, no_dist=True)
     torch.save({k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}, path / META)
     return path
+
+
+class SlowUnit:
+    """A corpus unit whose documents arrive slowly (a worker busy with it for `seconds`): for killing a tokenizing
+    worker mid-shard. Importable, so the pool's processes can unpickle it."""
+
+    def __init__(self, seconds: float, name: str = "slow") -> None:
+        self.seconds, self.name = seconds, name
+
+    def describe(self) -> str:
+        return f"the slow unit {self.name}"
+
+    def documents(self):
+        import time
+
+        def pieces():
+            for _ in range(int(self.seconds / 0.05)):
+                time.sleep(0.05)
+                yield "the king speaks. " * 10
+
+        yield pieces()

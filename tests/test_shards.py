@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import stat
 import subprocess
 import threading
@@ -340,3 +341,102 @@ def test_a_read_only_cache_serves_a_new_sequence_length(tmp_path: Path) -> None:
         other = dm_for(tmp_path, tmp_path / "docs", cache=cache.name, seq_len=31)
         assert other.shard_dir.parent.parent == cache and other.unigram_entropy() > 0
         assert np.array_equal(np.asarray(other.train_tokens), np.asarray(first.train_tokens))
+
+
+def _char_tokenizer_json(tmp_path: Path) -> str:
+    write_docs(tmp_path / "docs", n=2)
+    return dm_for(tmp_path, tmp_path / "docs").tokenizer.to_str()
+
+
+def test_a_worker_killed_mid_shard_ends_the_preparation_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    """multiprocessing.Pool loses a dead worker's task and waits for it forever (a 1 GB corpus hung for 50 minutes);
+    the pool lmlab uses knows it is broken, and the error names the shard and its text."""
+    import signal
+    import threading
+
+    from tests.runs import SlowUnit
+
+    tok = _char_tokenizer_json(tmp_path)
+    out = tmp_path / "shards"
+    out.mkdir()
+    killed: list[int] = []
+
+    def kill_a_worker() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(out.glob(".shard-*.tmp")):
+            time.sleep(0.02)
+        pid = int(next(out.glob(".shard-*.tmp")).name.split(".")[-2])  # .shard-00000.bin.<pid>.tmp: the worker's
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    threading.Thread(target=kill_a_worker, daemon=True).start()
+    raised: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            shards.tokenize([SlowUnit(20, f"u{i}") for i in range(4)], out, tokenizer_json=tok, eod_id=None,
+                            dtype="uint16", num_proc=2)
+        except BaseException as err:  # noqa: BLE001  (the test looks at it below)
+            raised.append(err)
+
+    preparing = threading.Thread(target=prepare, daemon=True)
+    preparing.start()
+    preparing.join(timeout=15)  # not the 20 s the units take, and not forever (the old pool waited for ever)
+    assert killed and not preparing.is_alive() and raised, "the preparation hung after its worker was killed"
+    assert isinstance(raised[0], shards.ShardError) and re.search(
+        r"a tokenizing process died while the shards of .* were being written \(shard \d: the slow unit u\d\).*"
+        r"data.num_proc", str(raised[0])), raised[0]
+
+
+def test_a_worker_error_names_the_shard_and_its_file(tmp_path: Path) -> None:
+    from lmlab.data.corpus import FileUnit
+
+    tok = _char_tokenizer_json(tmp_path)
+    (tmp_path / "a.txt").write_text("the king speaks.\n" * 100)
+    out = tmp_path / "shards"
+    out.mkdir()
+    units = [FileUnit([str(tmp_path / "a.txt")]), FileUnit([str(tmp_path / "gone.txt")])]
+    with pytest.raises(shards.ShardError, match=rf"shard 1 of {out} \({tmp_path}/gone.txt\) failed: FileNotFoundError"):
+        shards.tokenize(units, out, tokenizer_json=tok, eod_id=None, dtype="uint16", num_proc=2)
+
+
+@pytest.mark.e2e  # train.py in a process, signalled mid-preparation
+def test_a_signal_during_data_preparation_stops_at_once_and_the_next_run_goes_on(tmp_path: Path) -> None:
+    """SIGTERM while a new corpus is being tokenized: train.py exits 143 promptly (the flag that a training step
+    reads came too late: scancel waited for SLURM's SIGKILL), no index is written, and the next run finishes the
+    preparation from the shards already done, to the same shards as an uninterrupted one."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.runs import ROOT, tiny
+
+    rng = random.Random(0)
+    docs = tmp_path / "big"
+    docs.mkdir()
+    line = " ".join(rng.choice(["the", "king", "queen", "lord", "night"]) for _ in range(12)) + ".\n"
+    for i in range(120):  # 120 files of ~600 kB: several seconds of tokenizing in 2 processes
+        (docs / f"doc{i:03d}.txt").write_text(line * 9000)
+    args = [*tiny(docs, tmp_path / "cache", "trainer.max_steps=1"), "data.num_proc=2", "data.shard_size=2000000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cache").glob("shards/*/shard-*.json")):  # a shard is done: preparation is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - sent < 10, err[-3000:]
+    (shard_dir,) = (tmp_path / "cache" / "shards").iterdir()
+    assert not (shard_dir / "index.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
+    done = {p.name for p in shard_dir.glob("shard-*.json")}
+    assert done and len(done) < 20
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not list(shard_dir.glob(".shard-*.tmp"))
+    resumed = {p.name: p.read_bytes() for p in sorted(shard_dir.glob("shard-*"))}
+    clean = dm_for(tmp_path, docs, cache="clean", seq_len=32, shard_size=2000000, num_proc=2)
+    assert {p.name: p.read_bytes() for p in sorted(clean.shard_dir.glob("shard-*"))} == resumed

@@ -159,6 +159,11 @@ class FileUnit:
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
 
+    def describe(self) -> str:
+        """The unit's text, for an error: its files."""
+        more = f" and {len(self.paths) - 1} more file(s)" if len(self.paths) > 1 else ""
+        return f"{self.paths[0]}{more}" if self.paths else "no files"
+
     def documents(self, piece_chars: int = 1 << 20) -> Iterator[Iterator[str]]:
         for path in self.paths:
             yield _read_pieces(Path(path), piece_chars)
@@ -186,6 +191,9 @@ class DatasetSource:
 class TextUnit:
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
+
+    def describe(self) -> str:
+        return f"{len(self.texts)} rows of the dataset, {sum(map(len, self.texts))} characters"
 
     def documents(self) -> Iterator[Iterator[str]]:
         return (iter((text,)) for text in self.texts)

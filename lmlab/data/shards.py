@@ -29,6 +29,8 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -310,12 +312,18 @@ def _write_shard(k: int, unit: Any) -> dict[str, int]:
 
 def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_id: int | None,
              dtype: str, num_proc: int) -> list[dict[str, int]]:
-    """Write one shard per unit of the corpus (`units`: objects with `documents()`, made by the corpus source
-    independently of `num_proc`) into `directory`, in `num_proc` processes; the shards' metadata, in order.
+    """Write one shard per unit of the corpus (`units`: objects with `documents()` and `describe()`, made by the
+    corpus source independently of `num_proc`) into `directory`, in `num_proc` processes; the shards' metadata, in
+    order.
 
-    Shards complete from an earlier, interrupted attempt (their .json exists) are not tokenized again.
+    Shards complete from an earlier, interrupted attempt (their .json exists) are not tokenized again. A worker that
+    dies (killed, out of memory) or raises ends the preparation with `ShardError` naming the shard and its text,
+    never a hang: a process pool that knows it is broken (concurrent.futures), not multiprocessing.Pool, which
+    loses a dead worker's task and waits for it forever.
     """
     init = (tokenizer_json, eod_id, dtype, str(directory))
+    for stale in directory.glob(".shard-*.tmp"):  # a shard an interrupted attempt was writing (we hold the lock)
+        stale.unlink(missing_ok=True)
     metas: list[dict[str, int] | None] = []
     todo = _pending(units, directory, metas)
     head = list(itertools.islice(todo, 2))
@@ -327,16 +335,35 @@ def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_
         return metas  # type: ignore[return-value]
     # forkserver: workers start from a clean process (no torch, no threads of the parent's) and import only this module
     ctx = multiprocessing.get_context("forkserver")
-    with ctx.Pool(num_proc, initializer=_init_worker, initargs=init) as pool:
-        in_flight: deque[tuple[int, Any]] = deque()
+    pool = ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=init)
+    in_flight: deque[tuple[int, Any, Future]] = deque()
+    try:
         for k, unit in todo:
-            in_flight.append((k, pool.apply_async(_write_shard, (k, unit))))
+            in_flight.append((k, unit, pool.submit(_write_shard, k, unit)))
             while len(in_flight) >= 2 * num_proc:  # bounded read-ahead: memory stays flat whatever the corpus
-                j, result = in_flight.popleft()
-                metas[j] = result.get()
-        for j, result in in_flight:
-            metas[j] = result.get()
+                _collect(in_flight.popleft(), metas, directory)
+        while in_flight:
+            _collect(in_flight.popleft(), metas, directory)
+    except BaseException:  # an error, or a signal before training (lmlab.interrupt): stop the workers now
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return metas  # type: ignore[return-value]
+
+
+def _collect(item: tuple[int, Any, Future], metas: list[dict[str, int] | None], directory: Path) -> None:
+    k, unit, future = item
+    try:
+        metas[k] = future.result()
+    except BrokenProcessPool:
+        raise ShardError(f"a tokenizing process died while the shards of {directory} from shard {k} on were being "
+                         f"written (shard {k}: {unit.describe()}): killed, or out of memory? Lower data.num_proc or "
+                         f"data.shard_size; the shards already written are kept and the next run goes on from "
+                         f"them") from None
+    except Exception as err:
+        raise ShardError(f"shard {k} of {directory} ({unit.describe()}) failed: {type(err).__name__}: {err}") from err
 
 
 def _pending(units: Iterable[Any], directory: Path, metas: list[dict[str, int] | None]) -> Iterator[tuple[int, Any]]:
