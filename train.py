@@ -26,8 +26,9 @@ def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
+    cfg, overrides = continued(cfg, hc)
     try:
-        summary = train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task), group=group, hydra=hc)
+        summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
     except Exception:
         if not sweeping:
             raise
@@ -44,6 +45,23 @@ def main(cfg: DictConfig) -> float:
 
         raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
     return objective(summary)
+
+
+def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
+    """A run directory that holds a run is continued with its own overrides, this command's on top (`python train.py
+    hydra.run.dir=<run> trainer.max_steps=1200` needs nothing else typed again); an architecture the command changes is
+    refused by the resume's checks, naming the key. `resume=false` starts over, from this command alone."""
+    from lmlab.cli import merge_overrides
+    from lmlab.rundir import RunDir
+
+    overrides = list(hc.overrides.task)
+    saved = RunDir(hc.runtime.output_dir).read_overrides()
+    if saved is None or str(cfg.get("resume", "auto")).lower() == "false":
+        return cfg, overrides
+    merged = merge_overrides(saved, overrides)
+    if merged == overrides:
+        return cfg, overrides
+    return hydra.compose(config_name="train", overrides=merged), merged
 
 
 if __name__ == "__main__":

@@ -47,3 +47,15 @@ def as_lists(argv: Sequence[str], keys: dict[str, str]) -> list[str]:
             arg = f"{keys[key]}={value if value.startswith('[') else f'[{value}]'}"
         out.append(arg)
     return out
+
+
+def override_key(override: str) -> str:
+    """The key an override sets: `norm` for norm=rms, `trainer.max_steps` for +trainer.max_steps=5 or ~trainer.x."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def merge_overrides(base: Sequence[str], new: Sequence[str]) -> list[str]:
+    """A run's saved overrides with a new command's on top: every key the new command sets replaces the base's (in
+    its place in the new list), the rest of the base is kept in its order, first."""
+    changed = {override_key(o) for o in new}
+    return [o for o in base if override_key(o) not in changed] + list(new)

@@ -8,8 +8,8 @@ so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's l
 make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
 Before the run starts (its checks and data preparation, which can take minutes on a new corpus) a signal stops the
 process at once, with the signal's exit code: there is nothing to save, and a token-shard preparation goes on from
-its finished shards next time. A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
-checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
+its finished shards next time. A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run
+is being recorded (its checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
 and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals

@@ -288,6 +288,16 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary, dumps(summary))
 
+    def read_overrides(self) -> list[str] | None:
+        """The command-line overrides of the latest start (.hydra/overrides.yaml), or None when it has none."""
+        path = self.path / HYDRA / "overrides.yaml"
+        if not path.is_file():
+            return None
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.to_container(OmegaConf.load(path))
+        return [str(o) for o in saved] if isinstance(saved, list) else None
+
     def write_config(self, config: Any, overrides: list[str], hydra: Any = None) -> None:
         """.hydra/: the composed config, the overrides and (from the CLI) Hydra's own config, as Hydra writes them.
         lmlab writes them itself, after every check has passed, so a refused start leaves the old ones in place."""

@@ -247,7 +247,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         requeued = requeue_on_slurm(signum)
         print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
               + (f"; {requeued}" if requeued else "")
-              + f"\n  to continue: python train.py <the same overrides> hydra.run.dir={run.path}  (resume=auto)")
+              + f"\n  to continue: python train.py hydra.run.dir={run.path}  (its own overrides are taken again)")
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
         raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
     return summary

@@ -215,3 +215,26 @@ def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: P
     cfg = compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2", "trainer.enable_progress_bar=true"))
     train(cfg, tmp_path / "run", callbacks=[Spy()])
     assert seen and seen[-1].strip() == "Epoch 0"
+
+
+@pytest.mark.e2e
+def test_a_run_continues_from_its_own_directory_with_its_own_overrides(corpus: Path, tmp_path: Path) -> None:
+    """`python train.py norm=rms ffn=swiglu ... hydra.run.dir=X trainer.max_steps=30`, then `python train.py
+    hydra.run.dir=X trainer.max_steps=40`: the second takes the run's saved overrides and changes only the steps (it
+    was refused: the default architecture did not match the checkpoint's). An architecture change is refused by key."""
+    run = tmp_path / "run"
+    first = _cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache", "norm=rms", "ffn=swiglu"),
+                f"hydra.run.dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=40", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert summary["model"]["norm"]["name"] == "rms" and summary["model"]["ffn"]["name"] == "swiglu"
+    assert sorted(metric(run, "train/loss")) == list(range(40))
+    assert "trainer.max_steps=40" in summary["overrides"] and "norm=rms" in summary["overrides"]
+    assert "trainer.max_steps=30" not in summary["overrides"]
+    changed = _cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "norm=layer", "trainer.max_steps=50", cwd=tmp_path)
+    assert changed.returncode != 0 and "model/norm: checkpoint has {'name': 'rms'" in changed.stderr, \
+        changed.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 40  # refused: nothing changed

@@ -270,3 +270,13 @@ def test_non_ascii_paths_are_quoted_for_hydras_parser() -> None:
     assert quoted == ["data.paths=['/d/é.txt',/d/b.txt]", "hydra.run.dir='/runs/ü'", *typed[2:]]
     parsed = parser.parse_overrides(quoted)
     assert parsed[0].value() == ["/d/é.txt", "/d/b.txt"] and parsed[1].value() == "/runs/ü"
+
+
+def test_merging_a_runs_overrides_with_a_new_commands() -> None:
+    from lmlab.cli import merge_overrides
+
+    saved = ["norm=rms", "ffn=swiglu", "trainer.max_steps=30", "+ffn.hidden=100", "data.paths=[/a]"]
+    assert merge_overrides(saved, ["trainer.max_steps=60", "logger=csv"]) == [
+        "norm=rms", "ffn=swiglu", "+ffn.hidden=100", "data.paths=[/a]", "trainer.max_steps=60", "logger=csv"]
+    assert merge_overrides(saved, ["ffn.hidden=120"]) == [*saved[:3], "data.paths=[/a]", "ffn.hidden=120"]
+    assert merge_overrides(saved, []) == saved
