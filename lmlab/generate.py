@@ -76,6 +76,9 @@ def generate_text(run: str, prompt: str, *, max_new_tokens: PositiveInt = 200, t
     from tokenizers import Tokenizer
 
 
+    if temperature == 0 and n > 1:
+        raise ValueError(f"temperature=0 is greedy: n={n} would print the same text {n} times; use n=1, or "
+                         f"temperature > 0 for {n} different samples")
     run_dir = RunDir(run)
     model = load_model(run_dir.path, what="run")
     tok = Tokenizer.from_file(str(run_dir.tokenizer))

@@ -137,3 +137,10 @@ def test_generate_cli_streams_a_sample(corpus: Path, tmp_path: Path) -> None:
     huge = cli(str(ROOT / "generate.py"), f"run={run}", "max_new_tokens=1000000000000", cwd=tmp_path, timeout=60)
     assert huge.returncode != 0 and re.search(r"max_new_tokens=1000000000000 .*the KV cache needs ~\d+.* GiB .*room "
                                               r"for ~\d+ tokens", huge.stderr), huge.stderr[-2000:]
+
+
+def test_greedy_decoding_with_several_samples_is_refused_before_loading(tmp_path: Path) -> None:
+    from lmlab.generate import generate_text
+
+    with pytest.raises(ValueError, match=r"temperature=0 is greedy: n=3 would print the same text 3 times"):
+        generate_text(str(tmp_path / "no_run"), "The", temperature=0, n=3)  # refused before the run is looked for
