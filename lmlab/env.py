@@ -25,13 +25,18 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(int(threads))
 
 
-def setup(cfg: Mapping[str, Any]) -> None:
-    """A run's environment from its config: offline, lmlab's warning filters, `threads`, `malloc`."""
-    offline()
+def filter_warnings() -> None:
+    """The warnings that do not apply to an lmlab run, not printed (before the checks: they emit some)."""
     warnings.filterwarnings("ignore", message=".*(LeafSpec|litlogger|weights_only|does not have many workers).*")
     # Lightning's hint on a machine with srun on PATH (a SLURM login node) for a run that is not a SLURM job: lmlab's
     # own launch check (training.check_launch) says what applies
     warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
+
+
+def setup(cfg: Mapping[str, Any]) -> None:
+    """A run's environment from its config: offline, lmlab's warning filters, `threads`, `malloc`."""
+    offline()
+    filter_warnings()
     set_threads(cfg.get("threads"))
     if cfg.get("malloc") == "keep":
         keep_freed_memory()

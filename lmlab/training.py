@@ -132,6 +132,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     run = RunDir(run_dir)
     stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data is prepared stops at once
     try:
+        env.filter_warnings()
         check_config(cfg)
         setup_env(cfg)
         mode = resume_mode(cfg)

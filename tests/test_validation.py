@@ -282,3 +282,30 @@ def test_merging_a_runs_overrides_with_a_new_commands() -> None:
         "norm=rms", "ffn=swiglu", "+ffn.hidden=100", "data.paths=[/a]", "trainer.max_steps=60", "logger=csv"]
     assert merge_overrides(saved, ["ffn.hidden=120"]) == [*saved[:3], "data.paths=[/a]", "ffn.hidden=120"]
     assert merge_overrides(saved, []) == saved
+
+
+def test_lightnings_srun_hint_is_not_printed_for_a_run_that_is_not_a_slurm_job(tmp_path: Path, monkeypatch) -> None:
+    """With srun on PATH (every SLURM login node) Lightning warns on each run that is not an srun job; lmlab's launch
+    check says what applies, so the hint is filtered before the checks that trigger it."""
+    import stat
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lmlab import env
+
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{srun.parent}:{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        SLURMEnvironment.detect()
+    assert any("`srun` command is available" in str(w.message) for w in seen)  # the premise: Lightning warns
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        env.filter_warnings()
+        check_config(compose(["trainer.max_steps=50", "schedule.warmup_steps=10"]))
+    assert not [w for w in seen if "srun" in str(w.message)]
