@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -24,15 +25,17 @@ def test_a_wheel_ships_the_configs_and_compose_works_from_it(tmp_path: Path) -> 
     shipped = {f"lmlab/conf/{p.relative_to(conf)}" for p in conf.rglob("*.yaml")}
     assert "lmlab/conf/train.yaml" in shipped and shipped <= names
     assert "hydra_plugins/lmlab_slurm/__init__.py" in names  # hydra/launcher=slurm_dry_run's launcher
-    env = tmp_path / "venv"  # the wheel over the machine's packages, away from the checkout
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], check=True, timeout=120)
-    subprocess.run([str(env / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], check=True,
-                   capture_output=True, timeout=300)
+    # The wheel's files in a folder of their own, first on the path, with this interpreter's packages behind them:
+    # the installed copy, away from the checkout. (A `venv --system-site-packages` made from a venv's interpreter sees
+    # the base interpreter's packages, not the venv's: omegaconf was missing on the README's own set-up.)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
     code = ("import lmlab; from lmlab import compose; cfg = compose(['norm=rms', 'experiment=postnorm_warmup']); "
             "print(lmlab.__file__); print(cfg.norm.name, cfg.placement.name)")
-    res = subprocess.run([str(env / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(target)})
     assert res.returncode == 0, res.stderr[-2000:]
     where, names_line = res.stdout.strip().splitlines()[-2:]
-    assert str(env) in where  # the installed copy, not the checkout
+    assert str(target) in where  # the installed copy, not the checkout
     assert names_line == "rms post"
