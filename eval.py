@@ -5,7 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.cli import as_lists, quote_paths
+from lmlab.cli import as_lists, quote_paths, usage_errors
 
 # `rope_scaling=none,linear` is one list of methods here, not a sweep; run paths from sweeps hold '=' and ','.
 lists = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths"}
@@ -13,6 +13,7 @@ sys.argv = [sys.argv[0], *quote_paths(as_lists(sys.argv[1:], lists), ("run", "co
 
 
 @hydra.main(config_path="lmlab/conf", config_name="eval", version_base="1.3")
+@usage_errors("eval.py")
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 

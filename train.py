@@ -10,12 +10,13 @@ import hydra
 from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
-from lmlab.cli import quote_paths
+from lmlab.cli import quote_paths, usage_errors
 
 sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("init_from",))]  # sweep job dirs hold '=' and ','; non-ASCII
 
 
 @hydra.main(config_path="lmlab/conf", config_name="train", version_base="1.3")
+@usage_errors("train.py")
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 

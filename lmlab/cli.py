@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 
 # Path keys whose values Hydra's grammar rejects unquoted when they hold non-ASCII characters (`data.paths=[/d/é]`
 # gives LexerNoViableAltException); quoted for the user when they do, left as typed otherwise.
@@ -59,3 +62,19 @@ def merge_overrides(base: Sequence[str], new: Sequence[str]) -> list[str]:
     its place in the new list), the rest of the base is kept in its order, first."""
     changed = {override_key(o) for o in new}
     return [o for o in base if override_key(o) not in changed] + list(new)
+
+
+@contextlib.contextmanager
+def usage_errors(prog: str) -> Iterator[None]:
+    """lmlab's refusals (a bad value, a run it will not continue, a path that is not there, a busy run directory)
+    as one line on stderr and exit code 2, a usage error, instead of a traceback under Hydra's hint.
+    `HYDRA_FULL_ERROR=1` (or `LMLAB_DEBUG=1`) shows the traceback."""
+    from lmlab.rundir import RunDirBusy
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
+        if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
+            raise
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -309,3 +309,23 @@ def test_lightnings_srun_hint_is_not_printed_for_a_run_that_is_not_a_slurm_job(t
         env.filter_warnings()
         check_config(compose(["trainer.max_steps=50", "schedule.warmup_steps=10"]))
     assert not [w for w in seen if "srun" in str(w.message)]
+
+
+@pytest.mark.e2e  # train.py and eval.py, each a process
+def test_a_refusal_is_one_line_and_exit_code_2_without_a_traceback(tmp_path: Path) -> None:
+    """The message was the last line of a 3-8 frame traceback under Hydra's HYDRA_FULL_ERROR hint; with
+    HYDRA_FULL_ERROR=1 the traceback is there for whoever wants it."""
+    import subprocess
+    import sys
+
+    from tests.runs import ROOT, cli
+
+    res = cli(str(ROOT / "train.py"), "optim.lr=abc", "logger=none", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("train.py: optim.lr='abc' must be")
+    assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR" not in res.stderr, res.stderr[-2000:]
+    res = cli(str(ROOT / "eval.py"), f"run={tmp_path / 'nope'}", cwd=tmp_path)
+    assert res.returncode == 2 and "eval.py: run=" in res.stderr and "no such run directory" in res.stderr
+    full = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=abc", "logger=none",
+                           f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert full.returncode != 0 and "Traceback" in full.stderr and "optim.lr='abc'" in full.stderr
