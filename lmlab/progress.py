@@ -1,13 +1,21 @@
-"""The training progress bar: Lightning's own, without an epoch count that a step-based run doesn't have.
+"""Training progress: Lightning's bar on a terminal, plain lines anywhere else (nohup, SLURM, a log file).
 
 train.py trains for `trainer.max_steps` on an endless loader, so Lightning's `max_epochs` is -1 and its Rich bar
 read "Epoch 0/-2". This bar says "Epoch 0" there and keeps everything else (the step count, speed, metrics).
+Off a terminal a bar redraws one line in place, which a log file keeps as one final frame (7.5 minutes of training
+printed nothing else): `PlainProgress` prints a line every few steps and at each validation instead.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from typing import Any
+
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+from lmlab import names
 
 
 class StepsRichProgressBar(RichProgressBar):
@@ -17,6 +25,59 @@ class StepsRichProgressBar(RichProgressBar):
         return f"Epoch {current_epoch}".ljust(len(self.validation_description))  # padded as Lightning pads
 
 
+class PlainProgress(ProgressBar):
+    """One line every `every` steps (None: about 20 lines a run) and one at each validation, to stdout:
+    `step 120/600  loss 2.3140  12,345 tok/s  eta 1m20s` and `val at step 200: loss 2.1000`."""
+
+    def __init__(self, every: int | None = None) -> None:
+        super().__init__()
+        self.every, self._enabled = every, True
+        self._start: tuple[float, int] | None = None
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start = (time.monotonic(), trainer.global_step)  # a resumed run counts from where it resumed
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        every = self.every or max(1, total // 20)
+        if not (self._enabled and trainer.is_global_zero) or (step % every and step != total):
+            return
+        metrics = trainer.callback_metrics
+        parts = [f"step {step}/{total}"]
+        if (loss := metrics.get(names.TRAIN_LOSS)) is not None:
+            parts.append(f"loss {float(loss):.4f}")
+        if (rate := metrics.get(names.TOKENS_PER_S)) is not None:
+            parts.append(f"{float(rate):,.0f} tok/s")
+        if self._start is not None and step > self._start[1]:
+            per_step = (time.monotonic() - self._start[0]) / (step - self._start[1])
+            parts.append(f"eta {_duration(per_step * (total - step))}")
+        print("  ".join(parts), flush=True)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        loss = trainer.callback_metrics.get(names.VAL_LOSS)
+        if self._enabled and trainer.is_global_zero and not trainer.sanity_checking and loss is not None:
+            print(f"val at step {trainer.global_step}: loss {float(loss):.4f}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _on_a_terminal() -> bool:
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
 def progress_bar() -> ProgressBar:
-    """What Lightning would pick (Rich when installed, else tqdm), labelled for step-based training."""
+    """On a terminal what Lightning would pick (Rich when installed, else tqdm), labelled for step-based training;
+    elsewhere plain lines."""
+    if not _on_a_terminal():
+        return PlainProgress()
     return StepsRichProgressBar() if _RICH_AVAILABLE else TQDMProgressBar()

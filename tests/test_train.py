@@ -200,9 +200,13 @@ def test_fp16_loss_scaling_gets_the_unfused_optimizer(scaler) -> None:
 
 
 @pytest.mark.e2e
-def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: Path) -> None:
+def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: Path, monkeypatch) -> None:
     """Training by steps leaves Lightning's max_epochs at -1; its Rich bar said 'Epoch 0/-2'."""
     from lightning.pytorch.callbacks import ProgressBar
+
+    import lmlab.progress
+
+    monkeypatch.setattr(lmlab.progress, "_on_a_terminal", lambda: True)  # the bar is for terminals
 
     seen: list[str] = []
 
@@ -238,3 +242,18 @@ def test_a_run_continues_from_its_own_directory_with_its_own_overrides(corpus: P
     assert changed.returncode != 0 and "model/norm: checkpoint has {'name': 'rms'" in changed.stderr, \
         changed.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 40  # refused: nothing changed
+
+
+@pytest.mark.e2e
+def test_off_a_terminal_progress_is_plain_lines(corpus: Path, tmp_path: Path) -> None:
+    """Under nohup, SLURM or a log file a bar is one final frame: train.py prints a line every few steps and at each
+    validation instead, with the step, the total, the loss and the time left."""
+    import re
+
+    run = tmp_path / "run"
+    args = tiny(corpus, tmp_path / "cache", "trainer.max_steps=40", "trainer.enable_progress_bar=true")
+    res = _cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = re.findall(r"^step (\d+)/40  loss \d+\.\d{4}.*eta \d+s$", res.stdout, flags=re.M)
+    assert steps == [str(s) for s in range(2, 41, 2)], res.stdout[-2000:]  # every 40 // 20 = 2 steps
+    assert re.findall(r"^val at step (\d+): loss \d+\.\d{4}$", res.stdout, flags=re.M) == ["10", "20", "30", "40"]
