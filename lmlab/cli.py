@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 # Path keys whose values Hydra's grammar rejects unquoted when they hold non-ASCII characters (`data.paths=[/d/é]`
 # gives LexerNoViableAltException); quoted for the user when they do, left as typed otherwise.
@@ -64,17 +65,25 @@ def merge_overrides(base: Sequence[str], new: Sequence[str]) -> list[str]:
     return [o for o in base if override_key(o) not in changed] + list(new)
 
 
-@contextlib.contextmanager
-def usage_errors(prog: str) -> Iterator[None]:
-    """lmlab's refusals (a bad value, a run it will not continue, a path that is not there, a busy run directory)
-    as one line on stderr and exit code 2, a usage error, instead of a traceback under Hydra's hint.
-    `HYDRA_FULL_ERROR=1` (or `LMLAB_DEBUG=1`) shows the traceback."""
-    from lmlab.rundir import RunDirBusy
+def usage_errors(prog: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator for an entry point: lmlab's refusals (a bad value, a run it will not continue, a path that is not
+    there, a busy run directory) as one line on stderr and exit code 2, a usage error, instead of a traceback under
+    Hydra's hint. `HYDRA_FULL_ERROR=1` (or `LMLAB_DEBUG=1`) shows the traceback. A plain function wrapper, so
+    the task function still pickles (submitit's launchers send it to their jobs)."""
 
-    try:
-        yield
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
-        if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
-            raise
-        print(f"{prog}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    def decorate(main: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(main)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            from lmlab.rundir import RunDirBusy
+
+            try:
+                return main(*args, **kwargs)
+            except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
+                if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
+                    raise
+                print(f"{prog}: {err}", file=sys.stderr)
+                raise SystemExit(2) from None
+
+        return wrapped
+
+    return decorate
