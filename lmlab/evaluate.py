@@ -164,10 +164,11 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     for s in scalings:
         if s != "none" and not POSITIONS[position].accepts_scaling:
             raise ValueError(f"rope_scaling={s!r} needs position=rope (the run has position={position!r})")
+    heads = resolve(GPTConfig(**model_cfg)).attn_heads
     for length in lengths:  # refuse before computing anything
         for s in scalings:
             check_reach(position, s, length, trained, allow_extrapolation)
-        check_attention_fits(f"length {length}", position, resolve(GPTConfig(**model_cfg)).attn_heads, length,
+        check_attention_fits(f"length {length}", position, heads, length,
                              min(batch_size, max_windows or batch_size))
 
     dm = run_data(run_dir, run_cfg, seq_len=trained)

@@ -71,11 +71,12 @@ def model_bytes(cfg: GPTConfig, bytes_per_param: int = 4) -> int:
 def check_model_fits(cfg: GPTConfig, what: str = "model", bytes_per_param: int = 4, device: str = "cpu") -> None:
     """Refuse a model that cannot be built in the memory `device` has free, with the estimate, before anything is
     built (a model of a million layers took 6 minutes and 7.5 GB of the meta device's objects before failing)."""
-    need = model_bytes(cfg, bytes_per_param)
+    n_params = n_params_estimate(cfg)
+    need = n_params * bytes_per_param + cfg.n_layer * LAYER_OBJECT_BYTES
     if need > (free := available_bytes(device)):
         raise ValueError(
             f"{what}: model.n_layer={cfg.n_layer} model.d_model={cfg.d_model} (vocab {cfg.vocab_size}) has about "
-            f"{n_params_estimate(cfg) / 1e9:.3g} B parameters and needs at least ~{need / GiB:.1f} GiB to build "
+            f"{n_params / 1e9:.3g} B parameters and needs at least ~{need / GiB:.1f} GiB to build "
             f"({bytes_per_param} bytes per parameter, plus ~{LAYER_OBJECT_BYTES // 1024} kB per layer); available "
             f"memory is ~{free / GiB:.1f} GiB ({device}). Use fewer or narrower layers"
         )

@@ -20,6 +20,8 @@ from typing import Any
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lmlab.rundir import atomic_write
+
 
 class MetricsCSV(Logger):
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
@@ -85,9 +87,7 @@ class MetricsCSV(Logger):
             buf = io.StringIO()
             csv.DictWriter(buf, fieldnames=header).writeheader()
             lines = [buf.getvalue().encode(), *self._lines(header, self.rows)]
-            tmp = self.path.with_suffix(".csv.tmp")
-            tmp.write_bytes(b"".join(lines))
-            tmp.replace(self.path)  # atomic: a crash mid-write never leaves a truncated file
+            atomic_write(self.path, b"".join(lines))  # a crash mid-write never leaves a truncated file
             self._header, end = header, sum(map(len, lines))
         else:
             start = self._on_disk - 1 if self._last_changed else self._on_disk

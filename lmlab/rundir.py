@@ -19,6 +19,7 @@ Layout:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -28,9 +29,10 @@ import pickle
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lmlab.env import is_rank_zero  # noqa: F401  (importable from here, as in earlier lmlab)
 
@@ -60,16 +62,27 @@ class RunDirBusy(RuntimeError):
 
 # --- writing ---
 
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+@contextlib.contextmanager
+def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
+    """A file to write `path` through: a temporary beside it (`.<name>.<pid>.tmp`, which `RunDir.clean_temporaries`
+    removes when a kill leaves one), flushed to disk and renamed over `path` once the block ends without an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # an error: the old file stays, the temporary goes
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    with atomic_open(path) as f:
         f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def remember(path: str | Path, data: str | bytes) -> bool:
@@ -163,9 +176,9 @@ def model_config(state: dict[str, Any]) -> dict[str, Any]:
     it differs from today's rule and pinned as `ffn.hidden`: such runs still load.
     """
     cfg = dict(state["hyper_parameters"]["model"])
-    ffn = dict(cfg.get("ffn") or {})
     if cfg.get("ffn_hidden") is not None:
         return cfg
+    ffn = dict(cfg.get("ffn") or {})
     proj = (state.get("state_dict") or {}).get("model.h.0.mlp.c_proj.weight")
     if ffn.get("hidden") is None and proj is not None and getattr(proj, "ndim", 0) == 2:
         from lmlab.config import GPTConfig
@@ -324,7 +337,7 @@ class RunDir:
                     os.replace(old, target)
                     continue
                 found.append(old)
-            found += [p for p in directory.glob(".*.tmp")] + [p for p in directory.glob("*.csv.tmp")]
+            found += directory.glob(".*.tmp")
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         return found
@@ -435,15 +448,9 @@ def atomic_checkpoint_io() -> Any:
 
     class AtomicCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
             # Beside the target, not in $TMPDIR (Lightning's _atomic_save stages through fsspec's temporary file
-            # there, which a kill mid-save leaks); `RunDir.clean_temporaries` removes what a kill leaves here.
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
+            # there, which a kill mid-save leaks).
+            with atomic_open(path) as f:
                 torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
 
     return AtomicCheckpointIO()
