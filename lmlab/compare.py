@@ -53,11 +53,9 @@ _NUMBERS = ("steps", "diverged_at_step", "n_params", "final_val_loss", "best_val
             "peak_grad_norm", "tokens_per_s")
 
 
-def _malformed(summary: Any) -> str | None:
-    """Why a summary.json cannot be compared (None: it can): not an object, no status, overrides that are not
-    strings, figures that are not finite numbers or null."""
-    if not isinstance(summary, dict):
-        return f"summary.json holds a {type(summary).__name__}, not an object"
+def _malformed(summary: dict[str, Any]) -> str | None:
+    """Why a summary.json that reads as an object cannot be compared (None: it can): no status, overrides that are
+    not strings, figures that are not finite numbers or null."""
     if not isinstance(summary.get("status"), str):
         return "summary.json has no status"
     if not isinstance(summary.get("overrides", []), list) or not all(
@@ -83,7 +81,7 @@ def _read(run: Path) -> dict[str, Any]:
     cannot be read or compared (the rest of the sweep is compared all the same)."""
     try:
         summary = RunDir(run).read_summary()
-    except ValueError as err:  # not JSON
+    except ValueError as err:  # not JSON, or not an object
         return {"status": "malformed", "problem": str(err).removeprefix(f"{run / SUMMARY} "), "overrides": []}
     if summary is None:
         return _incomplete(run)

@@ -294,9 +294,12 @@ class RunDir:
         if not self.summary.is_file():
             return None
         try:
-            return json.loads(self.summary.read_text())
+            summary = json.loads(self.summary.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{self.summary} is not valid JSON ({err})") from None
+        if not isinstance(summary, dict):  # every reader takes it as an object: refused here, once, with the path
+            raise ValueError(f"{self.summary} holds a {type(summary).__name__}, not an object")
+        return summary
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary, dumps(summary))

@@ -275,3 +275,17 @@ def test_a_run_start_cleans_the_temporaries(finished, corpus: Path, tmp_path: Pa
     stale.write_bytes(b"half a checkpoint")
     summary = train(compose(tiny(corpus, cache, "trainer.max_steps=22")), run)  # continues the finished run
     assert summary["status"] == "completed" and summary["steps"] == 22 and not stale.exists()
+
+
+def test_a_summary_that_is_not_an_object_is_refused_with_its_path(tmp_path: Path) -> None:
+    """eval.py run= on a run whose summary.json held a list died of an AttributeError; every reader goes through
+    RunDir.read_summary, which now refuses it with the path."""
+    from lmlab.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    for text, kind in (("[1, 2]", "list"), ('"completed"', "str"), ("3", "int")):
+        run.summary.write_text(text)
+        with pytest.raises(ValueError, match=rf"{run.summary} holds a {kind}, not an object"):
+            run.read_summary()
+    run.summary.write_text('{"status": "completed"}')
+    assert run.read_summary() == {"status": "completed"}
