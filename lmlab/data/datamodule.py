@@ -381,7 +381,7 @@ class TextDataModule(pl.LightningDataModule):
         self._require_setup()
         save_tokenizer(self.tokenizer, path)
 
-    # --- the task protocol (lmlab.data.tasks): a corpus has no callbacks, figures or compare section of its own ---
+    # --- the task protocol (lmlab.data.tasks): a corpus has no callbacks or figures of its own ---
 
     evaluable = True
 
@@ -390,10 +390,6 @@ class TextDataModule(pl.LightningDataModule):
 
     def figures(self) -> dict[str, Any]:
         return {}
-
-    @staticmethod
-    def compare_section(sweep_dir: Path, runs: Any, overrides: Any, keys: Any) -> str:
-        return ""
 
     # --- checkpoint: refuse to resume with another tokenizer ---
 

@@ -7,7 +7,8 @@ module the same things, and a corpus answers with nothing:
 - `callbacks(run_dir)`: the task's own callbacks (its metrics, its files in the run directory);
 - `figures()`: what `summary.json` records of it;
 - `evaluable`: whether `eval.py run=`'s loss per length applies to its runs;
-- `compare_section(sweep_dir, runs, overrides, keys)`: its own tables and plots in `eval.py compare=` ("" for none).
+- a task only: `compare_section(sweep_dir, runs, overrides, keys)`, its own tables and plots in `eval.py compare=`
+  ("" when no run of the sweep is one of its runs); compare asks every task in TASKS.
 """
 
 from __future__ import annotations
