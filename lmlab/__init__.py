@@ -17,12 +17,23 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the checkout links conf/ to it)
 
 
-def _job_dirname(overrides: str) -> str:
-    """A sweep job's directory name from its overrides: one path component, at most ~150 characters."""
+def _job_dirname(overrides: str, task: list[str] | None = None, sweep_dir: str | None = None) -> str:
+    """A sweep job's directory name from its overrides (Hydra's override_dirname, which leaves out the resumable keys
+    the command set once: lmlab.cli.dirname_exclusions): one path component, at most ~150 characters. A job that an
+    earlier lmlab named by all its overrides (`task`, sorted, as Hydra joins them) keeps that directory when it holds a
+    run and the new name does not exist: the same sweep command goes on continuing it."""
     import hashlib
 
-    name = overrides.replace("/", "_") or "default"
-    return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    def name_of(overrides: str) -> str:
+        name = overrides.replace("/", "_") or "default"
+        return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+    name = name_of(overrides)
+    if task is not None and sweep_dir is not None:
+        old = name_of(",".join(sorted(task)))
+        if old != name and (Path(sweep_dir) / old / "summary.json").exists() and not (Path(sweep_dir) / name).exists():
+            return old
+    return name
 
 
 def _sqlite_url(path: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab import env, names
+from lmlab.cli import continue_command
 from lmlab.config import arch_config
 from lmlab.data.datamodule import DATA_KEYS
 from lmlab.env import is_rank_zero
@@ -248,7 +249,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         requeued = requeue_on_slurm(signum)
         print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
               + (f"; {requeued}" if requeued else "")
-              + f"\n  to continue: python train.py hydra.run.dir={run.path}  (its own overrides are taken again)")
+              + f"\n  to continue: {continue_command(run.path)}  (its own overrides are taken again)")
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
         raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
     return summary
