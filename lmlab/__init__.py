@@ -44,6 +44,23 @@ def _sqlite_url(path: str) -> str:
     return f"sqlite:///{db}"
 
 
+def _study_seed(db: str, seed: int) -> int:
+    """The sampler seed of an Optuna search (resolver `lmlab.study_seed`, conf/hparams_search/optuna.yaml): `seed`
+    plus the trials its study already holds, so that a resumed search draws new random trials instead of the ones
+    it began with (a trial that repeats an earlier one's parameters adds nothing). The study is read with sqlite3."""
+    import sqlite3
+
+    path = Path(db).expanduser()
+    if not path.is_file():
+        return seed
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        try:
+            (count,) = con.execute("SELECT COUNT(*) FROM trials").fetchone()
+        except sqlite3.DatabaseError:  # not a study (yet): Optuna itself reports what is wrong with it
+            return seed
+    return seed + int(count)
+
+
 def _slurm_count(key: str, value: object) -> int:
     """A launcher count from a trainer key (resolver `lmlab.slurm_count`, conf/hydra/launcher/slurm.yaml): SLURM
     needs the tasks and GPUs per node before the job starts, so `auto`, a list of device ids or 0 are refused."""
@@ -57,7 +74,7 @@ def _slurm_count(key: str, value: object) -> int:
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url),
+    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url), ("lmlab.study_seed", _study_seed),
                      ("lmlab.slurm_count", _slurm_count)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

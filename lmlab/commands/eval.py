@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.cli import PROG, as_lists, quote_paths, usage_errors
 
-# `rope_scaling=none,linear` is one list of methods here, not a sweep; run paths from sweeps hold '=' and ','.
-LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths"}
+# `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
+LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
