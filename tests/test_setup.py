@@ -20,6 +20,16 @@ def _sh(command: str, cwd: Path, env: dict[str, str], timeout: float) -> subproc
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _without_srun(folder: Path, tmp_path: Path) -> Path:
+    """A folder of links to everything in `folder` but srun (srun shares /usr/bin with bash and the compilers)."""
+    shadow = tmp_path / "no-srun" / folder.as_posix().strip("/").replace("/", "_")
+    shadow.mkdir(parents=True)
+    for entry in folder.iterdir():
+        if entry.name != "srun":
+            (shadow / entry.name).symlink_to(entry)
+    return shadow
+
+
 def test_the_readme_set_up_passes_on_a_clean_clone_in_a_fresh_venv(tmp_path: Path) -> None:
     clone = tmp_path / "lmlab"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
@@ -41,10 +51,11 @@ def test_the_readme_set_up_passes_on_a_clean_clone_in_a_fresh_venv(tmp_path: Pat
     assert (venv / "bin" / "lmlab").exists()
     # `make test`, on a machine with srun on PATH (a SLURM login node: Lightning warns that srun is not used) and
     # on one without it
-    srun = shutil.which("srun", path=env["PATH"])
     paths = [env["PATH"]]
-    if srun:
-        paths.append(":".join(p for p in env["PATH"].split(":") if not (Path(p) / "srun").exists()))
+    if shutil.which("srun", path=env["PATH"]):  # and without it: each PATH folder that holds srun, less srun
+        paths.append(":".join(str(_without_srun(Path(p), tmp_path)) if (Path(p) / "srun").exists() else p
+                              for p in env["PATH"].split(":")))
+        assert shutil.which("srun", path=paths[-1]) is None and shutil.which("bash", path=paths[-1])
     for path in paths:
         res = _sh(". .venv/bin/activate && make test", clone, {**env, "PATH": path}, 1500)
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
