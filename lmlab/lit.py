@@ -14,17 +14,18 @@ from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.monitor import Divergence, local, sum_over_shards
-from lmlab.optim import OPTIMIZERS, SCHEDULES, param_groups
-from lmlab.registry import NonNegativeFloat, build, check_values, option_params
+from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
+    OPTIM_LOOP_KEYS,
+    OPTIMIZERS,
+    SCHEDULES,
+    optimizer_spec,
+    param_groups,
+    validate_optim,
+)
+from lmlab.registry import build, option_params
+
 
 # Read here, not by the optimizer constructor; typed like an option's own keys (grad_clip 0 or null: off).
-OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None}
-
-
-def optimizer_spec(optim: dict) -> dict:
-    return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
-
-
 def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int) -> dict:
     """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form."""
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), param_groups(model, optim.get("weight_decay", 0.0)))
@@ -32,13 +33,6 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     fn = SCHEDULES[name]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def validate_optim(optim: dict, schedule: dict) -> None:
-    """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature)."""
-    check_values("optim.", optim, OPTIM_LOOP_KEYS)
-    option_params("optim", OPTIMIZERS, optimizer_spec(optim))
-    option_params("schedule", SCHEDULES, schedule)
 
 
 class LitGPT(L.LightningModule):

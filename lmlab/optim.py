@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import torch
 from torch import nn
 
-from lmlab.registry import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, Range
+from lmlab.registry import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, Range, check_values, option_params
 
 Betas = Annotated[tuple[float, float], Range(ge=0, lt=1)]  # moving-average coefficients, each in [0, 1)
 
@@ -218,3 +218,20 @@ def inverse_sqrt(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0)
 
 OPTIMIZERS = {"adamw": adamw, "sgd": sgd, "lion": lion, "amos": amos, "adafactor": adafactor}
 SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": wsd, "inverse_sqrt": inverse_sqrt}
+
+
+# --- the optim and schedule groups, checked (lmlab.checks: before Lightning is imported) ----------------------
+
+OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None}  # the loop's keys
+
+
+def optimizer_spec(optim: dict) -> dict:
+    """The optim group less the training loop's keys: what the optimizer option is built from."""
+    return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
+
+
+def validate_optim(optim: dict, schedule: dict) -> None:
+    """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature)."""
+    check_values("optim.", optim, OPTIM_LOOP_KEYS)
+    option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    option_params("schedule", SCHEDULES, schedule)

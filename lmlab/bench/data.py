@@ -44,7 +44,7 @@ def make_corpus(size: int, root: Path, file_bytes: int = 500_000, seed: int = 0)
     """`size` bytes of shuffled Shakespeare lines in files of about `file_bytes`; reused when already there."""
     from lmlab.data import shakespeare_files
 
-    out = root / f"corpus-{size}"
+    out = root / (f"corpus-{size}" if file_bytes == 500_000 else f"corpus-{size}-{file_bytes}")
     if (out / ".complete").is_file():
         return out
     shutil.rmtree(out, ignore_errors=True)
@@ -162,6 +162,7 @@ def first_step(corpus: Path, cache: Path, tokenizer: str, vocab_size: int, env: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m lmlab.bench data", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", nargs="+", type=parse_size, default=[parse_size("100MB")], help="corpus sizes, e.g. 1GB")
+    p.add_argument("--files", type=int, default=None, help="the corpus in this many files (default: ~0.5 MB each)")
     p.add_argument("--num-proc", nargs="+", type=int, default=[1, 2], help="tokenizing processes to compare")
     p.add_argument("--tokenizer", default="char", help="char | bpe | a tokenizer.json")
     p.add_argument("--vocab-size", type=int, default=4096, help="bpe only")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     rows: list[dict[str, Any]] = []
     for size in args.size:
-        corpus = make_corpus(size, args.work)
+        corpus = make_corpus(size, args.work, **({"file_bytes": -(-size // args.files)} if args.files else {}))
         for num_proc in args.num_proc:
             cache = args.work / f"cache-{size}-{num_proc}"
             row = prepare(corpus, cache, args.tokenizer, num_proc, args.vocab_size, args.tokenizer_sample, env)

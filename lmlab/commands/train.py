@@ -29,14 +29,18 @@ def run(prog: str, argv: Sequence[str]) -> None:
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
+    hc = HydraConfig.get()
+    sweeping = hc.mode.name == "MULTIRUN"
+    cfg, overrides = continued(cfg, hc)
+    if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it and goes on)
+        from lmlab.checks import check_config
+
+        check_config(cfg, overrides)
     from lmlab.summary import objective
     from lmlab.tracking import hydra_group
     from lmlab.training import train
 
-    hc = HydraConfig.get()
-    sweeping = hc.mode.name == "MULTIRUN"
     group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
-    cfg, overrides = continued(cfg, hc)
     try:
         summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
     except Exception:

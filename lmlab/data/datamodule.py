@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -39,9 +39,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lmlab.data import shards
 from lmlab.data.corpus import CORPORA
+from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
-from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values, option_params
+from lmlab.registry import check_values, option_params
 from lmlab.rundir import RunLock, atomic_write, remember
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,6 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-# The keys every corpus shares (conf/data_base/corpus.yaml), typed like an option's keys: checked before training
-# (lmlab.training.check_config) and at construction. A task (data=position_probe) has the loader's keys only.
-DATA_KEYS = {"batch_size": PositiveInt, "vocab_size": PositiveInt,
-             "val_fraction": Annotated[float, Range(gt=0, lt=1)], "val_windows": PositiveInt | None,
-             "num_workers": NonNegativeInt, "num_proc": PositiveInt | None, "tokenizer_sample": PositiveInt | None,
-             "shard_size": PositiveInt, "eod": str | None}
-SHARD_KEYS = {k: DATA_KEYS[k] for k in ("num_proc", "tokenizer_sample", "shard_size", "eod")}  # the shards' recipe
 
 
 def usable_cpus() -> int:
