@@ -440,3 +440,25 @@ def test_a_signal_during_data_preparation_stops_at_once_and_the_next_run_goes_on
     resumed = {p.name: p.read_bytes() for p in sorted(shard_dir.glob("shard-*"))}
     clean = dm_for(tmp_path, docs, cache="clean", seq_len=32, shard_size=2000000, num_proc=2)
     assert {p.name: p.read_bytes() for p in sorted(clean.shard_dir.glob("shard-*"))} == resumed
+
+
+def _rss_file() -> int:
+    """This process's resident file-backed pages (bytes): mapped shards that were read count here."""
+    return int(re.search(r"RssFile:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssFile from /proc (Linux)")
+def test_counting_a_whole_split_keeps_only_a_chunk_of_it_resident(tmp_path: Path) -> None:
+    """The unigram count reads every token of the train split once: 1e9 tokens left 2 GB of mapped shard pages in
+    the process's RSS (what a cluster's memory limit counts). Each chunk's pages are dropped once counted; the counts
+    are the same."""
+    tokens = np.random.default_rng(0).integers(0, 500, size=48 << 20, dtype=np.uint16)  # 96 MB in two shards
+    for i, part in enumerate(np.split(tokens, 2)):
+        part.tofile(tmp_path / f"shard-{i:05d}.bin")
+    index = {"dtype": "uint16", "shards": [{"file": f"shard-{i:05d}.bin", "tokens": len(tokens) // 2} for i in (0, 1)]}
+    view = BlockView(TokenStream.open(tmp_path, index), 64)
+    before = _rss_file()
+    counts = view.target_counts(500, rows=1 << 14)  # 2 MB chunks
+    assert _rss_file() - before < 16 << 20  # was ~96 MB: every page of both shards
+    expected = np.bincount(tokens.reshape(-1, 64)[:, 1:].ravel(), minlength=500)
+    assert np.array_equal(counts, expected)

@@ -96,6 +96,21 @@ class TokenStream:
             return parts[0]
         return np.concatenate(parts) if parts else np.empty(0, self.dtype)
 
+    def release(self, a: int, b: int) -> None:
+        """Drop this process's mapped pages of tokens [a, b) (they stay in the page cache): a pass over a whole corpus
+        (the unigram count) then holds one chunk resident, not every shard it read (2 GB of RSS for 1e9 tokens, which
+        a cluster's memory limit counts)."""
+        import mmap
+
+        a, b = self.start + a, self.start + b
+        for i, array in enumerate(self.arrays):
+            lo, hi = max(a, self.offsets[i]) - self.offsets[i], min(b, self.offsets[i + 1]) - self.offsets[i]
+            handle = getattr(array, "_mmap", None)
+            if hi <= lo or handle is None:
+                continue
+            start = lo * array.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+            handle.madvise(mmap.MADV_DONTNEED, start, hi * array.itemsize - start)
+
     def chunks(self, size: int = 1 << 24) -> Iterator[np.ndarray]:
         for a in range(0, len(self), size):
             yield self.read(a, min(a + size, len(self)))
@@ -141,6 +156,7 @@ class BlockView:
             k = min(rows, self.n - r)
             chunk = self.stream.read(r * self.block, (r + k) * self.block).reshape(k, self.block)
             counts += np.bincount(chunk[:, 1:].ravel(), minlength=vocab_size)[:vocab_size]
+            self.stream.release(r * self.block, (r + k) * self.block)
         return counts
 
 
