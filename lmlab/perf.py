@@ -38,9 +38,11 @@ def matmul_params(model: nn.Module) -> int:
 def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     """Model FLOPs per token of a GPT at `seq_len`, for a train step (forward + backward) and an eval forward
     (FLOPS_FORMULA): the scores QKᵀ and the weighted sum A·V cost 2·T per unit of the block's own `attn_width`
-    forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e)."""
+    forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
+    queries read a window of W keys (attention.window) costs W in place of T."""
     cfg = model.cfg
-    n, attn = matmul_params(model), cfg.n_layer * seq_len * cfg.attn_width
+    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in model.h]
+    n, attn = matmul_params(model), sum(spans) * cfg.attn_width
     return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
 
 

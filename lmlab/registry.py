@@ -94,6 +94,12 @@ def option_types(fn: Callable) -> dict[str, Any]:
     return parameter_types(fn)
 
 
+def option_defaults(fn: Callable) -> dict[str, Any]:
+    """The default of each option parameter that has one (the keyword-only ones, named like the YAML keys)."""
+    return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+            if p.kind.name == "KEYWORD_ONLY" and p.default is not inspect.Parameter.empty}
+
+
 def option_params(group: str, registry: Mapping[str, Callable], spec: Mapping[str, Any]) -> tuple[str, dict]:
     """Check a spec against its registry; return (name, keyword arguments)."""
     params = dict(spec)

@@ -62,6 +62,17 @@ CASES |= {
                        "block": {"name": "gau", "s": 16, "score": "relu2"}},
     "sinusoidal+deepnorm+swiglu": {"position": {"name": "sinusoidal"}, "placement": {"name": "deepnorm"},
                                    "ffn": {"name": "swiglu"}},
+    # windows: the cache keeps each local layer's last W - 1 keys, and the text outgrows the window
+    "window+rope": {"position": {"name": "rope"}, "attention": {"name": "mha", "window": 4}},
+    "pattern+gqa+alibi": {"position": {"name": "alibi"}, "n_kv_head": 2,
+                          "attention": {"name": "gqa", "window": 3, "pattern": ["local", "global"]}},
+    "window+relu2+learned": {"attention": {"name": "mha", "window": 5, "score": "relu2"}},
+    "window+softmax_plus": {"position": {"name": "rope"}, "train_len": 8,
+                            "attention": {"name": "mha", "window": 6, "score": "softmax_plus"}},
+    "window+logn_scaling": {"position": {"name": "rope"}, "train_len": 8,
+                            "attention": {"name": "mqa", "window": 6, "logn_scaling": True}},
+    "softcap+window": {"position": {"name": "rope"}, "attention": {"name": "mha", "softcap": 2.0, "window": 4}},
+    "softcap": {"attention": {"name": "mha", "softcap": 1.5}},
 }
 
 

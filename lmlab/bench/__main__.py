@@ -4,6 +4,10 @@ if sys.argv[1:2] == ["data"]:  # python -m lmlab.bench data ...: the data pipeli
     from lmlab.bench.data import main
 
     main(sys.argv[2:])
+elif sys.argv[1:2] == ["attention"]:  # python -m lmlab.bench attention ...: masked attention paths vs full
+    from lmlab.bench.attention import main
+
+    main(sys.argv[2:])
 else:
     from lmlab.bench.cli import main
 

@@ -42,9 +42,10 @@ def _check_common(cfg: GPTConfig, fam: str) -> None:
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
-    for key, plain in (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0)):
+    for key, plain in (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
+                       ("window", None), ("pattern", None), ("softcap", None)):
         if attn.get(key, plain) != plain:
-            raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={plain}")
+            raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")
 
 
 def _check_llama(cfg: GPTConfig) -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.model.mask import layer_window
 from lmlab.model.score import SCORES, attend, explicit_weights, key_counts, log_ratio, scale_queries
 from lmlab.registry import PositiveFloat, build
 
@@ -36,7 +37,13 @@ class MHA(nn.Module):
     - logn_scaling: multiply q at position n > L (L = the trained length) by log_L(n), keeping the attention
       entropy roughly constant as the context grows (Chiang & Cholak, 2022; Su, 2021). Zero-shot: at n <= L the
       model is unchanged; score=softmax_plus trains with the factor at every length instead (not both at once);
-    - temperature: logits / temperature (on top of 1/sqrt(head_dim)).
+    - temperature: logits / temperature (on top of 1/sqrt(head_dim));
+    - window: each query reads only its last W keys, itself included (sliding-window attention: Child et al., 2019;
+      Beltagy et al., 2020; Mistral), in O(T·W) (lmlab.model.mask); the KV cache keeps the last W - 1 keys;
+    - pattern: the layers' windows, cycled over the layers (Gemma 2/3, gpt-oss, OLMo-core's local/global layers):
+      each entry `local` (the window), `global` (the whole context) or a layer's own window, e.g.
+      [local,local,local,global]; its length divides n_layer;
+    - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit.
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -46,9 +53,12 @@ class MHA(nn.Module):
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
         return n_head
 
-    def __init__(self, cfg: GPTConfig, *, score: str = "softmax", qk_norm: bool = False, logn_scaling: bool = False,
-                 temperature: PositiveFloat = 1.0) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
+                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
+                 pattern: list | None = None, softcap: PositiveFloat | None = None) -> None:
         super().__init__()
+        self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
+        self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
         if logn_scaling and self.score.query_scale(torch.ones(1)) is not None:
             raise ValueError(f"attention.logn_scaling=true with attention.score={score!r}, which already scales "
@@ -79,18 +89,20 @@ class MHA(nn.Module):
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
         q, k = pos.rotate(q, k, offset)
         if self.logn_scaling and offset + T > self.train_len:
-            n = key_counts(T, offset, x.device)
+            n = key_counts(T, offset, x.device, self.window)
             q = q * log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype)[:, None]  # (T, 1)
-        return scale_queries(q, self.score, offset), k, v
+        return scale_queries(q, self.score, offset, self.window), k, v
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         offset = 0 if cache is None else cache.offset
         q, k, v = self.qkv(x, pos, offset)
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, nkv, offset + T, hs): every token so far
-        y = attend(q, k, v, self.score, self.scale, pos, offset,
-                   self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+            k, v = cache.append(k, v)  # (B, nkv, S, hs): every token so far (a windowed layer: its last W - 1 + T)
+        y = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
+                   self.window, self.softcap)  # (B, nh, T, hs)
+        if cache is not None and self.window is not None:
+            cache.keep_last(self.window - 1)  # all the next token's window reaches
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def probs(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +110,7 @@ class MHA(nn.Module):
         head (B, nh), computed explicitly (for monitoring)."""
         q, k, _ = self.qkv(x, pos)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
-        weights, logits = explicit_weights(q, k, self.score, self.scale, pos)
+        weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap)
         return weights, logits.amax(dim=(-2, -1))
 
 

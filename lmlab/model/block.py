@@ -1,15 +1,15 @@
 """What a layer is made of (the `block` axis): named sublayers, each wired into the residual stream by the
 `placement` group (`x + F(N(x))`, `N(x + F(x))`, ... applied per sublayer).
 
-Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is
-built for (RoPE's rotated size, ALiBi's slopes), `sublayers()`, the layer's modules in order, by attribute name, and
-`n_params()`, a layer's weights from the sizes alone (what a size bound reads before anything is built), and
-`cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`, the widths its
-scores read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow. `uses`
-names the optional groups the kind reads (`attention`, `ffn`): the others are recorded as unused, not validated.
-A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens`
-(called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers
-(`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
+Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is built
+for (RoPE's rotated size, ALiBi's slopes), `sublayers(layer)`, the modules of layer `layer` in order, by attribute name,
+and `n_params()`, a layer's weights from the sizes alone (what a size bound reads before anything is built), and
+`cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`, the widths its scores
+read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow. `uses` names the
+optional groups the kind reads (`attention`, `ffn`): the others are recorded as unused, not validated. A sublayer says
+on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens` (called as `(x, pos,
+cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers (`is_residual_proj`,
+`value_parts`, read by `lmlab.model.init`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class Transformer:
         attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
         return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
-    def sublayers(self) -> dict[str, nn.Module]:
+    def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg
-        return {"attn": build("attention", ATTENTIONS, cfg.attention, cfg),
+        return {"attn": build("attention", ATTENTIONS, cfg.attention, cfg, layer),
                 "mlp": build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden, activation=cfg.activation,
                              bias=cfg.bias)}
 
@@ -73,7 +73,7 @@ class GAUBlock:
         d, e, s = self.cfg.d_model, self.e, self.s
         return d * (2 * e + s) + e * d + 4 * s + self.cfg.bias * (2 * e + s + d)
 
-    def sublayers(self) -> dict[str, nn.Module]:
+    def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg
         return {"gau": GAU(cfg.d_model, self.s, self.e, score=self.score, activation=cfg.activation, bias=cfg.bias,
                            train_len=cfg.train_len, dropout=cfg.dropout)}

@@ -26,6 +26,11 @@ class LayerCache:
         self.v = v if self.v is None else torch.cat((self.v, v), dim=-2)
         return self.k, self.v
 
+    def keep_last(self, n: int) -> None:
+        """Drop all but the last `n` keys and values (a windowed layer needs no more for the tokens to come)."""
+        if self.k is not None and self.k.size(-2) > n:
+            self.k, self.v = self.k[..., self.k.size(-2) - n:, :], self.v[..., self.v.size(-2) - n:, :]
+
 
 class KVCache:
     def __init__(self, n_layer: int) -> None:

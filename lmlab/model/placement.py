@@ -36,7 +36,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        sublayers = build("block", BLOCKS, cfg.block, cfg).sublayers()
+        sublayers = build("block", BLOCKS, cfg.block, cfg).sublayers(layer_idx)
         self.sublayer_names = tuple(sublayers)  # attribute names, in order (transformer: attn, mlp)
         for j, (name, module) in enumerate(sublayers.items(), 1):
             setattr(self, f"ln_{j}", build("norm", NORMS, cfg.norm, cfg.d_model))

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lmlab.model.mask import allowed, banded_sdpa, key_counts  # noqa: F401  (key_counts: importable here, as before)
+
 if TYPE_CHECKING:
     from lmlab.model.position import Position
 
@@ -29,11 +31,6 @@ def log_ratio(n: torch.Tensor, train_len: int) -> torch.Tensor:
     """log_L(n) = ln n / ln L: the entropy-invariance factor (Su, 2021; Chiang & Cholak, 2022) for a query reading n
     keys, L = the trained length. Shared by `attention.logn_scaling` (clamped >= 1, past L only) and softmax_plus."""
     return n.log() / math.log(train_len)
-
-
-def key_counts(T: int, offset: int, device: torch.device) -> torch.Tensor:
-    """n_i = offset + i + 1: how many keys query i (at position offset + i) reads under the causal mask, (T,)."""
-    return torch.arange(offset + 1, offset + T + 1, device=device, dtype=torch.float32)
 
 
 class Softmax:
@@ -86,44 +83,57 @@ class ReLU2(Softmax):
 
 def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
     """(T, offset + T) bool: query i (at position offset + i) reads keys 0 .. offset + i."""
-    return torch.ones(T, offset + T, dtype=torch.bool, device=device).tril(offset)
+    return allowed(T, offset, offset + T, None, device)
 
 
 def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
-                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d) with S = offset + T (key heads
-    already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`."""
-    T = q.size(-2)
+                     offset: int = 0, window: int | None = None, softcap: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d), the keys ending with the last query
+    (key heads already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`.
+    `window`: each query reads its last W keys (lmlab.model.mask); `softcap` c: the logits become c·tanh(logits / c)
+    before the position bias and the mask (Gemma 2's attention-logit softcap)."""
+    T, S = q.size(-2), k.size(-2)
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, S)
-    bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, S) with -inf above the diagonal, or None
-    mask = causal_mask(T, offset, q.device)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, offset + T) with -inf above the diagonal, or None
+    mask = allowed(T, offset, S, window, q.device)
     if bias is not None:
-        logits = logits + bias.masked_fill(~mask, 0.0)
-    return score.weights(logits, mask, key_counts(T, offset, q.device)), logits.masked_fill(~mask, float("-inf"))
+        logits = logits + bias[..., offset + T - S:].masked_fill(~mask, 0.0)
+    n = key_counts(T, offset, q.device, window)
+    return score.weights(logits, mask, n), logits.masked_fill(~mask, float("-inf"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, scale: float, pos: Position,
-           offset: int = 0, dropout_p: float = 0.0) -> torch.Tensor:
-    """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv).
-    `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels (causal when there is no bias
-    and no cached prefix, a materialised mask otherwise); the others are computed explicitly."""
-    T = q.size(-2)
+           offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None
+           ) -> torch.Tensor:
+    """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
+    ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
+    (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
+    block by block, lmlab.model.mask.banded_sdpa, in O(T·W)); the others, and softcapped logits, are computed
+    explicitly."""
+    T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
-    if score.sdpa:
-        bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, S), -inf where j > i, or None
+    if score.sdpa and softcap is None:
+        bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, offset + T), -inf where j > i, or None
+        if bias is not None:
+            bias = bias[..., offset + T - S:]
+        if window is not None and window < offset + T:  # the window cuts the context somewhere
+            return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p)
         if bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
-            bias = causal_mask(T, offset, q.device)
+            bias = allowed(T, offset, S, None, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a, _ = explicit_weights(q, k, score, scale, pos, offset)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap)
     return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
 
 
-def scale_queries(q: torch.Tensor, score: Softmax, offset: int) -> torch.Tensor:
-    """q (..., T, d) times the score's per-query factor, if it has one."""
-    factor = score.query_scale(key_counts(q.size(-2), offset, q.device))
+def scale_queries(q: torch.Tensor, score: Softmax, offset: int, window: int | None = None) -> torch.Tensor:
+    """q (..., T, d) times the score's per-query factor (of the keys each query reads), if it has one."""
+    factor = score.query_scale(key_counts(q.size(-2), offset, q.device, window))
     return q if factor is None else q * factor.to(q.dtype)[:, None]
 
 

@@ -1,0 +1,91 @@
+"""python -m lmlab.bench attention: the masked attention paths against full causal attention, in time and memory.
+
+    python -m lmlab.bench attention --lengths 1024 4096 --window 256 --json docs/cpu/attention.json
+
+Each case is one attention layer (d_model 256, 4 heads, batch 1) trained for a few forward + backward steps in a
+fresh process: full causal attention (SDPA's causal kernel) and a sliding window of `--window` keys (lmlab's banded
+path: SDPA block by block, never a (T, T) matrix). Reported: tokens/s of forward + backward, and the peak RSS
+(sampled every millisecond from /proc) the process grew by over the weights and the input: the attention's working
+memory, forward and backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_CASE = r"""
+import json, sys, threading, time, torch
+from lmlab.config import GPTConfig
+from lmlab.model.attention import MHA
+from lmlab.model.position import POSITIONS
+T, window, steps = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2])), int(sys.argv[3])
+torch.set_num_threads(1)
+cfg = GPTConfig(vocab_size=16, n_layer=1, d_model=256, n_head=4, max_seq_len=T, attention={"name": "mha"})
+from lmlab.model.resolve import resolve
+cfg = resolve(cfg)
+attn = MHA(cfg, 0, window=window)
+pos = POSITIONS["rope"](256, 64, 4, T, T, {"name": "none"})
+x = torch.randn(1, T, 256, requires_grad=True)
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.001)
+base = rss()  # the weights and the input, before any step
+threading.Thread(target=sample, daemon=True).start()
+attn(x, pos).sum().backward()  # warm-up
+start = time.perf_counter()
+for _ in range(steps):
+    attn(x, pos).sum().backward()
+seconds = time.perf_counter() - start
+done.set()
+print(json.dumps({"tokens_per_s": steps * T / seconds, "step_s": seconds / steps,
+                  "peak_growth_mb": (peak[0] - base) / 2**20}))
+"""
+
+
+def run_case(T: int, window: int | None, steps: int) -> dict[str, Any]:
+    """One case in a fresh process (its own peak RSS), one thread."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", _CASE, str(T), str(window or "none"), str(steps)], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"attention bench case T={T} window={window} failed: {res.stderr[-2000:]}")
+    return {"T": T, "window": window, **json.loads(res.stdout.strip().splitlines()[-1])}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m lmlab.bench attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
+    p.add_argument("--window", type=int, default=256, help="the sliding window's keys W")
+    p.add_argument("--steps", type=int, default=3, help="timed forward + backward steps per case")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    rows = []
+    for T in args.lengths:
+        for window in (None, args.window):
+            row = run_case(T, window, args.steps)
+            rows.append(row)
+            name = "full causal" if window is None else f"window {window}"
+            print(f"T={T:>6}  {name:<12} {row['tokens_per_s']:>10,.0f} tok/s  {row['step_s'] * 1e3:>8.1f} ms/step  "
+                  f"peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
+    out = {"date": time.strftime("%Y-%m-%d"), "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Which keys each query reads: the causal mask, optionally narrowed to a sliding window of the last W positions
+(Child et al., 2019; Beltagy et al., 2020; Mistral), and the attention over it without a dense (T, T) matrix.
+
+Positions are absolute: the T queries sit at positions offset .. offset + T - 1 and the S keys at the S positions that
+end with the last query (offset + T - S .. offset + T - 1: a KV cache of a windowed layer keeps only the last W - 1
+keys). Query p reads key q when q <= p and, with a window W, p - q < W: W keys, itself included (transformers'
+sliding window counts the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def allowed(T: int, offset: int, S: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, S) bool: True where query i (at position offset + i) reads key j (at position offset + T - S + j)."""
+    q = torch.arange(offset, offset + T, device=device)[:, None]
+    k = torch.arange(offset + T - S, offset + T, device=device)[None, :]
+    mask = k <= q
+    return mask & (q - k < window) if window is not None else mask
+
+
+def key_counts(T: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """n_i: how many keys query i (at position offset + i) reads, (T,) float: offset + i + 1, at most the window."""
+    n = torch.arange(offset + 1, offset + T + 1, device=device, dtype=torch.float32)
+    return n.clamp_max(window) if window is not None else n
+
+
+def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int, offset: int,
+                bias: torch.Tensor | None = None, dropout_p: float = 0.0, block: int | None = None) -> torch.Tensor:
+    """Softmax attention under a window of W keys, a block of queries at a time: each block of (at most W) queries
+    reads only the keys its window reaches (the block's own plus the W - 1 before it), through SDPA with that small
+    mask. Memory and time O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, S, d) (key heads shared by
+    query heads are expanded by SDPA), `bias` (h, T, S) a position bias (ALiBi) or None -> (B, h, T, d)."""
+    T, S = q.size(-2), k.size(-2)
+    first = offset + T - S  # the position of key 0
+    block = block or max(1, min(T, window))
+    out = []
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        lo = max(first, offset + a - window + 1)  # the first key position any query of the block reads
+        keys = slice(lo - first, offset + b - first)
+        mask = allowed(b - a, offset + a, keys.stop - keys.start, window, q.device)
+        if bias is not None:
+            mask = bias[..., a:b, keys].masked_fill(~mask, float("-inf"))
+        out.append(F.scaled_dot_product_attention(q[..., a:b, :], k[..., keys, :], v[..., keys, :], attn_mask=mask,
+                                                  dropout_p=dropout_p, scale=scale,
+                                                  enable_gqa=q.size(1) != k.size(1)))
+    return torch.cat(out, dim=-2)
+
+
+def layer_window(window: int | None, pattern: list | None, layer: int, n_layer: int, max_len: int) -> int | None:
+    """The window of layer `layer` (None: it reads the whole causal context). `pattern`, cycled over the layers,
+    names each layer `local` (the `window`), `global`, or gives its own window; its length must divide n_layer (a
+    pattern of 4 over 6 layers would leave the last group cut)."""
+    def check(key: str, w: int) -> int:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"{key}={w!r} must be a window of >= 1 keys (or null: the whole context)")
+        if w > max_len:
+            raise ValueError(f"{key}={w} is larger than the context (model.max_seq_len={max_len}): a window that "
+                             f"long is the whole context; use null, or a window <= {max_len}")
+        return w
+
+    if window is not None:
+        check("attention.window", window)
+    if pattern is None:
+        return window
+    pattern = list(pattern)
+    if not pattern or n_layer % len(pattern):
+        raise ValueError(f"attention.pattern={pattern} has {len(pattern)} entries, which must divide model.n_layer="
+                         f"{n_layer} (the pattern repeats over the layers); e.g. [local,local,local,global] for 4, 8, "
+                         f"12 layers")
+    entry = pattern[layer % len(pattern)]
+    if entry == "global":
+        return None
+    if entry == "local":
+        if window is None:
+            raise ValueError(f"attention.pattern={pattern} has local layers but attention.window is null; set "
+                             f"attention.window=W (the local layers' window), or give each layer its window")
+        return window
+    if isinstance(entry, str):
+        raise ValueError(f"attention.pattern entry {entry!r} is not local, global or a window size (an integer)")
+    return check(f"attention.pattern[{layer % len(pattern)}]", entry)

@@ -1,0 +1,185 @@
+"""Sliding-window attention, layer patterns and the attention-logit softcap: each mask against one built by hand token
+by token, the O(T·W) banded path against the dense softmax it replaces, what a window means for the model (a token
+past the window has no effect), the KV cache it keeps, their FLOPs, and their refusals by key."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmlab import compose
+from lmlab.config import GPTConfig
+from lmlab.model.cache import KVCache
+from lmlab.model.gpt import GPT, validate
+from lmlab.model.mask import allowed, banded_sdpa, key_counts, layer_window
+from lmlab.model.position import POSITIONS
+from lmlab.model.score import SCORES, attend, explicit_weights
+from lmlab.perf import flops_per_token
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _nope(heads: int = 2):
+    return POSITIONS["none"](16, 8, heads, 64, 64, {"name": "none"})
+
+
+def _alibi(heads: int = 2):
+    return POSITIONS["alibi"](16, 8, heads, 64, 64, {"name": "none"})
+
+
+def test_the_window_mask_is_the_one_built_token_by_token() -> None:
+    """Query at position p reads key at position q iff q <= p and p - q < W, for keys that end with the last query
+    (a cache that dropped the oldest keys); documents of random sizes and offsets."""
+    rng = random.Random(0)
+    for _ in range(200):
+        T, offset = rng.randint(1, 12), rng.randint(0, 12)
+        S = rng.randint(T, offset + T)
+        window = rng.choice([None, *range(1, 15)])
+        mask = allowed(T, offset, S, window, torch.device("cpu"))
+        first = offset + T - S
+        for i in range(T):
+            for j in range(S):
+                p, q = offset + i, first + j
+                assert bool(mask[i, j]) == (q <= p and (window is None or p - q < window)), (T, offset, S, window)
+        n = key_counts(T, offset, torch.device("cpu"), window)
+        assert n.tolist() == [float(min(offset + i + 1, window or 10**9)) for i in range(T)]
+
+
+def _dense_softmax(q, k, v, scale, mask, bias=None):
+    """softmax(q kᵀ · scale + bias, masked) v written out, key heads repeated to the query heads."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    logits = (q @ k.transpose(-2, -1)) * scale
+    if bias is not None:
+        logits = logits + bias.masked_fill(~mask, 0.0)
+    return logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("window,T,offset,S", [(1, 9, 0, 9), (3, 9, 0, 9), (4, 16, 0, 16), (8, 7, 0, 7),
+                                               (3, 5, 6, 7), (4, 1, 20, 4), (5, 6, 2, 8)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_the_banded_path_is_the_dense_windowed_softmax(window, T, offset, S, heads) -> None:
+    torch.manual_seed(0)
+    h, hkv = heads
+    q, k, v = torch.randn(2, h, T, 8), torch.randn(2, hkv, S, 8), torch.randn(2, hkv, S, 8)
+    mask = allowed(T, offset, S, window, q.device)
+    expected = _dense_softmax(q, k, v, 0.3, mask)
+    torch.testing.assert_close(banded_sdpa(q, k, v, scale=0.3, window=window, offset=offset), expected, **TOL)
+    torch.testing.assert_close(attend(q, k, v, SCORES["softmax"](64), 0.3, _nope(h), offset, window=window),
+                               expected, **TOL)
+    for block in (1, 2, 5):  # the blocks are an implementation detail
+        out = banded_sdpa(q, k, v, scale=0.3, window=window, offset=offset, block=block)
+        torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_the_banded_path_adds_a_position_bias_inside_the_window() -> None:
+    torch.manual_seed(1)
+    T, window, pos = 10, 3, _alibi(2)
+    q, k, v = (torch.randn(1, 2, T, 8) for _ in range(3))
+    bias = pos.attn_bias(T, q.device, q.dtype, 0)
+    expected = _dense_softmax(q, k, v, 0.5, allowed(T, 0, T, window, q.device), bias)
+    torch.testing.assert_close(attend(q, k, v, SCORES["softmax"](64), 0.5, pos, 0, window=window), expected, **TOL)
+
+
+def test_relu2_under_a_window_divides_by_the_keys_it_reads() -> None:
+    """relu²(logits)/n with n = min(W, i + 1): the keys the query reads, not its position."""
+    torch.manual_seed(2)
+    T, window = 6, 2
+    q, k, v = (torch.randn(1, 1, T, 4) for _ in range(3))
+    logits = q @ k.transpose(-2, -1)
+    out = attend(q, k, v, SCORES["relu2"](64), 1.0, _nope(1), 0, window=window)
+    for i in range(T):
+        reads = [j for j in range(T) if j <= i and i - j < window]
+        row = sum(torch.relu(logits[0, 0, i, j]) ** 2 * v[0, 0, j] for j in reads) / len(reads)
+        torch.testing.assert_close(out[0, 0, i], row, **TOL)
+
+
+def test_the_softcap_bounds_the_logits_by_its_formula() -> None:
+    """Gemma 2's softcap: logits -> c·tanh(logits / c) before the softmax; every logit within (-c, c)."""
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 2, 5, 8) * 1.5, torch.randn(1, 2, 5, 8) * 1.5
+    c = 2.5
+    weights, logits = explicit_weights(q, k, SCORES["softmax"](64), 1.0, _nope(), softcap=c)
+    raw = q @ k.transpose(-2, -1)
+    mask = allowed(5, 0, 5, None, q.device)
+    expected = (c * torch.tanh(raw / c)).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(logits, expected, **TOL)
+    torch.testing.assert_close(weights, expected.softmax(-1), **TOL)
+    assert logits[mask.expand_as(logits)].abs().max() < c < raw[mask.expand_as(raw)].abs().max()
+
+
+def _model(**kw) -> GPT:
+    base = dict(vocab_size=30, n_layer=1, d_model=32, n_head=4, max_seq_len=24, position={"name": "rope"})
+    torch.manual_seed(0)
+    return GPT(validate(GPTConfig(**{**base, **kw}))).eval()
+
+
+def test_a_token_past_the_window_has_no_effect_and_every_option_stays_causal() -> None:
+    """One layer with a window of 5: changing token 0 changes the outputs at positions 0..4 and none after; changing
+    token t never changes an output before t."""
+    idx = torch.randint(0, 30, (1, 16), generator=torch.Generator().manual_seed(0))
+    for attention in ({"name": "mha", "window": 5}, {"name": "gqa", "window": 5, "softcap": 3.0},
+                      {"name": "mha", "window": 5, "score": "relu2"}):
+        model = _model(attention=attention, n_kv_head=2 if attention["name"] == "gqa" else None)
+        changed = idx.clone()
+        changed[0, 0] = (idx[0, 0] + 1) % 30
+        with torch.no_grad():
+            diff = (model(idx) - model(changed)).abs().amax(-1)[0]
+        assert (diff[:5] > 1e-6).all() and (diff[5:] == 0).all(), (attention, diff)
+        for t in (3, 9, 15):
+            later = idx.clone()
+            later[0, t] = (idx[0, t] + 1) % 30
+            with torch.no_grad():
+                assert torch.equal(model(idx)[:, :t], model(later)[:, :t]), (attention, t)
+
+
+def test_a_pattern_gives_each_layer_its_window() -> None:
+    assert [layer_window(4, ["local", "local", "global"], i, 6, 24) for i in range(6)] == [4, 4, None, 4, 4, None]
+    assert [layer_window(None, [2, "global"], i, 4, 24) for i in range(4)] == [2, None, 2, None]
+    model = _model(n_layer=4, attention={"name": "mha", "window": 3, "pattern": ["local", "global"]})
+    assert [b.attn.window for b in model.h] == [3, None, 3, None]
+
+
+def test_the_kv_cache_of_a_local_layer_keeps_its_window() -> None:
+    model = _model(n_layer=2, attention={"name": "mha", "window": 4, "pattern": ["local", "global"]})
+    cache = KVCache(2)
+    idx = torch.randint(0, 30, (1, 12))
+    with torch.no_grad():
+        model(idx[:, :7], cache=cache)
+        for t in range(7, 12):
+            model(idx[:, t:t + 1], cache=cache)
+    assert cache.layers[0].k.size(-2) == 3 and cache.layers[1].k.size(-2) == 12  # W - 1 keys; all of them
+
+
+def test_a_window_costs_its_keys_in_the_flop_count() -> None:
+    full, local = _model(n_layer=2), _model(n_layer=2, attention={"name": "mha", "window": 4, "pattern": ["local",
+                                                                                                        "global"]})
+    f_full, f_local = flops_per_token(full, 24)["train"], flops_per_token(local, 24)["train"]
+    attn_width = full.cfg.attn_width
+    assert f_full - f_local == 6 * (24 - 4) * attn_width  # one layer reads 4 keys instead of 24
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["attention.window=200"], "attention.window=200 is larger than the context (model.max_seq_len=128)"),
+    (["attention.window=0"], "attention.window=0 must be a window of >= 1 keys"),
+    (["attention.pattern=[local,global,global]"], "has 3 entries, which must divide model.n_layer=4"),
+    (["attention.pattern=[local,global]"], "has local layers but attention.window is null"),
+    (["attention.pattern=[wide,global]"], "entry 'wide' is not local, global or a window size"),
+    (["attention.softcap=0"], "attention.softcap=0 must be"),
+])
+def test_bad_windows_are_refused_by_key(overrides, message) -> None:
+    from lmlab.checks import check_config
+
+    with pytest.raises(ValueError, match=None) as err:
+        check_config(compose(overrides))
+    assert message in str(err.value), str(err.value)
+
+
+def test_transformers_export_refuses_a_window_naming_the_axis() -> None:
+    from lmlab.interop.hf import NotRepresentable, to_hf
+
+    model = _model(norm={"name": "rms"}, ffn={"name": "swiglu"}, attention={"name": "mha", "window": 4})
+    with pytest.raises(NotRepresentable, match="attention.window"):
+        to_hf(model)
