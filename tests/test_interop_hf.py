@@ -83,6 +83,25 @@ def test_from_hf_llama_gives_the_same_logits(case: str) -> None:
     assert {k: ours_rope.get(k) for k in hf.config.rope_parameters} == hf.config.rope_parameters
 
 
+@pytest.mark.parametrize("kind,layer_types", [("mistral", None), ("ministral", ["sliding_attention",
+                                                                              "full_attention"])])
+def test_from_hf_sliding_window_models_give_the_same_logits(kind: str, layer_types) -> None:
+    """A Mistral (every layer slides) and a Ministral (layer_types: local/global layers) with a window shorter than
+    the text: lmlab's attention.window / pattern read from their configs, the logits equal."""
+    config_cls = {"mistral": transformers.MistralConfig, "ministral": transformers.MinistralConfig}[kind]
+    model_cls = {"mistral": transformers.MistralForCausalLM, "ministral": transformers.MinistralForCausalLM}[kind]
+    extra = {} if layer_types is None else {"layer_types": layer_types}
+    config = config_cls(**{k: v for k, v in LLAMA.items() if k != "max_position_embeddings"},
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=5, **extra)
+    torch.manual_seed(4)
+    hf = model_cls(config).eval()
+    ours = from_hf(hf)
+    assert ours.cfg.attention["window"] == 5
+    assert ours.cfg.attention.get("pattern") == (None if layer_types is None else ["local", "global"])
+    idx = _tokens(24)
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", sorted(GPT2_CASES))
 def test_from_hf_gpt2_gives_the_same_logits(case: str) -> None:
     act, tied, inner = GPT2_CASES[case]
@@ -108,6 +127,11 @@ LMLAB_CASES = {
                                position={"name": "rope"}, rope_scaling={"name": "ntk_by_parts", "factor": 2.0},
                                max_seq_len=32, train_len=16),
     "gpt2_no_bias": dict(norm={"name": "layer", "bias": False}, position={"name": "learned"}, bias=False),
+    # sliding windows: transformers' Ministral (its layer_types), every layer or a local/global pattern
+    "ministral_window": dict(norm={"name": "rms"}, ffn={"name": "swiglu"}, position={"name": "rope"},
+                             attention={"name": "gqa", "window": 5}, n_kv_head=2, tie_embeddings=False),
+    "ministral_pattern": dict(norm={"name": "rms"}, ffn={"name": "swiglu"}, position={"name": "rope"},
+                              attention={"name": "mha", "window": 3, "pattern": ["local", "global"]}),
     "gpt2_bias": dict(norm={"name": "layer"}, position={"name": "learned"}, activation={"name": "gelu_tanh"},
                       bias=True),
 }
@@ -132,6 +156,8 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
         assert getattr(back.cfg, key) == getattr(ours.cfg, key), key
     assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
     assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
+    for key in ("window", "pattern"):
+        assert back.cfg.attention.get(key) == ours.cfg.attention.get(key), key
 
 
 @pytest.mark.parametrize("override,axis", [
@@ -144,6 +170,12 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
     ({"attention": {"name": "mha", "qk_norm": True}}, "attention.qk_norm=True"),
     ({"norm": {"name": "scale"}}, "norm='scale'"),
     ({"ffn": {"name": "swiglu"}}, "ffn='swiglu'"),  # learned positions: GPT-2, whose FFN is an MLP
+    ({"attention": {"name": "mha", "window": 4}}, "attention.window=4"),  # GPT-2 has no sliding window
+    ({"attention": {"name": "mha", "softcap": 5.0}}, "attention.softcap=5.0"),
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "bias": True,
+      "attention": {"name": "mha", "window": 4}}, "model.bias=True"),  # Ministral has no biases
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "n_layer": 2,
+      "attention": {"name": "mha", "pattern": [4, 6]}}, "attention.pattern="),  # one window size in transformers
 ])
 def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
     kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,

@@ -177,9 +177,12 @@ def test_bad_windows_are_refused_by_key(overrides, message) -> None:
     assert message in str(err.value), str(err.value)
 
 
-def test_transformers_export_refuses_a_window_naming_the_axis() -> None:
-    from lmlab.interop.hf import NotRepresentable, to_hf
+def test_a_llama_like_window_exports_as_ministral_and_a_gpt2_like_one_is_refused() -> None:
+    """The logits' parity both ways is tests/test_interop_hf.py's (ministral_window, ministral_pattern)."""
+    from lmlab.interop.hf import NotRepresentable, family
 
-    model = _model(norm={"name": "rms"}, ffn={"name": "swiglu"}, attention={"name": "mha", "window": 4})
-    with pytest.raises(NotRepresentable, match="attention.window"):
-        to_hf(model)
+    llama_like = _model(norm={"name": "rms"}, ffn={"name": "swiglu"}, attention={"name": "mha", "window": 4})
+    assert family(llama_like.cfg) == "ministral"
+    gpt2_like = _model(norm={"name": "layer"}, position={"name": "learned"}, attention={"name": "mha", "window": 4})
+    with pytest.raises(NotRepresentable, match="^attention.window=4 has no GPT-2 form"):
+        family(gpt2_like.cfg)

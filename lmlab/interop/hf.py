@@ -80,7 +80,7 @@ def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
 def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, torch.Tensor]:
     """transformers' state dict -> lmlab's, by running the forward mapping on names and inverting each rule."""
     sd = {}
-    if fam == "llama":
+    if fam in ("llama", "ministral"):
         sd["wte.weight"] = state["model.embed_tokens.weight"]
         for i in range(model.cfg.n_layer):
             p, q = f"h.{i}.", f"model.layers.{i}."
@@ -120,8 +120,9 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     model = load_model(model_or_run_dir) if isinstance(model_or_run_dir, (str, Path)) else model_or_run_dir
     config = hf_config(model.cfg)
     fam = family(model.cfg)
-    hf = (transformers.LlamaForCausalLM if fam == "llama" else transformers.GPT2LMHeadModel)(config)
-    state = _llama_state(model) if fam == "llama" else _gpt2_state(model)
+    hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
+          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+    state = _llama_state(model) if fam in ("llama", "ministral") else _gpt2_state(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

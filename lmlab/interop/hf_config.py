@@ -27,7 +27,8 @@ def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentab
 
 
 def family(cfg: GPTConfig) -> str:
-    """'llama' or 'gpt2', or NotRepresentable naming the first axis that fits neither."""
+    """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
+    say which layers slide) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
     if pos == "rope":
         return _check_llama(cfg)
@@ -36,20 +37,37 @@ def family(cfg: GPTConfig) -> str:
     raise _refuse("position", pos, "Llama or GPT-2", "position=rope (Llama) or position=learned (GPT-2)")
 
 
-def _check_common(cfg: GPTConfig, fam: str) -> None:
+def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
-    for key, plain in (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
-                       ("window", None), ("pattern", None), ("softcap", None)):
+    plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
+                  ("softcap", None), *(() if windows else (("window", None), ("pattern", None))))
+    for key, plain in plain_keys:
         if attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")
 
 
+def layer_windows(cfg: GPTConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as lmlab's attention builds it."""
+    from lmlab.model.mask import layer_window
+
+    attn = cfg.attention
+    return [layer_window(attn.get("window"), attn.get("pattern"), i, cfg.n_layer, cfg.max_seq_len)
+            for i in range(cfg.n_layer)]
+
+
 def _check_llama(cfg: GPTConfig) -> str:
-    _check_common(cfg, "Llama")
+    windows = [w for w in layer_windows(cfg) if w is not None]
+    _check_common(cfg, "Llama", windows=True)
+    if windows:  # transformers' Ministral: Llama's layers, some sliding over one window, no biases
+        if len(set(windows)) > 1:
+            raise _refuse("attention.pattern", cfg.attention.get("pattern"), "Ministral",
+                          "one window size for every local layer")
+        if cfg.bias:
+            raise _refuse("model.bias", cfg.bias, "Ministral", "model.bias=false (its Linear layers have none)")
     if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
         raise _refuse("norm", cfg.norm["name"], "Llama", "norm=rms with a gain")
     if _glu_act(cfg) is None:
@@ -60,7 +78,7 @@ def _check_llama(cfg: GPTConfig) -> str:
         raise _refuse("rope_scaling", cfg.rope_scaling["name"], "Llama", f"one of {sorted(_ROPE_TYPES)}")
     if cfg.rope_scaling.get("ramp", "index") != "index":  # transformers' YaRN ramps in the pair index
         raise _refuse("rope_scaling.ramp", cfg.rope_scaling["ramp"], "Llama", "rope_scaling.ramp=index")
-    return "llama"
+    return "ministral" if windows else "llama"
 
 
 def _check_gpt2(cfg: GPTConfig) -> str:
@@ -118,15 +136,20 @@ def hf_config(cfg: GPTConfig) -> Any:
     import transformers
 
     fam = family(cfg)
-    if fam == "llama":
+    if fam in ("llama", "ministral"):
         rope, max_pos = _rope_parameters(cfg)
-        return transformers.LlamaConfig(
+        common = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
             num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, hidden_act=_glu_act(cfg), max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.norm.get("eps", 1e-6)), tie_word_embeddings=cfg.tie_embeddings,
-            attention_bias=cfg.bias, mlp_bias=cfg.bias, rope_parameters=rope, attention_dropout=0.0,
-        )
+            rope_parameters=rope, attention_dropout=0.0)
+        if fam == "llama":
+            return transformers.LlamaConfig(**common, attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        windows = layer_windows(cfg)
+        return transformers.MinistralConfig(
+            **common, sliding_window=next(w for w in windows if w is not None), bos_token_id=None, eos_token_id=None,
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in windows])
     return transformers.GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function=_ACTS[cfg.activation["name"]],
@@ -141,15 +164,17 @@ def _exact_ffn(hidden: int) -> dict[str, Any]:
 
 
 def lmlab_config(hf: Any) -> GPTConfig:
-    """The GPTConfig of a transformers LlamaConfig or GPT2Config."""
+    """The GPTConfig of a transformers LlamaConfig, MistralConfig, MinistralConfig or GPT2Config."""
     kind = hf.model_type
-    if kind == "llama":
+    if kind in ("llama", "mistral", "ministral"):
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         if head_dim * hf.num_attention_heads != hf.hidden_size:
             raise NotRepresentable(f"head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
                                    f"hidden_size={hf.hidden_size}: lmlab's heads split d_model")
-        if hf.attention_bias != hf.mlp_bias:
-            raise NotRepresentable(f"attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias}: lmlab has one "
+        # Mistral's and Ministral's Linear layers have no biases
+        attention_bias, mlp_bias = (hf.attention_bias, hf.mlp_bias) if kind == "llama" else (False, False)
+        if attention_bias != mlp_bias:
+            raise NotRepresentable(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: lmlab has one "
                                    f"model.bias for every Linear")
         act = _ACTS_BACK.get(hf.hidden_act)
         if act is None:
@@ -160,10 +185,11 @@ def lmlab_config(hf: Any) -> GPTConfig:
         return GPTConfig(
             vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
             n_head=hf.num_attention_heads, n_kv_head=hf.num_key_value_heads, max_seq_len=max_len,
-            train_len=train_len, bias=bool(hf.attention_bias), tie_embeddings=bool(hf.tie_word_embeddings),
+            train_len=train_len, bias=bool(attention_bias), tie_embeddings=bool(hf.tie_word_embeddings),
             norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "pre"},
             activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": rope.pop("theta")},
-            rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads)},
+            rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
+                                          **_windows_back(hf, kind)},
             init={"name": "gpt2"},
         )
     if kind == "gpt2":
@@ -183,6 +209,23 @@ def lmlab_config(hf: Any) -> GPTConfig:
             init={"name": "gpt2"},
         )
     raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like and GPT-2-like models")
+
+
+def _windows_back(hf: Any, kind: str) -> dict[str, Any]:
+    """attention.window / pattern of a Mistral (every layer slides when sliding_window is set) or Ministral config
+    (layer_types): the shortest cycle of local/global layers that repeats over the layers."""
+    window = getattr(hf, "sliding_window", None) if kind != "llama" else None
+    if window is None:
+        return {}
+    types = list(getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers)
+    if unknown := sorted(set(types) - {"sliding_attention", "full_attention"}):
+        raise NotRepresentable(f"layer_types {unknown}: lmlab's layers slide or attend to the whole context")
+    pattern = ["local" if t == "sliding_attention" else "global" for t in types]
+    if "global" not in pattern:
+        return {"window": int(window)}
+    cycle = next(n for n in range(1, len(pattern) + 1) if len(pattern) % n == 0 and pattern == pattern[:n] * (
+        len(pattern) // n))
+    return {"window": int(window), "pattern": pattern[:cycle]}
 
 
 def _attention_name(n_head: int, n_kv_head: int) -> str:
