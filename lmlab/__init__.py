@@ -95,9 +95,10 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
+def build_model(cfg: DictConfig, vocab_size: int | None = None, eod_id: int | None = None) -> nn.Module:
     """The GPT `train.py` would build for `cfg`. The vocabulary size comes from `vocab_size`, else
-    `cfg.model.vocab_size`, else the configured tokenizer (which loads the corpus, cached after the first time)."""
+    `cfg.model.vocab_size`, else the configured tokenizer (which loads the corpus, cached after the first time);
+    likewise the end-of-document token's id that attention.doc_mask finds documents by (`eod_id`)."""
     from lmlab.config import arch_config
     from lmlab.model.gpt import GPT, validate
 
@@ -112,8 +113,8 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None) -> nn.Module:
                                 seed=cfg.seed)
         data.prepare_data()
         data.setup("fit")
-        vocab_size = data.vocab_size
-    return GPT(validate(arch_config(cfg, vocab_size=vocab_size)))
+        vocab_size, eod_id = data.vocab_size, getattr(data, "eod_id", None) if eod_id is None else eod_id
+    return GPT(validate(arch_config(cfg, vocab_size=vocab_size, eod_id=eod_id)))
 
 
 __all__ = ["compose", "build_model"]

@@ -37,7 +37,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     from lmlab.optim import validate_optim
     from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
-    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256))
+    eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
+    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],

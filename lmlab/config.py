@@ -46,6 +46,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
+    eod_id: int | None = None  # the end-of-document token (data.eod's id) documents are found by: attention.doc_mask
     block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
@@ -101,8 +102,9 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(GPTConfig, include_extras=True)
 
 
-def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None) -> GPTConfig:
-    """The GPTConfig of a composed config: `cfg.model` sizes plus the architecture groups."""
+def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None, eod_id: int | None = None) -> GPTConfig:
+    """The GPTConfig of a composed config: `cfg.model` sizes plus the architecture groups; `eod_id`, the tokenizer's
+    end-of-document token, is recorded when the attention masks documents by it (attention.doc_mask)."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
@@ -111,7 +113,9 @@ def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None) -> GPTCon
         sizes["vocab_size"] = vocab_size
     if sizes.get("vocab_size") is None:
         raise ValueError("model.vocab_size is unknown: it comes from the tokenizer (pass vocab_size=...)")
-    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED)  # derived: not set
+    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED) - {"eod_id"}  # not set
     if unknown := sorted(sizes.keys() - known):
         raise ValueError(f"model does not take {unknown}; it takes {sorted(known)}")
+    if (plain.get("attention") or {}).get("doc_mask"):
+        sizes["eod_id"] = eod_id
     return GPTConfig(**sizes, **{g: plain[g] for g in ARCH_GROUPS if g in plain})

@@ -151,7 +151,7 @@ class StabilityMonitor(Callback):
         self._ratios_due = False
         self.profile: dict[str, float] | None = None  # layer -> grad norm at step 0
         self._act: dict[int, torch.Tensor] = {}
-        self._attn_in: dict[int, torch.Tensor] = {}
+        self._attn_in: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # input, document numbers
         self._before: dict[str, list[torch.Tensor]] | None = None
         self._hooks: list = []
 
@@ -195,7 +195,7 @@ class StabilityMonitor(Callback):
         for i, block in enumerate(model.h):
             self._hooks.append(block.register_forward_hook(self._act_hook(i)))
             if (attn := attention_sublayer(block)) is not None:
-                self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i)))
+                self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i), with_kwargs=True))
             for attr in block.sublayer_names:
                 module = getattr(block, attr)
                 name = names.per_layer(names.ACT_RATIO, i, getattr(module, "sublayer", attr))
@@ -219,9 +219,10 @@ class StabilityMonitor(Callback):
         return hook
 
     def _attn_hook(self, i: int):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if self._recording:
-                self._attn_in[i] = args[0].detach()[: self._attn_k]
+                doc = kwargs.get("doc")  # the sequences' document numbers, under attention.doc_mask
+                self._attn_in[i] = (args[0].detach()[: self._attn_k], None if doc is None else doc[: self._attn_k])
         return hook
 
     _recording = False
@@ -313,9 +314,9 @@ class StabilityMonitor(Callback):
         model, out = pl_module.model, {}
         sums, counts, maxes = [], [], []
         for i in sorted(self._attn_in):
-            x = self._attn_in[i]
+            x, doc = self._attn_in[i]
             with gathered(model.h[i], model):  # FSDP2: the block's and the root's (positions) full weights
-                stats = attention_sublayer(model.h[i]).probs(x, model.pos) if x.size(0) else None
+                stats = attention_sublayer(model.h[i]).probs(x, model.pos, doc) if x.size(0) else None
             if stats is not None:
                 attn = attention_sublayer(model.h[i])
                 p, max_logit = stats  # (B, nh, T, T), (B, nh)

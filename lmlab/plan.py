@@ -49,7 +49,7 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan
                             seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
-    model = validate(arch_config(cfg, vocab_size=data.vocab_size))
+    model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
     saved, resume_step, previous, ended = None, 0, None, False
     if ckpt is not None:

@@ -157,7 +157,7 @@ def test_monitor_logs_an_entropy_only_for_distributions(score: str, block: str) 
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, block=spec,
                           attention={"name": "mha", "score": score}))
     monitor = StabilityMonitor()
-    monitor._attn_in = {i: torch.randn(2, 6, 32) for i in range(2)}
+    monitor._attn_in = {i: (torch.randn(2, 6, 32), None) for i in range(2)}  # (input, document numbers)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
     out = monitor._attention_stats(trainer, SimpleNamespace(model=model))
     assert ("attn/entropy/layer_00" in out) == ("attn/entropy/layer_01" in out) == SCORES[score].sums_to_one

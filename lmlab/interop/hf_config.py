@@ -44,7 +44,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
     plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
-                  ("softcap", None), *(() if windows else (("window", None), ("pattern", None))))
+                  ("softcap", None), ("doc_mask", False), *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")

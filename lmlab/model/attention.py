@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mask import layer_window
-from lmlab.model.score import SCORES, attend, explicit_weights, key_counts, log_ratio, scale_queries
+from lmlab.model.score import SCORES, attend, explicit_weights, key_counts, log_ratio, per_query, scale_queries
 from lmlab.registry import PositiveFloat, build
 
 if TYPE_CHECKING:
@@ -43,7 +43,9 @@ class MHA(nn.Module):
     - pattern: the layers' windows, cycled over the layers (Gemma 2/3, gpt-oss, OLMo-core's local/global layers):
       each entry `local` (the window), `global` (the whole context) or a layer's own window, e.g.
       [local,local,local,global]; its length divides n_layer;
-    - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit.
+    - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit;
+    - doc_mask: each query reads only the keys of its own document in a packed block (the model numbers documents by
+      the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document.
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -55,8 +57,12 @@ class MHA(nn.Module):
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None) -> None:
+                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False) -> None:
         super().__init__()
+        if doc_mask and cfg.eod_id is None:
+            raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
+                             "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
+        self.doc_mask = doc_mask
         self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
@@ -76,9 +82,10 @@ class MHA(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
 
-    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and position-encode tokens at positions offset..offset+T-1; q (B, nh, T, hs), k and v (B, nkv, T,
-        hs)."""
+        hs). `doc` (B, offset + T): every position's document number, under doc_mask (None otherwise)."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -89,28 +96,34 @@ class MHA(nn.Module):
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
         q, k = pos.rotate(q, k, offset)
         if self.logn_scaling and offset + T > self.train_len:
-            n = key_counts(T, offset, x.device, self.window)
-            q = q * log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype)[:, None]  # (T, 1)
-        return scale_queries(q, self.score, offset, self.window), k, v
+            n = key_counts(T, offset, x.device, self.window, doc)
+            q = q * per_query(log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype))
+        return scale_queries(q, self.score, offset, self.window, doc), k, v
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         offset = 0 if cache is None else cache.offset
-        q, k, v = self.qkv(x, pos, offset)
+        doc = doc if self.doc_mask else None
+        q, k, v = self.qkv(x, pos, offset, doc)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, S, hs): every token so far (a windowed layer: its last W - 1 + T)
+        docs = None if doc is None else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
         y = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
-                   self.window, self.softcap)  # (B, nh, T, hs)
+                   self.window, self.softcap, docs)  # (B, nh, T, hs)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
-    def probs(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor]:
+    def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
         head (B, nh), computed explicitly (for monitoring)."""
-        q, k, _ = self.qkv(x, pos)
+        doc = doc if self.doc_mask else None
+        q, k, _ = self.qkv(x, pos, 0, doc)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
-        weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap)
+        weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
+                                           None if doc is None else (doc, doc))
         return weights, logits.amax(dim=(-2, -1))
 
 

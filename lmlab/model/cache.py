@@ -37,6 +37,8 @@ class KVCache:
         self.layers = [LayerCache() for _ in range(n_layer)]
         self.length = 0  # tokens read so far
         self.key: object = None  # the position scheme's cache_key the keys were rotated under
+        self.doc: torch.Tensor | None = None  # (B, length) the tokens' document numbers (attention.doc_mask)
+        self.doc_next: torch.Tensor | None = None  # (B,) the document the next token belongs to
 
     def start(self) -> None:
         """Before a forward: its tokens start where the cached ones end."""

@@ -57,7 +57,8 @@ class GAU(nn.Module):
         q, k = pos.rotate(z * self.q_gamma + self.q_beta, z * self.k_gamma + self.k_beta, offset)
         return u, scale_queries(q, self.score, offset), k, v.unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:  # doc: the attention group's (not read by a GAU)
         offset = 0 if cache is None else cache.offset
         u, q, k, v = self.qkv(x, pos, offset)
         if cache is not None:
@@ -65,7 +66,8 @@ class GAU(nn.Module):
         av = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0)
         return self.c_proj(u * av.squeeze(1))  # (B, T, d)
 
-    def probs(self, x: torch.Tensor, pos: Position) -> tuple[torch.Tensor, torch.Tensor]:
+    def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention weights (B, 1, T, T) and the max logit (B, 1), computed explicitly (for monitoring)."""
         _, q, k, _ = self.qkv(x, pos)
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos)

@@ -16,6 +16,7 @@ from lmlab.loss import cross_entropy, linear_cross_entropy
 from lmlab.memory import check_model_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.init import INITS
+from lmlab.model.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
@@ -52,14 +53,15 @@ class GPT(nn.Module):
             cache.start()
             offset = cache.length
         x = self.drop(self.pos.embed(self.wte(idx), offset))  # (B, T, C)
+        doc = self.documents(idx, cache)  # (B, offset + T) document numbers under attention.doc_mask, else None
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
             # dropout draws the same mask): L saved inputs instead of every block's intermediates.
             if recompute:
-                x = checkpoint(block, x, self.pos, use_reentrant=False)
+                x = checkpoint(block, x, self.pos, None, doc, use_reentrant=False)
             else:
-                x = block(x, self.pos, None if cache is None else cache.layers[i])
+                x = block(x, self.pos, None if cache is None else cache.layers[i], doc)
         if cache is not None:
             cache.length += idx.size(1)
         h = self.ln_f(x)
@@ -68,6 +70,19 @@ class GPT(nn.Module):
         if self.cfg.chunked_loss:
             return linear_cross_entropy(h, self.lm_head.weight, targets)
         return cross_entropy(self.lm_head(h), targets)
+
+    def documents(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
+        """Every position's document number (B, offset + T) when the attention masks documents (attention.doc_mask):
+        a document ends with the end-of-document token (`cfg.eod_id`); the cache's tokens come first."""
+        if not (self.cfg.attention or {}).get("doc_mask") or "attention" in (self.cfg.unused or ()):
+            return None
+        first = None if cache is None or cache.doc is None else cache.doc_next
+        doc = documents(idx, self.cfg.eod_id, first)
+        if cache is not None:
+            cache.doc = doc if cache.doc is None else torch.cat((cache.doc, doc), dim=1)
+            cache.doc_next = doc[:, -1] + (idx[:, -1] == self.cfg.eod_id).long()
+            doc = cache.doc
+        return doc
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

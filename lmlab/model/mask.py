@@ -1,6 +1,10 @@
 """Which keys each query reads: the causal mask, optionally narrowed to a sliding window of the last W positions
 (Child et al., 2019; Beltagy et al., 2020; Mistral), and the attention over it without a dense (T, T) matrix.
 
+With document masking (`attention.doc_mask`), a query also reads only keys of its own document: packed blocks hold
+the end of one document and the start of the next, and the second must not see the first. `documents` numbers the
+documents of a block from its end-of-document tokens (the token belongs to the document it ends).
+
 Positions are absolute: the T queries sit at positions offset .. offset + T - 1 and the S keys at the S positions that
 end with the last query (offset + T - S .. offset + T - 1: a KV cache of a windowed layer keeps only the last W - 1
 keys). Query p reads key q when q <= p and, with a window W, p - q < W: W keys, itself included (transformers'
@@ -21,18 +25,42 @@ def allowed(T: int, offset: int, S: int, window: int | None, device: torch.devic
     return mask & (q - k < window) if window is not None else mask
 
 
-def key_counts(T: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """n_i: how many keys query i (at position offset + i) reads, (T,) float: offset + i + 1, at most the window."""
+def documents(idx: torch.Tensor, eod_id: int, first: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) document numbers of the tokens idx (B, T): `first` (B,) is the number of the first token's document
+    (0 at the start of a text; a KV cache's count past its tokens), each end-of-document token ends its document."""
+    ends = (idx == eod_id).long()
+    start = 0 if first is None else first[:, None]
+    return start + ends.cumsum(-1) - ends
+
+
+def doc_allowed(mask: torch.Tensor, doc: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`mask` (T, S) narrowed to each query's own document: (B, 1, T, S) given doc = (the queries' document numbers
+    (B, T), the keys' (B, S)); `mask` itself without documents."""
+    if doc is None:
+        return mask
+    q_doc, k_doc = doc
+    return mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+
+
+def key_counts(T: int, offset: int, device: torch.device, window: int | None = None,
+               doc: torch.Tensor | None = None) -> torch.Tensor:
+    """n_i: how many keys query i (at position offset + i) reads, float: offset + i + 1, at most the window, (T,);
+    with `doc` (B, offset + T), every position's document number, the keys of its own document only, (B, T)."""
     n = torch.arange(offset + 1, offset + T + 1, device=device, dtype=torch.float32)
+    if doc is not None:  # documents are numbered in order: each one starts where its number first appears
+        q_doc = doc[:, offset:].contiguous()
+        n = n - torch.searchsorted(doc.contiguous(), q_doc).float()
     return n.clamp_max(window) if window is not None else n
 
 
 def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int, offset: int,
-                bias: torch.Tensor | None = None, dropout_p: float = 0.0, block: int | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, dropout_p: float = 0.0, block: int | None = None,
+                doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Softmax attention under a window of W keys, a block of queries at a time: each block of (at most W) queries
     reads only the keys its window reaches (the block's own plus the W - 1 before it), through SDPA with that small
     mask. Memory and time O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, S, d) (key heads shared by
-    query heads are expanded by SDPA), `bias` (h, T, S) a position bias (ALiBi) or None -> (B, h, T, d)."""
+    query heads are expanded by SDPA), `bias` (h, T, S) a position bias (ALiBi) or None, `doc` the queries' and the
+    keys' document numbers (`doc_allowed`) or None -> (B, h, T, d)."""
     T, S = q.size(-2), k.size(-2)
     first = offset + T - S  # the position of key 0
     block = block or max(1, min(T, window))
@@ -42,6 +70,8 @@ def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         lo = max(first, offset + a - window + 1)  # the first key position any query of the block reads
         keys = slice(lo - first, offset + b - first)
         mask = allowed(b - a, offset + a, keys.stop - keys.start, window, q.device)
+        if doc is not None:
+            mask = doc_allowed(mask, (doc[0][:, a:b], doc[1][:, keys]))
         if bias is not None:
             mask = bias[..., a:b, keys].masked_fill(~mask, float("-inf"))
         out.append(F.scaled_dot_product_attention(q[..., a:b, :], k[..., keys, :], v[..., keys, :], attn_mask=mask,

@@ -50,10 +50,12 @@ class Block(nn.Module):
     def init_gain(n_layer: int) -> float:
         return 1.0
 
-    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:
         for j, name in enumerate(self.sublayer_names, 1):
             module = getattr(self, name)
-            f = partial(module, pos=pos, cache=cache) if getattr(module, "mixes_tokens", False) else module
+            mixes = getattr(module, "mixes_tokens", False)
+            f = partial(module, pos=pos, cache=cache, doc=doc) if mixes else module
             x = self.sublayer(x, f, j)
         return x
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmlab.model.mask import allowed, banded_sdpa, key_counts  # noqa: F401  (key_counts: importable here, as before)
+from lmlab.model.mask import allowed, banded_sdpa, doc_allowed, key_counts  # noqa: F401  (key_counts: as before)
 
 if TYPE_CHECKING:
     from lmlab.model.position import Position
@@ -77,7 +77,7 @@ class ReLU2(Softmax):
     sdpa = False
 
     def weights(self, logits: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        a = F.relu(logits.masked_fill(~mask, 0.0)).square() / n[:, None].to(logits.dtype)  # (..., T, S)
+        a = F.relu(logits.masked_fill(~mask, 0.0)).square() / n[..., None].to(logits.dtype)  # (..., T, S)
         return a.masked_fill(~mask, 0.0)
 
 
@@ -87,32 +87,33 @@ def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
 
 
 def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
-                     offset: int = 0, window: int | None = None, softcap: float | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     offset: int = 0, window: int | None = None, softcap: float | None = None,
+                     doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d), the keys ending with the last query
     (key heads already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`.
     `window`: each query reads its last W keys (lmlab.model.mask); `softcap` c: the logits become c·tanh(logits / c)
-    before the position bias and the mask (Gemma 2's attention-logit softcap)."""
+    before the position bias and the mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys'
+    document numbers, each query reading its own document's keys only (lmlab.model.mask.doc_allowed)."""
     T, S = q.size(-2), k.size(-2)
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, S)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, offset + T) with -inf above the diagonal, or None
-    mask = allowed(T, offset, S, window, q.device)
+    mask = doc_allowed(allowed(T, offset, S, window, q.device), doc)  # (T, S), or (B, 1, T, S) with documents
     if bias is not None:
         logits = logits + bias[..., offset + T - S:].masked_fill(~mask, 0.0)
-    n = key_counts(T, offset, q.device, window)
+    n = key_counts(T, offset, q.device, window) if doc is None else mask.sum(-1).float()  # the keys each query reads
     return score.weights(logits, mask, n), logits.masked_fill(~mask, float("-inf"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, scale: float, pos: Position,
-           offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None
-           ) -> torch.Tensor:
+           offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
+           doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
-    block by block, lmlab.model.mask.banded_sdpa, in O(T·W)); the others, and softcapped logits, are computed
-    explicitly."""
+    block by block, lmlab.model.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others, and
+    softcapped logits, are computed explicitly."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
     if score.sdpa and softcap is None:
@@ -120,21 +121,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
         if bias is not None:
             bias = bias[..., offset + T - S:]
         if window is not None and window < offset + T:  # the window cuts the context somewhere
-            return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p)
-        if bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
+            return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
+                               doc=doc)
+        if doc is not None:  # each query's own document: a (B, 1, T, S) mask (with the bias: -inf outside it)
+            mask = doc_allowed(allowed(T, offset, S, None, q.device), doc)
+            bias = mask if bias is None else bias.masked_fill(~mask, float("-inf"))
+        elif bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
             bias = allowed(T, offset, S, None, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc)
     return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
 
 
-def scale_queries(q: torch.Tensor, score: Softmax, offset: int, window: int | None = None) -> torch.Tensor:
+def per_query(factor: torch.Tensor) -> torch.Tensor:
+    """A per-query factor, (T,) or (B, T) with documents, shaped to multiply queries (B, h, T, d)."""
+    return factor[:, None, :, None] if factor.dim() == 2 else factor[:, None]
+
+
+def scale_queries(q: torch.Tensor, score: Softmax, offset: int, window: int | None = None,
+                  doc: torch.Tensor | None = None) -> torch.Tensor:
     """q (..., T, d) times the score's per-query factor (of the keys each query reads), if it has one."""
-    factor = score.query_scale(key_counts(q.size(-2), offset, q.device, window))
-    return q if factor is None else q * factor.to(q.dtype)[:, None]
+    factor = score.query_scale(key_counts(q.size(-2), offset, q.device, window, doc))
+    return q if factor is None else q * per_query(factor.to(q.dtype))
 
 
 SCORES = {"softmax": Softmax, "softmax_plus": SoftmaxPlus, "relu2": ReLU2}
