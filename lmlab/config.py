@@ -46,7 +46,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
-    eod_id: int | None = None  # the end-of-document token (data.eod's id) documents are found by: attention.doc_mask
+    eod_id: int | None = None  # the end-of-document token (data.eod's id) the documents are found by (doc masks)
     block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
@@ -104,7 +104,8 @@ def _field_types() -> dict[str, Any]:
 
 def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None, eod_id: int | None = None) -> GPTConfig:
     """The GPTConfig of a composed config: `cfg.model` sizes plus the architecture groups; `eod_id`, the tokenizer's
-    end-of-document token, is recorded when the attention masks documents by it (attention.doc_mask)."""
+    end-of-document token, is recorded when documents matter to the model (attention.doc_mask,
+    position.per_document)."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
@@ -116,6 +117,6 @@ def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None, eod_id: i
     known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED) - {"eod_id"}  # not set
     if unknown := sorted(sizes.keys() - known):
         raise ValueError(f"model does not take {unknown}; it takes {sorted(known)}")
-    if (plain.get("attention") or {}).get("doc_mask"):
+    if (plain.get("attention") or {}).get("doc_mask") or (plain.get("position") or {}).get("per_document"):
         sizes["eod_id"] = eod_id
     return GPTConfig(**sizes, **{g: plain[g] for g in ARCH_GROUPS if g in plain})

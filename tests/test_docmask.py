@@ -169,3 +169,47 @@ def test_a_run_trains_and_evaluates_with_documents_masked(corpus: Path, tmp_path
     assert record["attention"]["doc_mask"] is True and record["eod_id"] is not None
     model = load_model(run)
     assert model.cfg.eod_id == record["eod_id"] and model.documents(torch.tensor([[record["eod_id"], 1]])) is not None
+
+
+def test_positions_restart_at_each_document() -> None:
+    from lmlab.model.mask import doc_positions
+
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2, 3, 3]])
+    assert doc_positions(doc, 8).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
+    assert doc_positions(doc, 3).tolist() == [[0, 0, 1]]  # the last 3 tokens, after 5 cached ones
+
+
+@pytest.mark.parametrize("position", [{"name": "learned", "per_document": True},
+                                      {"name": "sinusoidal", "per_document": True},
+                                      {"name": "rope", "per_document": True}])
+def test_with_positions_per_document_a_packed_document_reads_as_alone_for_every_scheme(position) -> None:
+    """Absolute positions (learned, sinusoidal) see a document inside a packed block at other positions than alone;
+    counted from the document's start (position.per_document) with its documents masked, its outputs are exactly the
+    document's own. Without per_document, not."""
+    a, b = [5, 6, 7, 8, 9, E], [10, 11, 12, 13, 14, 15, 16, E]
+    packed = torch.tensor([a + b + [17, 18]])
+    model = _model(position=position)
+    with torch.no_grad():
+        torch.testing.assert_close(model(packed)[:, len(a):len(a) + len(b)], model(torch.tensor([b])), **TOL)
+    if position["name"] != "rope":  # RoPE is relative: masked documents read alike either way
+        absolute = _model(position={**position, "per_document": False})
+        with torch.no_grad():
+            assert not torch.allclose(absolute(packed)[:, len(a):len(a) + len(b)], absolute(torch.tensor([b])), **TOL)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_the_kv_cache_counts_positions_per_document(position) -> None:
+    idx = torch.tensor([[5, 6, E, 7, 8, 9, E, 10, 11, E, E, 12, 13, 14, 15, 16]])
+    model = _model(position={"name": position, "per_document": True}, attention={"name": "mha"})  # no doc mask
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(2)
+        steps = [model(idx[:, :4], cache=cache)] + [model(idx[:, t:t + 1], cache=cache) for t in range(4, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
+
+
+def test_positions_per_document_without_an_end_of_document_token_are_refused_by_key() -> None:
+    from lmlab.checks import check_config
+
+    with pytest.raises(ValueError, match=r"position.per_document=true needs an end-of-document token .* data.eod"):
+        check_config(compose(["position.per_document=true"]))

@@ -85,7 +85,8 @@ class MHA(nn.Module):
     def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and position-encode tokens at positions offset..offset+T-1; q (B, nh, T, hs), k and v (B, nkv, T,
-        hs). `doc` (B, offset + T): every position's document number, under doc_mask (None otherwise)."""
+        hs). `doc` (B, offset + T): every position's document number when the model has an end-of-document token (the
+        position scheme's, under per_document; the keys counted, under doc_mask), else None."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -94,21 +95,20 @@ class MHA(nn.Module):
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.head_dim,), self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
-        q, k = pos.rotate(q, k, offset)
+        q, k = pos.rotate(q, k, offset, doc)
         if self.logn_scaling and offset + T > self.train_len:
-            n = key_counts(T, offset, x.device, self.window, doc)
+            n = key_counts(T, offset, x.device, self.window, doc if self.doc_mask else None)
             q = q * per_query(log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype))
-        return scale_queries(q, self.score, offset, self.window, doc), k, v
+        return scale_queries(q, self.score, offset, self.window, doc if self.doc_mask else None), k, v
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         offset = 0 if cache is None else cache.offset
-        doc = doc if self.doc_mask else None
         q, k, v = self.qkv(x, pos, offset, doc)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, S, hs): every token so far (a windowed layer: its last W - 1 + T)
-        docs = None if doc is None else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
+        docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
         y = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
                    self.window, self.softcap, docs)  # (B, nh, T, hs)
         if cache is not None and self.window is not None:
@@ -119,11 +119,10 @@ class MHA(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
         head (B, nh), computed explicitly (for monitoring)."""
-        doc = doc if self.doc_mask else None
         q, k, _ = self.qkv(x, pos, 0, doc)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
-                                           None if doc is None else (doc, doc))
+                                           (doc, doc) if self.doc_mask else None)
         return weights, logits.amax(dim=(-2, -1))
 
 

@@ -49,18 +49,18 @@ class GAU(nn.Module):
         self.c_proj = nn.Linear(e, dim, bias=bias)
         self.c_proj.is_residual_proj = True
 
-    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0
+    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """u (B, T, e); q, k (B, 1, T, s) rotated, q with the score's query factor; v (B, 1, T, e)."""
         u, v, z = self.act(self.c_fc(x)).split(self.c_fc.fused, dim=-1)
         z = z.unsqueeze(1)  # (B, 1, T, s): one head
-        q, k = pos.rotate(z * self.q_gamma + self.q_beta, z * self.k_gamma + self.k_beta, offset)
+        q, k = pos.rotate(z * self.q_gamma + self.q_beta, z * self.k_gamma + self.k_beta, offset, doc)
         return u, scale_queries(q, self.score, offset), k, v.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
-                doc: torch.Tensor | None = None) -> torch.Tensor:  # doc: the attention group's (not read by a GAU)
+                doc: torch.Tensor | None = None) -> torch.Tensor:  # doc: for the position scheme (per_document)
         offset = 0 if cache is None else cache.offset
-        u, q, k, v = self.qkv(x, pos, offset)
+        u, q, k, v = self.qkv(x, pos, offset, doc)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, 1, offset + T, s) and (B, 1, offset + T, e)
         av = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0)
@@ -69,6 +69,6 @@ class GAU(nn.Module):
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention weights (B, 1, T, T) and the max logit (B, 1), computed explicitly (for monitoring)."""
-        _, q, k, _ = self.qkv(x, pos)
+        _, q, k, _ = self.qkv(x, pos, 0, doc)
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos)
         return weights, logits.amax(dim=(-2, -1))

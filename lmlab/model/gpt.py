@@ -31,6 +31,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
+        if self.pos.per_document and cfg.eod_id is None:
+            raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
+                             "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
         block = type(self.h[0])
@@ -52,8 +55,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.start()
             offset = cache.length
-        x = self.drop(self.pos.embed(self.wte(idx), offset))  # (B, T, C)
-        doc = self.documents(idx, cache)  # (B, offset + T) document numbers under attention.doc_mask, else None
+        doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
+        x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
@@ -72,9 +75,9 @@ class GPT(nn.Module):
         return cross_entropy(self.lm_head(h), targets)
 
     def documents(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
-        """Every position's document number (B, offset + T) when the attention masks documents (attention.doc_mask):
-        a document ends with the end-of-document token (`cfg.eod_id`); the cache's tokens come first."""
-        if not (self.cfg.attention or {}).get("doc_mask") or "attention" in (self.cfg.unused or ()):
+        """Every position's document number (B, offset + T) when the model has an end-of-document token (`cfg.eod_id`,
+        recorded for attention.doc_mask and position.per_document): a document ends with it; the cache's come first."""
+        if self.cfg.eod_id is None:
             return None
         first = None if cache is None or cache.doc is None else cache.doc_next
         doc = documents(idx, self.cfg.eod_id, first)

@@ -33,6 +33,14 @@ def documents(idx: torch.Tensor, eod_id: int, first: torch.Tensor | None = None)
     return start + ends.cumsum(-1) - ends
 
 
+def doc_positions(doc: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, T) the last T tokens' positions within their documents (0 at each document's first token), given every
+    position's document number doc (B, offset + T): position.per_document restarts the count there."""
+    offset = doc.size(1) - T
+    q_doc = doc[:, offset:].contiguous()
+    return torch.arange(offset, offset + T, device=doc.device) - torch.searchsorted(doc.contiguous(), q_doc)
+
+
 def doc_allowed(mask: torch.Tensor, doc: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """`mask` (T, S) narrowed to each query's own document: (B, 1, T, S) given doc = (the queries' document numbers
     (B, T), the keys' (B, S)); `mask` itself without documents."""

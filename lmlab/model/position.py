@@ -2,13 +2,16 @@
 
 Contract: `Position(dim, head_dim, n_head, max_seq_len, train_len, scaling, *, <own params>)` with three
 hooks, each a no-op unless the scheme overrides it, so `gpt.py` never asks which scheme it has:
-- `embed(x, offset=0)`: add absolute position information to the token embeddings, x (B, T, C);
-- `rotate(q, k, offset=0)`: rotate queries and keys, (B, nh, T, hs) each;
+- `embed(x, offset=0, doc=None)`: add absolute position information to the token embeddings, x (B, T, C);
+- `rotate(q, k, offset=0, doc=None)`: rotate queries and keys, (B, nh, T, hs) each;
 - `attn_bias(T, device, dtype, offset=0)`: an additive (nh, T, offset + T) bias on the attention logits, or None.
 `offset` is the position of the first of the T tokens: 0 for a whole text, the number of tokens already in the
 KV cache when generating. `cache_key(length)` says when cached keys go stale: it changes with the text's length
 only for schemes whose frequencies do (dynamic RoPE scalings), and a cache built under another key is rebuilt.
 `extrapolates` says whether the scheme can run past the length it was trained at without a scaling method.
+`doc` (B, offset + T) numbers the documents of a packed block (lmlab.model.mask.documents) when the model has an
+end-of-document token; the schemes with `per_document=true` (sinusoidal, learned, RoPE) then count positions from each
+document's first token instead of the block's.
 `scaling` is the `rope_scaling` config; only RoPE accepts anything but `none`.
 """
 
@@ -21,6 +24,7 @@ from typing import Annotated, Any
 import torch
 from torch import nn
 
+from lmlab.model.mask import doc_positions
 from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies  # noqa: F401  (rope_frequencies: public)
 from lmlab.registry import PositiveFloat, Range, option_params
 
@@ -35,11 +39,24 @@ class Position(nn.Module):
         super().__init__()
         self.max_seq_len, self.train_len = max_seq_len, train_len
 
-    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    per_document = False  # positions count from each document's start (the schemes that take `per_document`)
+
+    def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
+
+    def positions(self, T: int, offset: int, doc: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T) the tokens' positions within their documents under `per_document`, else None (offset .. offset +
+        T - 1 for every sequence)."""
+        if not self.per_document:
+            return None
+        if doc is None:
+            raise ValueError("position.per_document=true needs the documents: set data.eod (the end-of-document "
+                             "token they are found by)")
+        return doc_positions(doc, T)
 
     def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
         return None
@@ -66,9 +83,9 @@ class Sinusoidal(Position):
     extrapolates = False  # defined at any length, but the model has never seen the larger angles
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
-                 scaling: Mapping[str, Any], *, base: PositiveFloat = 10000.0) -> None:
+                 scaling: Mapping[str, Any], *, base: PositiveFloat = 10000.0, per_document: bool = False) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
-        self.dim, self.base = dim, base
+        self.dim, self.base, self.per_document = dim, base, per_document
 
     def table(self, T: int, device: torch.device) -> torch.Tensor:
         t = torch.arange(T, device=device, dtype=torch.float32)[:, None]  # (T, 1)
@@ -78,8 +95,10 @@ class Sinusoidal(Position):
         pe[:, 1::2] = torch.cos(t * inv[: self.dim // 2])
         return pe
 
-    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        return x + self.table(offset + x.size(1), x.device)[offset:].to(x.dtype)
+    def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.table(offset + x.size(1), x.device).to(x.dtype)
+        at = self.positions(x.size(1), offset, doc)
+        return x + (table[offset:] if at is None else table[at])
 
 
 class Learned(Position):
@@ -89,11 +108,15 @@ class Learned(Position):
     table_bound = True
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
-                 scaling: Mapping[str, Any]) -> None:
+                 scaling: Mapping[str, Any], *, per_document: bool = False) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.wpe = nn.Embedding(max_seq_len, dim)
+        self.per_document = per_document
 
-    def embed(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
+        at = self.positions(x.size(1), offset, doc)
+        if at is not None:  # within documents: never past the block's length either
+            return x + self.wpe.weight[at]
         T = offset + x.size(1)
         if T > self.wpe.num_embeddings:
             raise ValueError(
@@ -116,9 +139,10 @@ class RoPE(Position):
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, theta: PositiveFloat = 10000.0,
-                 rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0) -> None:
+                 rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0, per_document: bool = False) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.head_dim, self.theta, self.rotary_pct = head_dim, theta, rotary_pct
+        self.per_document = per_document
         option_params("rope_scaling", ROPE_SCALINGS, scaling)  # an unknown name lists the choices
         self.scaling = dict(scaling)
         if self.scaling["name"] != "none" and self.scaling.get("original_max_len") is None:
@@ -174,9 +198,14 @@ class RoPE(Position):
         self._cache = {}
         return super()._apply(fn, recurse)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, _, signed_sin = self._tables(offset + q.size(-2), q.device, q.dtype)  # (offset + T, d)
-        cos, signed_sin = cos[offset:], signed_sin[offset:]  # (T, d): the rows of these tokens' positions
+        at = self.positions(q.size(-2), offset, doc)
+        if at is None:
+            cos, signed_sin = cos[offset:], signed_sin[offset:]  # (T, d): the rows of these tokens' positions
+        else:  # (B, 1, T, d): each token's row at its position within its document
+            cos, signed_sin = cos[at][:, None], signed_sin[at][:, None]
         return _rotate(q, cos, signed_sin, self.rot_dim), _rotate(k, cos, signed_sin, self.rot_dim)
 
 

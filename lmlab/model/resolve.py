@@ -18,6 +18,7 @@ from lmlab.config import DERIVED, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
+from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import build, check_values, option_defaults, option_params
 
@@ -29,9 +30,12 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     uses = BLOCKS[block_name].uses
     derived: dict[str, Any] = {"head_dim": cfg.d_model // cfg.n_head,
                                "unused": [g for g in OPTIONAL_GROUPS if g not in uses]}
-    if "attention" in uses:  # every key of the option in the record: one saved before a key existed holds its default
+    # Every key of these options in the record: one saved before a key existed holds its default (the same model).
+    if "attention" in uses:
         attn_name, _ = option_params("attention", ATTENTIONS, cfg.attention)
         cfg.attention = {**option_defaults(ATTENTIONS[attn_name]), **cfg.attention}
+    pos_name, _ = option_params("position", POSITIONS, cfg.position)
+    cfg.position = {**option_defaults(POSITIONS[pos_name]), **cfg.position}
     derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
