@@ -73,6 +73,9 @@ CASES |= {
                             "attention": {"name": "mqa", "window": 6, "logn_scaling": True}},
     "softcap+window": {"position": {"name": "rope"}, "attention": {"name": "mha", "softcap": 2.0, "window": 4}},
     "softcap": {"attention": {"name": "mha", "softcap": 1.5}},
+    "gate+gqa+window": {"position": {"name": "rope"}, "n_kv_head": 2,
+                        "attention": {"name": "gqa", "gate": "elementwise", "window": 4}},
+    "headwise_gate": {"attention": {"name": "mha", "gate": "headwise"}},
 }
 
 

@@ -10,7 +10,7 @@ weights (`lmlab.model.score`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,10 @@ class MHA(nn.Module):
       [local,local,local,global]; its length divides n_layer;
     - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit;
     - doc_mask: each query reads only the keys of its own document in a packed block (the model numbers documents by
-      the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document.
+      the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document;
+    - gate: a sigmoid gate on the attention output before the output projection, from the sublayer's input
+      (Qiu et al., 2025, "Gated Attention", Qwen3-Next): `elementwise` (one gate per head dimension) or `headwise`
+      (one per head); y ← y ⊙ σ(x W_g).
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -57,7 +60,8 @@ class MHA(nn.Module):
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False) -> None:
+                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
+                 gate: Literal["elementwise", "headwise"] | None = None) -> None:
         super().__init__()
         if doc_mask and cfg.eod_id is None:
             raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
@@ -79,6 +83,8 @@ class MHA(nn.Module):
         self.c_attn.value_parts = (False, False, True)  # DeepNet's gain goes to v, not q and k (lmlab.model.init)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
+        self.gate = None if gate is None else nn.Linear(cfg.d_model, gate_width(gate, self.n_head, self.head_dim),
+                                                        bias=cfg.bias)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
 
@@ -113,6 +119,8 @@ class MHA(nn.Module):
                    self.window, self.softcap, docs)  # (B, nh, T, hs)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
+        if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)
+            y = y * torch.sigmoid(self.gate(x)).view(B, T, self.n_head, -1).transpose(1, 2)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
@@ -124,6 +132,11 @@ class MHA(nn.Module):
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
                                            (doc, doc) if self.doc_mask else None)
         return weights, logits.amax(dim=(-2, -1))
+
+
+def gate_width(gate: str | None, n_head: int, head_dim: int) -> int:
+    """The outputs of an attention gate's projection: one per head dimension (elementwise), one per head, or 0."""
+    return {None: 0, "elementwise": n_head * head_dim, "headwise": n_head}[gate]
 
 
 class GQA(MHA):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lmlab.model.attention import ATTENTIONS
+from lmlab.model.attention import ATTENTIONS, gate_width
 from lmlab.model.ffn import FFNS
 from lmlab.model.gau import GAU
 from lmlab.registry import PositiveFloat, PositiveInt, build
@@ -39,10 +39,13 @@ class Transformer:
         self.attn_width = 2 * cfg.n_head * cfg.head_dim  # QKᵀ over n_head heads of head_dim, then A·V as wide
 
     def n_params(self) -> int:
-        """Fused QKV (n_head + 2·kv_heads heads of head_dim), the output projection, the FFN (its option's count)."""
+        """Fused QKV (n_head + 2·kv_heads heads of head_dim), the output projection, the output gate (if any), the FFN
+        (its option's count)."""
         cfg = self.cfg
         qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        gate = gate_width(cfg.attention.get("gate"), cfg.n_head, cfg.head_dim)
         attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
+        attn += (cfg.d_model + cfg.bias) * gate
         return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
