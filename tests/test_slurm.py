@@ -6,6 +6,7 @@ limit. Skipped where no cluster answers (`.ci/run` starts a local one: scripts/l
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ def summaries(sweep_dir: Path) -> dict[str, dict]:
 
 
 def job_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith("slurm job ") and "]:" in line]
+    """The report's lines, one per job (the state changes printed while waiting are not)."""
+    return [line for line in output.splitlines()
+            if re.match(r"slurm job \S+( \[.*\])?: (completed|diverged|collapsed|interrupted|failed)", line)]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +142,24 @@ def test_cpu_ddp_runs_two_tasks(corpus: Path, tmp_path: Path) -> None:
     assert "#SBATCH --ntasks-per-node=2" in next(submitit.glob("*/*_submission.sh")).read_text()
     assert "gpus" not in next(submitit.glob("*/*_submission.sh")).read_text()  # a CPU run asks for no GPU
     assert len(list(submitit.glob("*/*_log.err"))) == 2  # srun started one task per rank: SLURM gave the ranks
+
+
+def test_sigusr1_while_the_job_starts_up_requeues_it(corpus: Path, tmp_path: Path) -> None:
+    """The warning before the first step (here while the job imports torch): no checkpoint yet, but a requeue, and
+    the requeued job trains the run; before lmlab.early_signals, SIGUSR1's default killed the job there."""
+    sweep = tmp_path / "sweep"
+    proc, log = start_sweep(corpus, tmp_path / "cache", sweep)
+    try:
+        job = submitted_job(log)
+        out = sweep / ".submitit" / job / f"{job}_0_log.out"
+        wait_until(lambda: out.exists() and "Loading pickle" in out.read_text(), 120, f"the job's start in {out}")
+        time.sleep(1.0)  # past the launcher's catch_early, well before train() (torch and Lightning take seconds)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert rc == 0, log.read_text()[-4000:]
+    assert f"before the run started: nothing to save; requeued SLURM job {job}" in out.read_text(), out.read_text()
+    assert show_job(job).get("Restarts") == "1"
+    (summary,) = summaries(sweep).values()
+    assert summary["status"] == "completed" and [a["status"] for a in summary["attempts"]] == ["completed"]

@@ -41,6 +41,13 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
     """`launch` as hydra-submitit-launcher's (the same executor, parameters and job array), then `wait` and
     `report` instead of submitit's `results()`."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """In the job: catch SIGUSR1/SIGTERM before anything is imported (lmlab.early_signals), then the job."""
+        from lmlab.early_signals import catch_early
+
+        catch_early()
+        return super().__call__(*args, **kwargs)
+
     def executor(self):
         """The executor hydra-submitit-launcher's launch builds, with the same parameter mapping."""
         import submitit
@@ -110,8 +117,9 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
 
 
 def swept(job_overrides: Sequence[Sequence[str]]) -> list[str]:
-    """Each job's overrides that are not every job's: what tells the jobs of a sweep apart in the report."""
-    common = set.intersection(*(set(o) for o in job_overrides)) if len(job_overrides) > 1 else set()
+    """Each job's overrides that are not every job's: what tells the jobs of a sweep apart in the report (nothing
+    for a sweep of one job)."""
+    common = set.intersection(*(set(o) for o in job_overrides))
     return [" ".join(o for o in overrides if o not in common) for overrides in job_overrides]
 
 

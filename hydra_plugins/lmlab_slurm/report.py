@@ -28,7 +28,7 @@ def line(job_id: str, overrides: str, run_dir: Path, outcome: tuple[str, Any] | 
     fails when its run did not finish (interrupted, failed, no summary) or SLURM ended it without a result."""
     from lmlab.rundir import RunDir
 
-    head = f"slurm job {job_id} [{overrides or 'no overrides'}]:"
+    head = f"slurm job {job_id}" + (f" [{overrides}]" if overrides else "") + ":"
     try:
         summary = RunDir(run_dir).read_summary()
     except ValueError as err:
