@@ -170,13 +170,13 @@ def test_the_real_time_limit_warning_requeues_until_the_run_completes(corpus: Pa
     """SLURM's own warning (`--signal=USR1@45` before a 1-minute limit), not one sent by hand: each allocation saves
     and requeues, and the run ends completed over several attempts."""
     sweep = tmp_path / "sweep"
-    result = run_sweep(corpus, tmp_path / "cache", sweep, "trainer.max_steps=4000", "trainer.val_check_interval=500",
-                       "trainer.log_every_n_steps=50", "monitor.every_n_steps=500", "monitor.attn_every_n_steps=1000",
+    result = run_sweep(corpus, tmp_path / "cache", sweep, "trainer.max_steps=10000", "trainer.val_check_interval=1000",
+                       "trainer.log_every_n_steps=100", "monitor.every_n_steps=1000", "monitor.attn_every_n_steps=2000",
                        "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=45", timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     (summary,) = summaries(sweep).values()
     statuses = [a["status"] for a in summary["attempts"]]
-    assert summary["status"] == "completed" and summary["steps"] == 4000
+    assert summary["status"] == "completed" and summary["steps"] == 10000
     assert len(statuses) >= 2 and set(statuses[:-1]) == {"interrupted"}, statuses
     job = re.search(r"slurm: submitted 1 job\(s\): (\S+?);", result.stdout).group(1)
     assert int(show_job(job)["Restarts"]) == len(statuses) - 1
