@@ -17,6 +17,11 @@
 #
 # Knobs: LOCAL_SLURM_CPUS (default nproc), LOCAL_SLURM_MEM_MB (default 85% of MemTotal), LOCAL_SLURM_PARTITION
 # (default debug), LOCAL_SLURM_REQUEUE_DELAY (cred_expire, default 10), LOCAL_SLURM_RUN (default /run/lmlab-slurm).
+# LOCAL_SLURM_TWO_NODES=1 adds a second node, n2: a slurmd in a network namespace of its own (and a UTS namespace,
+# so its hostname is n2) joined to this one by a veth pair `lmlabv` on 10.213.7.0/24, which start creates and stop
+# removes; this host is 10.213.7.1, n2 10.213.7.2. The default partition stays this host alone; partition `two`
+# holds both, for multi-node jobs (trainer.num_nodes=2 hydra.launcher.partition=two; ranks reach each other with
+# GLOO_SOCKET_IFNAME=lmlabv and MASTER_ADDR=10.213.7.2, n2 being the first node of the job's node list).
 # Exit codes: 0 up / stopped; 1 a daemon did not come up (its log's tail is printed); 2 refused (not root, a foreign
 # config, a controller that is not ours already answering, bad usage); 3 (status) not up.
 set -euo pipefail
@@ -26,6 +31,8 @@ CONF=/etc/slurm/slurm.conf
 RUN=${LOCAL_SLURM_RUN:-/run/lmlab-slurm}
 LOG=/var/log/slurm
 HOST=$(hostname -s)
+TWO=${LOCAL_SLURM_TWO_NODES:-0}
+NS=lmlab-n2 VETH=lmlabv NET=10.213.7
 T0=$(date +%s.%N)
 
 say() { echo "local_slurm: $*"; }
@@ -72,7 +79,7 @@ render_conf() {
   cat <<EOF
 $MARK: edit its knobs (LOCAL_SLURM_*), not this file
 ClusterName=lmlab
-SlurmctldHost=localhost
+SlurmctldHost=$( [ "$TWO" = 1 ] && echo "$HOST($NET.1)" || echo localhost)
 SlurmUser=slurm
 AuthType=auth/munge
 CredType=cred/munge
@@ -95,20 +102,29 @@ KillWait=30
 MinJobAge=600
 MailProg=/bin/true
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+# one spool, pid file and log per node (%n): LOCAL_SLURM_TWO_NODES=1 runs two slurmd on this host
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurm/slurmctld.pid
-SlurmdPidFile=/run/slurm/slurmd.pid
+SlurmdPidFile=/run/slurm/slurmd-%n.pid
 SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd.log
+SlurmdLogFile=$LOG/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # no slurmdbd: sacct answers 'Slurm accounting storage is disabled' (lmlab's launcher does not need it)
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-NodeName=$HOST CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=$partition Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
+  if [ "$TWO" = 1 ]; then
+    local half=$(( mem / 2 ))
+    echo "NodeName=$HOST NodeAddr=$NET.1 CPUs=$cpus RealMemory=$half State=UNKNOWN"
+    echo "NodeName=n2 NodeAddr=$NET.2 NodeHostname=n2 CPUs=$cpus RealMemory=$half State=UNKNOWN"
+    echo "PartitionName=$partition Nodes=$HOST Default=YES MaxTime=INFINITE State=UP"
+    echo "PartitionName=two Nodes=$HOST,n2 MaxTime=INFINITE State=UP"
+  else
+    echo "NodeName=$HOST CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+    echo "PartitionName=$partition Nodes=$HOST Default=YES MaxTime=INFINITE State=UP"
+  fi
 }
 
 install_packages() {
@@ -132,7 +148,8 @@ prepare_dirs() {
     else dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none; fi
   fi
   chown munge:munge /etc/munge /etc/munge/munge.key && chmod 700 /etc/munge && chmod 400 /etc/munge/munge.key
-  mkdir -p "$RUN" /run/munge /run/slurm /var/spool/slurmctld /var/spool/slurmd "$LOG" /var/log/munge /var/lib/munge
+  mkdir -p "$RUN" /run/munge /run/slurm /var/spool/slurmctld /var/spool/slurmd/"$HOST" /var/spool/slurmd/n2 "$LOG" \
+    /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge && chmod 755 /run/munge
   chown slurm:slurm /run/slurm /var/spool/slurmctld "$LOG"
 }
@@ -158,6 +175,31 @@ ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 node_state() { sinfo -h -N -n "$HOST" -o %T 2>/dev/null | head -n 1; }
 node_ready() { case "$(node_state)" in idle*|mixed*|allocated*|completing*) return 0;; *) return 1;; esac; }
 
+# the second node's network: a namespace and a veth pair (recorded: stop removes what start made)
+make_second_network() {
+  if [ ! -e "/run/netns/$NS" ]; then
+    ip netns add "$NS" && echo "$NS" > "$RUN/netns"
+    ip link add "$VETH" type veth peer name "${VETH}p"
+    ip link set "${VETH}p" netns "$NS"
+    ip netns exec "$NS" ip link set "${VETH}p" name "$VETH"  # the same name at both ends: one GLOO_SOCKET_IFNAME
+    ip addr add "$NET.1/24" dev "$VETH" && ip link set "$VETH" up
+    ip netns exec "$NS" sh -c "ip addr add $NET.2/24 dev $VETH && ip link set $VETH up && ip link set lo up"
+    say "made network namespace $NS, veth $VETH: $NET.1 here, $NET.2 in $NS"
+  fi
+}
+
+# the second node's slurmd, in that network namespace and a UTS namespace of its own (hostname n2)
+start_second_node() {
+  if alive slurmd-n2 >/dev/null; then say "slurmd of n2 up (ours)"; return 0; fi
+  rm -f "$RUN/slurmd-n2.pid"; clear_pidfile slurmd /run/slurm/slurmd-n2.pid
+  # nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without /sys/fs/cgroup, and slurmd then stops
+  nsenter --net="/run/netns/$NS" unshare --uts sh -c 'hostname n2 && exec /usr/sbin/slurmd' \
+    || { tail_log "$LOG/slurmd-n2.log"; die 1 "the slurmd of n2 did not start"; }
+  wait_for 10 test -s /run/slurm/slurmd-n2.pid || { tail_log "$LOG/slurmd-n2.log"; die 1 "n2's slurmd wrote no pid file"; }
+  record slurmd-n2 /run/slurm/slurmd-n2.pid
+  wait_for 30 sh -c '[ "$(sinfo -h -N -n n2 -o %T)" = idle ]' || { tail_log "$LOG/slurmd-n2.log"; die 1 "node n2 is not idle"; }
+}
+
 start() {
   [ "$(id -u)" = 0 ] || die 2 "run as root (it installs packages and starts daemons)"
   install_packages
@@ -169,9 +211,11 @@ start() {
   else
     rm -f "$RUN/munged.pid"; clear_pidfile munged /run/munge/munged.pid
     runuser -u munge -- /usr/sbin/munged || { tail_log /var/log/munge/munged.log; die 1 "munged did not start"; }
-    wait_for 10 munge_ok || { tail_log /var/log/munge/munged.log; die 1 "munged started but does not answer"; }
+    wait_for 10 test -s /run/munge/munged.pid || die 1 "munged wrote no pid file"
     record munged /run/munge/munged.pid
+    wait_for 10 munge_ok || { tail_log /var/log/munge/munged.log; die 1 "munged started but does not answer"; }
   fi
+  [ "$TWO" = 1 ] && make_second_network  # before slurmctld, which listens on 10.213.7.1 then
 
   if alive slurmctld >/dev/null && ctld_up; then
     say "slurmctld up (ours)"
@@ -180,26 +224,31 @@ start() {
   else
     rm -f "$RUN/slurmctld.pid"; clear_pidfile slurmctld /run/slurm/slurmctld.pid
     /usr/sbin/slurmctld || { tail_log "$LOG/slurmctld.log"; die 1 "slurmctld did not start"; }
+    wait_for 10 test -s /run/slurm/slurmctld.pid || { tail_log "$LOG/slurmctld.log"; die 1 "slurmctld wrote no pid file"; }
+    record slurmctld /run/slurm/slurmctld.pid  # before the wait: a controller that never answers is still stopped
     wait_for 30 ctld_up || { tail_log "$LOG/slurmctld.log"; die 1 "slurmctld started but scontrol ping does not see it"; }
-    record slurmctld /run/slurm/slurmctld.pid
   fi
 
   if alive slurmd >/dev/null; then
     say "slurmd up (ours)"
   else
-    rm -f "$RUN/slurmd.pid"; clear_pidfile slurmd /run/slurm/slurmd.pid
-    /usr/sbin/slurmd || { tail_log "$LOG/slurmd.log"; die 1 "slurmd did not start"; }
-    wait_for 10 test -s /run/slurm/slurmd.pid || { tail_log "$LOG/slurmd.log"; die 1 "slurmd wrote no pid file"; }
-    record slurmd /run/slurm/slurmd.pid
+    rm -f "$RUN/slurmd.pid"; clear_pidfile slurmd "/run/slurm/slurmd-$HOST.pid"
+    /usr/sbin/slurmd || { tail_log "$LOG/slurmd-$HOST.log"; die 1 "slurmd did not start"; }
+    wait_for 10 test -s "/run/slurm/slurmd-$HOST.pid" || { tail_log "$LOG/slurmd-$HOST.log"; die 1 "slurmd wrote no pid file"; }
+    record slurmd "/run/slurm/slurmd-$HOST.pid"
   fi
+  [ "$TWO" = 1 ] && start_second_node
   if ! wait_for 20 node_ready; then  # a node an earlier run left down: the daemons are new, so resume it
     scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
-    wait_for 20 node_ready || { tail_log "$LOG/slurmd.log"; die 1 "node $HOST is '$(node_state)', not idle"; }
+    wait_for 20 node_ready || { tail_log "$LOG/slurmd-$HOST.log"; die 1 "node $HOST is '$(node_state)', not idle"; }
   fi
-  timeout 60 srun -N1 -n1 -t 1 true || { tail_log "$LOG/slurmd.log"; die 1 "srun true failed"; }
+  timeout 60 srun -N1 -n1 -t 1 true || { tail_log "$LOG/slurmd-$HOST.log"; die 1 "srun true failed"; }
+  if [ "$TWO" = 1 ]; then
+    timeout 60 srun -p two -N2 -n2 -t 1 true || { tail_log "$LOG/slurmd-n2.log"; die 1 "srun over both nodes failed"; }
+  fi
   say "up in $(elapsed) s: $(sinfo -h -o '%P %a %D node(s) %T %N %c CPUs %m MB' | head -n 1)"
   say "try: python train.py -m placement=pre,post trainer.accelerator=cpu hydra/launcher=slurm" \
-      "hydra.launcher.cpus_per_task=1 hydra.launcher.mem_gb=2   (stop: $0 stop)"
+      "  (stop: $0 stop)"
 }
 
 stop() {
@@ -218,7 +267,7 @@ stop() {
     fi
   fi
   local status=0 name pid
-  for name in slurmd slurmctld munged; do
+  for name in slurmd-n2 slurmd slurmctld munged; do
     [ -f "$RUN/$name.pid" ] || continue
     if ! pid=$(alive "$name"); then
       say "$name: its recorded pid $(cut -d' ' -f1 "$RUN/$name.pid") no longer runs it (already stopped)"
@@ -229,12 +278,16 @@ stop() {
     if [ -e "/proc/$pid" ]; then say "error: $name (pid $pid) did not stop"; status=1
     else say "stopped $name (pid $pid)"; rm -f "$RUN/$name.pid"; fi
   done
+  if [ -f "$RUN/netns" ]; then  # the namespace and veth pair start made (deleting the namespace removes both ends)
+    ip netns del "$(cat "$RUN/netns")" && say "removed network namespace $(cat "$RUN/netns") and its veth pair" \
+      && rm -f "$RUN/netns"
+  fi
   return $status
 }
 
 status() {
   local name pid up=0
-  for name in munged slurmctld slurmd; do
+  for name in munged slurmctld slurmd slurmd-n2; do
     if pid=$(alive "$name"); then say "$name: running, ours (pid $pid)"
     elif pgrep -x "$name" >/dev/null 2>&1; then say "$name: running, not started by this script"
     else say "$name: not running"; fi

@@ -43,10 +43,10 @@ def slurm() -> None:
         pytest.skip(why)
 
 
-def env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
     """The submitter's environment, which sbatch passes on to the jobs: the checkout's lmlab, one thread."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def sweep_command(corpus: Path, cache: Path, sweep_dir: Path, *extra: str) -> list[str]:
@@ -55,16 +55,19 @@ def sweep_command(corpus: Path, cache: Path, sweep_dir: Path, *extra: str) -> li
             "hydra/launcher=slurm", f"hydra.sweep.dir={sweep_dir}"]
 
 
-def run_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str, timeout: float = 300):
-    return subprocess.run(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str, timeout: float = 300,
+              environ: dict[str, str] | None = None):
+    return subprocess.run(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent,
+                          env=env(**(environ or {})), capture_output=True, text=True, timeout=timeout)
 
 
-def start_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    """The submitting command in the background; its output goes to `<sweep_dir>.out` (read it with `output`)."""
+def start_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str,
+                environ: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """The submitting command in the background; its output goes to `<sweep_dir>.out`."""
     log = sweep_dir.with_suffix(".out")
     with open(log, "w") as out:
-        proc = subprocess.Popen(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent, env=env(),
+        proc = subprocess.Popen(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent,
+                                env=env(**(environ or {})),
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     return proc, log
 
@@ -102,3 +105,15 @@ def show_job(job: str) -> dict[str, str]:
     """`scontrol show job`'s fields (JobState, Restarts, ...); the controller keeps an ended job for MinJobAge."""
     out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def two_nodes() -> dict[str, str]:
+    """The environment a job over partition `two` needs (scripts/local_slurm.sh with LOCAL_SLURM_TWO_NODES=1): gloo on
+    the veth both nodes share, the first node's address as MASTER_ADDR (n2 is not in /etc/hosts); skips otherwise."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "two", "-o", "%N %o %T"], capture_output=True, text=True,
+                         timeout=30).stdout.split("\n")
+    nodes = sorted(line.split() for line in out if line.strip())
+    if len(nodes) < 2 or not all(n[2] in ("idle", "mixed") for n in nodes):
+        pytest.skip(f"no partition `two` with 2 idle nodes (sinfo: {nodes}): LOCAL_SLURM_TWO_NODES=1 "
+                    f"scripts/local_slurm.sh start makes one")
+    return {"GLOO_SOCKET_IFNAME": "lmlabv", "MASTER_ADDR": nodes[0][1]}
