@@ -1,23 +1,36 @@
-# Set-up is part of each target: the first run installs lmlab and its pinned dependencies.
+# Set-up is part of each target: the first run installs lmlab (editable, from this checkout) and its pinned
+# dependencies into the Python on PATH (a venv when one is active: see the README), then only checks.
 PYTHON ?= python
 
+# lmlab is importable from outside the checkout, and it is this checkout's (not another clone's editable install)
+THIS_LMLAB = $(PYTHON) -c "import os, sys, importlib.util as u; os.chdir('/'); s = u.find_spec('lmlab'); \
+	sys.exit(not (s and s.origin.startswith('$(CURDIR)/')))"
+# and these packages are there (found, not imported: a second, not ten)
+HAS = $(PYTHON) -c "import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))"
+RUN_DEPS = torch lightning hydra omegaconf wandb datasets tokenizers matplotlib tensorboardX
+DEV_DEPS = $(RUN_DEPS) pytest transformers hydra_plugins.hydra_submitit_launcher hydra_plugins.hydra_optuna_sweeper \
+	lm_eval accelerate tensorboard playwright
 
-.PHONY: install train test test-all bench
+.PHONY: install dev train test test-all bench
 
+# what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py)
 install:
-	@$(PYTHON) -c "import lmlab, lightning, hydra, pytest, transformers, hydra_plugins.hydra_submitit_launcher, hydra_plugins.hydra_optuna_sweeper, lm_eval, accelerate" 2>/dev/null || \
-		$(PYTHON) -m pip install -q -e '.[dev]'
+	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q -e .
+
+# what the tests need too: transformers, the SLURM and Optuna launchers, lm-eval, pytest
+dev:
+	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q -e '.[dev]'
 
 train: install
 	$(PYTHON) train.py $(ARGS)
 
-# units: no training run, no process started (a few minutes)
-test: install
+# units: no training run, no process started (about a minute)
+test: dev
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(ARGS)
 
 # everything: units, e2e (runs, processes, sweeps) and slow; what CI runs
-test-all: install
+test-all: dev
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" $(ARGS)
 
-bench: install
+bench: dev
 	$(PYTHON) -m lmlab.bench $(ARGS)

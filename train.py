@@ -1,69 +1,8 @@
-"""python train.py [group=option ...] [key=value ...] — train one GPT variant (see README).
+"""python train.py [group=option ...] [key=value ...] — train one GPT variant (see README); as `lmlab train`."""
 
-`main` returns the run's objective (lmlab.summary.objective: the best val loss, +inf for a run that diverged, collapsed
-or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`)."""
-
-import math
 import sys
 
-import hydra
-from omegaconf import DictConfig
-
-import lmlab  # noqa: F401  (registers the config resolvers)
-from lmlab.cli import quote_paths, usage_errors
-
-sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:], ("init_from",))]  # sweep job dirs hold '=' and ','; non-ASCII
-
-
-@hydra.main(config_path="lmlab/conf", config_name="train", version_base="1.3")
-@usage_errors("train.py")
-def main(cfg: DictConfig) -> float:
-    from hydra.core.hydra_config import HydraConfig
-
-    from lmlab.summary import objective
-    from lmlab.tracking import hydra_group
-    from lmlab.training import train
-
-    hc = HydraConfig.get()
-    sweeping = hc.mode.name == "MULTIRUN"
-    group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
-    cfg, overrides = continued(cfg, hc)
-    try:
-        summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
-    except Exception:
-        if not sweeping:
-            raise
-        import traceback  # a failed job is recorded in its summary.json; the sweep goes on with the next one
-
-        traceback.print_exc()
-        return math.inf  # the worst value a search can see, not an error that ends it
-    print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
-          f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
-    from lmlab.env import is_rank_zero
-
-    if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
-        from lmlab.interrupt import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's error)
-
-        raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
-    return objective(summary)
-
-
-def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
-    """A run directory that holds a run is continued with its own overrides, this command's on top (`python train.py
-    hydra.run.dir=<run> trainer.max_steps=1200` needs nothing else typed again); an architecture the command changes is
-    refused by the resume's checks, naming the key. `resume=false` starts over, from this command alone."""
-    from lmlab.cli import merge_overrides
-    from lmlab.rundir import RunDir
-
-    overrides = list(hc.overrides.task)
-    saved = RunDir(hc.runtime.output_dir).read_overrides()
-    if saved is None or str(cfg.get("resume", "auto")).lower() == "false":
-        return cfg, overrides
-    merged = merge_overrides(saved, overrides)
-    if merged == overrides:
-        return cfg, overrides
-    return hydra.compose(config_name="train", overrides=merged), merged
-
+from lmlab.commands.train import run
 
 if __name__ == "__main__":
-    main()
+    run("python train.py", sys.argv[1:])

@@ -17,12 +17,23 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the checkout links conf/ to it)
 
 
-def _job_dirname(overrides: str) -> str:
-    """A sweep job's directory name from its overrides: one path component, at most ~150 characters."""
+def _job_dirname(overrides: str, task: list[str] | None = None, sweep_dir: str | None = None) -> str:
+    """A sweep job's directory name from its overrides (Hydra's override_dirname, which leaves out the resumable keys
+    the command set once: lmlab.cli.dirname_exclusions): one path component, at most ~150 characters. A job that an
+    earlier lmlab named by all its overrides (`task`, sorted, as Hydra joins them) keeps that directory when it holds a
+    run and the new name does not exist: the same sweep command goes on continuing it."""
     import hashlib
 
-    name = overrides.replace("/", "_") or "default"
-    return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    def name_of(overrides: str) -> str:
+        name = overrides.replace("/", "_") or "default"
+        return name if len(name) <= 150 else f"{name[:140]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+    name = name_of(overrides)
+    if task is not None and sweep_dir is not None:
+        old = name_of(",".join(sorted(task)))
+        if old != name and (Path(sweep_dir) / old / "summary.json").exists() and not (Path(sweep_dir) / name).exists():
+            return old
+    return name
 
 
 def _sqlite_url(path: str) -> str:
@@ -31,6 +42,23 @@ def _sqlite_url(path: str) -> str:
     db = Path(path).expanduser().resolve()
     db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
+
+
+def _study_seed(db: str, seed: int) -> int:
+    """The sampler seed of an Optuna search (resolver `lmlab.study_seed`, conf/hparams_search/optuna.yaml): `seed`
+    plus the trials its study already holds, so that a resumed search draws new random trials instead of the ones
+    it began with (a trial that repeats an earlier one's parameters adds nothing). The study is read with sqlite3."""
+    import sqlite3
+
+    path = Path(db).expanduser()
+    if not path.is_file():
+        return seed
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        try:
+            (count,) = con.execute("SELECT COUNT(*) FROM trials").fetchone()
+        except sqlite3.DatabaseError:  # not a study (yet): Optuna itself reports what is wrong with it
+            return seed
+    return seed + int(count)
 
 
 def _slurm_count(key: str, value: object) -> int:
@@ -65,7 +93,7 @@ def _slurm_by_accelerator(accelerator: object, on_gpu: object, on_cpu: object) -
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url),
+    for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url), ("lmlab.study_seed", _study_seed),
                      ("lmlab.slurm_count", _slurm_count), ("lmlab.slurm_by_accelerator", _slurm_by_accelerator)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -12,6 +12,51 @@ from typing import Any
 # gives LexerNoViableAltException); quoted for the user when they do, left as typed otherwise.
 UNICODE_PATH_KEYS = ("data.paths", "hf_data_paths", "hydra.run.dir", "hydra.sweep.dir", "data.cache_dir")
 
+# How each command was invoked (set by lmlab/commands: `python train.py` from a checkout, `lmlab train` installed):
+# the prefix of its refusals and the command its hints print.
+PROG = {"train": "python train.py", "eval": "python eval.py", "generate": "python generate.py"}
+
+
+# Keys a run may change when it is continued (lmlab/plan.py refuses an architecture change, not these): a sweep job's
+# directory name leaves them out when the command sets them once for every job, so that the same sweep command with
+# more steps (or another logger) continues its jobs in place. Swept (`trainer.max_steps=100,200`) they stay in it.
+RESUMABLE_KEYS = ("trainer.max_steps", "trainer.val_check_interval", "trainer.log_every_n_steps", "logger", "logger.",
+                  "monitor.", "perf.", "threads", "resume", "malloc")
+
+
+def resumable(key: str) -> bool:
+    """Whether `key` may change when a run is continued (RESUMABLE_KEYS; a trailing dot covers the whole group)."""
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
+
+
+def dirname_exclusions(argv: Sequence[str]) -> list[str]:
+    """For a sweep (`-m`): the override `hydra.job.config.override_dirname.exclude_keys=[...]` that leaves out of its
+    job directories' names the resumable keys the command sets to one value (Hydra's own setting; [] when there is
+    nothing to leave out, when the command sets it itself, or outside a sweep)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not ({"-m", "--multirun", "hydra.mode=MULTIRUN"} & set(argv)) or any(
+            override_key(a).startswith("hydra.job.config.override_dirname") for a in argv):
+        return []
+    parser, keys = OverridesParser.create(), []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or override_key(arg).startswith("hydra"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001  (Hydra reports it, in its own words, when it parses the command line)
+            continue
+        if not override.is_sweep_override() and resumable(override.key_or_group):
+            keys.append(override.key_or_group)
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(keys)}]"] if keys else []
+
+
+def continue_command(run_dir: object) -> str:
+    """The command that continues the run in `run_dir`, ready to paste into a shell (its own overrides are kept)."""
+    import shlex
+
+    return f"{PROG['train']} hydra.run.dir={shlex.quote(str(run_dir))}"
+
 
 def quote_paths(argv: Sequence[str], keys: Iterable[str]) -> list[str]:
     """Quote the values of path keys for Hydra's parser: Hydra names sweep jobs by their overrides, so run
@@ -65,7 +110,7 @@ def merge_overrides(base: Sequence[str], new: Sequence[str]) -> list[str]:
     return [o for o in base if override_key(o) not in changed] + list(new)
 
 
-def usage_errors(prog: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A decorator for an entry point: lmlab's refusals (a bad value, a run it will not continue, a path that is not
     there, a busy run directory) as one line on stderr and exit code 2, a usage error, instead of a traceback under
     Hydra's hint. `HYDRA_FULL_ERROR=1` (or `LMLAB_DEBUG=1`) shows the traceback. A plain function wrapper, so
@@ -81,7 +126,7 @@ def usage_errors(prog: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
             except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
                 if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
                     raise
-                print(f"{prog}: {err}", file=sys.stderr)
+                print(f"{PROG[command].removeprefix('python ')}: {err}", file=sys.stderr)
                 raise SystemExit(2) from None
 
         return wrapped

@@ -210,6 +210,7 @@ class Tracking:
     def finish(self, summary: dict[str, Any]) -> None:
         """End the W&B run with what summary.json says: its figures as the run's summary, its status as a tag,
         and the exit code the job has (0 for a result, completed or not; 128+signal interrupted; 1 failed)."""
+        self._finish_tensorboard(summary)
         if self.run is None:
             return
         from lmlab.interrupt import EXIT_CODES
@@ -230,6 +231,22 @@ class Tracking:
         except Exception as exc:  # noqa: BLE001  (the run's own record, summary.json, is written already)
             warnings.warn(f"W&B: could not finish run {run.id}: {type(exc).__name__}: {exc}", stacklevel=2)
         _where(run, self.directory)
+
+
+    def _finish_tensorboard(self, summary: dict[str, Any]) -> None:
+        """TensorBoard gets summary.json's figures as `summary/<name>` scalars at the run's last step: the HParams
+        tab lists them per run beside its config (a sweep's runs side by side, sortable), the status as 0/1 flags."""
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        from lmlab.summary import STATUSES
+
+        figures = {f"summary/{k}": float(v) for k, v in summary.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        figures.update({f"summary/status_{s}": float(summary.get("status") == s) for s in STATUSES})
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger) and logger.experiment is not None:
+                logger.log_metrics(figures, step=int(summary.get("steps") or 0))
+                logger.finalize("success")
 
 
 # --- eval -------------------------------------------------------------------------------------------------------

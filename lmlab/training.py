@@ -12,12 +12,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab import env, names
+from lmlab.cli import continue_command, override_key
 from lmlab.config import arch_config
 from lmlab.data.datamodule import DATA_KEYS
 from lmlab.env import is_rank_zero
@@ -41,9 +43,10 @@ def setup_env(cfg: DictConfig) -> None:
     env.setup(cfg)
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
-    and ranges from each option's signature), the run's own keys, the devices, and the attention's memory."""
+    and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
+    `overrides`, the command's, tell a warmup the user chose from a smoke run of a config's own (None: unknown)."""
     import warnings
     from typing import Literal
 
@@ -79,7 +82,8 @@ def check_config(cfg: DictConfig) -> None:
                          gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
 
     warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
-    if warmup >= max_steps:  # a warning, not a refusal: a short smoke run of a long-warmup config is legitimate
+    chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)
+    if warmup >= max_steps and chosen:  # a warning, not a refusal; not for a smoke run (steps cut, warmup the config's)
         warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
                       f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
                       f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
@@ -133,7 +137,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data is prepared stops at once
     try:
         env.filter_warnings()
-        check_config(cfg)
+        check_config(cfg, overrides)
         setup_env(cfg)
         mode = resume_mode(cfg)
         lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
@@ -248,7 +252,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         requeued = requeue_on_slurm(signum)
         print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
               + (f"; {requeued}" if requeued else "")
-              + f"\n  to continue: python train.py hydra.run.dir={run.path}  (its own overrides are taken again)")
+              + f"\n  to continue: {continue_command(run.path)}  (its own overrides are taken again)")
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
         raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
     return summary

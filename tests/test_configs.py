@@ -197,3 +197,16 @@ def test_submitit_launchers_compose(launcher: str) -> None:
     assert launch["_target_"].startswith(("hydra_plugins.hydra_submitit_launcher", "hydra_plugins.lmlab_slurm"))
     if launcher == "slurm":  # one task per device: Lightning's SLURMEnvironment reads the ranks from it
         assert launch["tasks_per_node"] == 4 and launch["gpus_per_node"] == 4 and launch["max_num_timeout"] == 3
+
+
+def test_a_whole_run_of_warmup_is_warned_of_only_when_the_warmup_was_chosen() -> None:
+    """`trainer.max_steps=50` on a config with 100 warmup steps is a smoke run: no warning. A warmup the command sets
+    at or past the steps is a mistake worth a line (and a library call, whose overrides are unknown, is told too)."""
+    import warnings
+
+    cfg = compose(["schedule.warmup_steps=100", "trainer.max_steps=50"])
+    for overrides, warned in ((["trainer.max_steps=50"], False), (["schedule.warmup_steps=100"], True), (None, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_config(cfg, overrides)
+        assert any("the whole run is warmup" in str(w.message) for w in caught) == warned, overrides

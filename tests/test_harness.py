@@ -113,3 +113,17 @@ def test_eval_py_harness(corpus: Path, tmp_path: Path, tasks: Path) -> None:
     assert "lmlab_toy_mc" in res.stdout and "acc" in res.stdout
     saved = json.loads((run / "eval" / "harness.json").read_text())
     assert "lmlab_toy_mc" in saved["results"] and saved["route"] == "hf"
+
+
+def test_the_example_tasks_run_as_the_readme_says(corpus: Path, tmp_path: Path) -> None:
+    """examples/lm_eval/: the README's task YAML files, run from the checkout's root as the README's command does."""
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                       "model.max_seq_len=128")), run)
+    res = cli(str(ROOT / "eval.py"), f"run={run}", "harness=shakespeare_mc,shakespeare_ppl",
+              "harness_include=examples/lm_eval", cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((run / "eval" / "harness.json").read_text())["results"]
+    assert 0 <= results["shakespeare_mc"]["acc,none"] <= 1 and "acc_norm,none" in results["shakespeare_mc"]
+    assert math.isfinite(results["shakespeare_ppl"]["word_perplexity,none"])
+    assert results["shakespeare_ppl"]["bits_per_byte,none"] > 0

@@ -180,6 +180,36 @@ def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path)
 
     idx = torch.tensor([ids])
     torch.testing.assert_close(_logits(hf, idx), _logits(load_model(run), idx), rtol=1e-5, atol=1e-5)
+    # no end-of-document token in this run: none is invented (id 0, the newline, as pad would mask every newline)
+    assert tok.eos_token is None and tok.pad_token is None and hf.config.pad_token_id is None
+    assert "without an end-of-document token (data.eod)" in res.stdout + res.stderr
+
+
+@pytest.mark.e2e
+def test_an_export_names_the_runs_end_of_document_token_eos_bos_and_pad(corpus: Path, tmp_path: Path) -> None:
+    """A run trained with data.eod: its token (a plain entry of the char vocabulary) is the export's eos, and as in
+    GPT-2 its bos and pad, in the tokenizer, config.json and generation_config.json; batched generation with padding
+    gives each prompt what it gives alone."""
+    from lmlab.interop.hf import export
+
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                       "data.eod='<|endoftext|>'")), run)
+    out = export(run, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    eod = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.eos_token == tok.bos_token == tok.pad_token == "<|endoftext|>"
+    assert hf.config.eos_token_id == hf.config.pad_token_id == hf.generation_config.pad_token_id == eod
+    assert tok("the king\n")["input_ids"][-1] != eod  # the newline is not the pad
+    tok.padding_side = "left"
+    prompts = ["the king shall\nspeak", "thou"]
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    together = hf.generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    for i, prompt in enumerate(prompts):
+        alone = tok(prompt, return_tensors="pt")
+        one = hf.generate(**alone, max_new_tokens=4, do_sample=False)[0, alone["input_ids"].shape[1]:]
+        assert together[i].tolist() == one.tolist(), prompt
 
 
 @pytest.mark.e2e

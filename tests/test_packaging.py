@@ -39,3 +39,16 @@ def test_a_wheel_ships_the_configs_and_compose_works_from_it(tmp_path: Path) -> 
     where, names_line = res.stdout.strip().splitlines()[-2:]
     assert str(target) in where  # the installed copy, not the checkout
     assert names_line == "rms post"
+    # The installed command (a console script, and python -m lmlab): Hydra finds the configs in the installed package
+    # (a config package it imports, not a path beside a script), and a refusal is the usage error.
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "lmlab = lmlab.commands:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    for command in ([str(target / "bin" / "lmlab")], [sys.executable, "-m", "lmlab"]):
+        res = subprocess.run([*command, "train", "norm=rms", "--cfg", "job"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert res.returncode == 0 and "name: rms" in res.stdout, res.stderr[-2000:]
+        res = subprocess.run([*command, "train", "optim.lr=abc"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert res.returncode == 2 and res.stderr.strip() == "lmlab train: optim.lr='abc' must be a float > 0", \
+            res.stderr[-2000:]

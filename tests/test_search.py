@@ -139,3 +139,35 @@ def test_the_study_url_is_absolute_and_its_directory_exists(tmp_path: Path, monk
     monkeypatch.chdir(tmp_path)
     url = OmegaConf.create({"storage": "${lmlab.sqlite:multirun/x/optuna.db}"}).storage
     assert url == f"sqlite:///{tmp_path / 'multirun' / 'x' / 'optuna.db'}" and (tmp_path / "multirun" / "x").is_dir()
+
+
+def test_a_resumed_search_seeds_its_sampler_past_the_trials_it_holds(tmp_path: Path) -> None:
+    """The study's trial count moves the seed: the random trials of a resumed search are new ones."""
+    optuna = _needs_optuna()
+    from lmlab import _study_seed
+
+    db = tmp_path / "optuna.db"
+    assert _study_seed(str(db), 1337) == 1337  # no study yet
+    study = optuna.create_study(study_name="train", storage=f"sqlite:///{db}")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
+    assert _study_seed(str(db), 1337) == 1340
+    (tmp_path / "junk.db").write_text("not sqlite")
+    assert _study_seed(str(tmp_path / "junk.db"), 7) == 7  # Optuna reports a broken storage in its own words
+
+
+@pytest.mark.e2e
+def test_a_resumed_search_adds_new_trials(corpus: Path, tmp_path: Path) -> None:
+    """Re-running a search on its sweep dir (the default seed) adds trials with parameters it has not tried: the
+    sampler was seeded as at the start before, and drew the same random trials again."""
+    _needs_optuna()
+    sweep = tmp_path / "search"
+    args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.val_"))]
+    command = [str(ROOT / "train.py"), "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", *args,
+               "trainer.max_steps=3", "trainer.val_check_interval=3", "schedule.warmup_steps=0",
+               "monitor.every_n_steps=0", f"hydra.sweep.dir={sweep}"]
+    for _ in range(2):
+        res = cli(*command, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    lrs = [t.params["optim.lr"] for t in _study(sweep).trials]
+    assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
+    assert len(list(sweep.glob("*/summary.json"))) == 4  # four runs trained, none a repeat

@@ -11,6 +11,7 @@ never exported as something it is not. `transformers` is imported lazily (the `d
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
 from lmlab.memory import check_model_fits
 from lmlab.model.gpt import GPT, validate
-from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model
+from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
+
+log = logging.getLogger(__name__)
 
 # --- weights -----------------------------------------------------------------------------------------------
 
@@ -144,28 +147,43 @@ def export(run_dir: str | Path, out: str | Path) -> Path:
     run's tokenizer as a PreTrainedTokenizerFast, loadable by AutoModelForCausalLM / AutoTokenizer."""
 
     run, out = RunDir(run_dir), Path(out)
-    hf = to_hf(run.path)
-    tokenizer = tokenizer_fast(run.tokenizer)
+    saved = load_run(run.path, "run")
+    hf = to_hf(saved.build())
+    eod = (saved.config.get("data") or {}).get("eod")
+    tokenizer = tokenizer_fast(run.tokenizer, eod=eod)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(hf.config, key, getattr(tokenizer, key, None))
+        setattr(hf.generation_config, key, getattr(tokenizer, key, None))
     hf.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if tokenizer.eos_token is None:
+        log.warning("%s was trained without an end-of-document token (data.eod), so the export has no eos, bos or pad "
+                    "token: batched generate() needs an attention_mask (with pad_token_id=<id> alone, every prompt "
+                    "token of that id is masked). Train with data.eod='<|endoftext|>' for one.", run.path)
     return out
 
 
-def tokenizer_fast(path: str | Path) -> Any:
-    """A run's tokenizer.json as a transformers PreTrainedTokenizerFast, its special tokens named."""
+def tokenizer_fast(path: str | Path, eod: str | None = None) -> Any:
+    """A run's tokenizer.json as a transformers PreTrainedTokenizerFast, its special tokens named: the run's
+    end-of-document token (`data.eod`; a plain vocabulary entry of a char tokenizer, a special token of BPE) is eos
+    and, as in GPT-2, bos and pad too, unless the vocabulary has tokens of its own for them. The ids are the run's
+    (nothing is added: an id past the model's vocabulary would fail in the embedding)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_file(str(path))
     specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    if eod is not None and tok.token_to_id(eod) is not None:
+        specials.add(eod)
     named = {}
-    for key, candidates in (("eos_token", ("<|endoftext|>", "</s>", "<eos>")), ("bos_token", ("<s>", "<bos>")),
+    for key, candidates in (("eos_token", (eod, "<|endoftext|>", "</s>", "<eos>")), ("bos_token", ("<s>", "<bos>")),
                             ("unk_token", ("<unk>", "[UNK]")), ("pad_token", ("<pad>", "[PAD]"))):
         found = next((c for c in candidates if c in specials), None)
         if found:
             named[key] = found
+    if "eos_token" in named:  # GPT-2's convention: one token ends a document, starts one, and pads
+        named.setdefault("bos_token", named["eos_token"])
+        named.setdefault("pad_token", named["eos_token"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, **named)
 
 

@@ -1,0 +1,58 @@
+"""The installed command: `lmlab train|eval|generate|compare|bench ...` (also `python -m lmlab ...`).
+
+Each command takes exactly the arguments of the checkout's script (`lmlab train norm=rms` is `python train.py
+norm=rms`, Hydra's own flags included: `-m`, `hydra.run.dir=...`, `--cfg job`); `lmlab compare <sweep dir>` is
+`python eval.py compare=<sweep dir>`. train.py, eval.py and generate.py are thin wrappers over the same functions.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+COMMANDS = {
+    "train": "train one variant, or a sweep with -m (python train.py)",
+    "eval": "evaluate a run: run=<run dir> (python eval.py)",
+    "generate": "sample text from a run: run=<run dir> prompt=\"...\" (python generate.py)",
+    "compare": "compare the runs of a sweep: lmlab compare <sweep dir> (python eval.py compare=<dir>)",
+    "bench": "the benchmark: lmlab bench [...] (python -m lmlab.bench)",
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    return ("usage: lmlab <command> [overrides ...]\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n`lmlab <command> --help` shows the command's own options (Hydra's for train, eval, generate).")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Dispatch to a command; its arguments are passed on as typed."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"lmlab: unknown command {name!r}; the commands are {', '.join(COMMANDS)}\n\n{usage()}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if name == "compare":
+        if len(rest) == 1 and "=" not in rest[0]:
+            rest = [f"compare={rest[0]}"]
+        name = "eval"
+    if name == "bench":
+        sys.argv = ["lmlab bench", *rest]
+        import runpy
+
+        runpy.run_module("lmlab.bench", run_name="__main__")
+        return
+    import importlib
+
+    module = importlib.import_module(f"lmlab.commands.{name}")
+    # The process is this command from here on: Lightning's DDP launcher starts the other ranks as `python -m <the
+    # main module> <sys.argv[1:]>` (or `python <sys.argv[0]> ...` without a module), which is now `python -m
+    # lmlab.commands.train <the overrides>`, not the dispatcher without its command word.
+    sys.modules["__main__"].__spec__ = module.__spec__
+    sys.argv[0] = module.__file__
+    module.run(f"lmlab {name}", rest)

@@ -1,0 +1,77 @@
+"""`lmlab eval` / `python eval.py` run=<run dir> | compare=<multirun dir> — evaluate a run, or compare a sweep."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.cli import PROG, as_lists, quote_paths, usage_errors
+
+# `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
+LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
+
+
+def run(prog: str, argv: Sequence[str]) -> None:
+    """The command line `prog argv...`."""
+    PROG["eval"] = prog
+    sys.argv = [sys.argv[0], *quote_paths(as_lists(argv, LISTS), ("run", "compare", "out", "hf"))]
+    main()
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+@usage_errors("eval")
+def main(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    from lmlab import env
+    from lmlab.registry import PositiveInt, check_value
+
+    check_value("threads", cfg.threads, PositiveInt | None)  # the other arguments: evaluate() checks them first
+    env.offline()
+    env.set_threads(cfg.threads)
+    if cfg.compare:
+        from lmlab.compare import compare
+
+        _, md = compare(cfg.compare)
+        written = [f"{Path(cfg.compare) / f}" for f in ("compare.md", "compare_variants.md", "plots/")]
+        print(md + "\n-> " + ", ".join(p for p in written if Path(p).exists()))
+        return
+    if cfg.hf:  # a transformers directory, read as a run (its own eval output goes to out or <hf>/eval)
+        import tempfile
+
+        from lmlab import compose
+        from lmlab.interop.hf import as_run
+
+        data = compose([f"data={cfg.hf_data}", *([f"data.paths=[{','.join(cfg.hf_data_paths)}]"]
+                                                  if cfg.hf_data_paths else [])]).data
+        cfg.out = cfg.out or str(Path(cfg.hf) / "eval")
+        cfg.run = str(as_run(cfg.hf, tempfile.mkdtemp(prefix="lmlab-hf-run-"), OmegaConf.to_container(data)))
+    if not cfg.run:
+        raise ValueError("one of run=<run dir>, hf=<transformers dir> or compare=<multirun dir> is needed")
+    if cfg.export:
+        if cfg.export != "hf" or not cfg.out:
+            raise ValueError(f"export={cfg.export!r}: the accepted form is export=hf out=<dir>")
+        from lmlab.interop.hf import export
+
+        print(f"-> {export(cfg.run, cfg.out)}/ (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
+        return
+    if cfg.harness:
+        from lmlab.interop.harness import harness_cli
+
+        harness_cli(cfg)
+        return
+    from lmlab.evaluate import evaluate
+
+    listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
+    out = Path(cfg.out or Path(cfg.run) / "eval")
+    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
+                      allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
+                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
+    print((f"note: {result['note']}\n\n" if result["note"] else "") + (out / "eval.md").read_text() + f"\n-> {out}/")
+
+
+if __name__ == "__main__":  # how Lightning's DDP launcher starts the other ranks of `lmlab eval` (lmlab/commands)
+    run("lmlab eval", sys.argv[1:])

@@ -1,0 +1,30 @@
+"""`lmlab generate` / `python generate.py` run=<run dir> prompt="..." — sample text from a trained model, streamed."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import hydra
+from omegaconf import DictConfig
+
+from lmlab.cli import PROG, quote_paths, usage_errors
+
+
+def run(prog: str, argv: Sequence[str]) -> None:
+    """The command line `prog argv...` (sweep job dirs hold '=' and ',')."""
+    PROG["generate"] = prog
+    sys.argv = [sys.argv[0], *quote_paths(argv, ("run",))]
+    main()
+
+
+@hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
+@usage_errors("generate")
+def main(cfg: DictConfig) -> None:
+    from lmlab.generate import run_generate
+
+    run_generate(cfg)
+
+
+if __name__ == "__main__":  # how Lightning's DDP launcher starts the other ranks of `lmlab generate` (lmlab/commands)
+    run("lmlab generate", sys.argv[1:])

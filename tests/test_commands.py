@@ -1,0 +1,117 @@
+"""The installed command (`lmlab train|eval|generate|compare|bench`, `python -m lmlab`) and the names of sweep jobs:
+a sweep command run again with more steps continues its jobs in place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmlab import _job_dirname
+from lmlab.cli import continue_command, dirname_exclusions, quote_paths, resumable
+from lmlab.commands import COMMANDS, main
+from tests.runs import ROOT, cli, metric, tiny
+
+
+def test_the_command_lists_its_commands_and_refuses_an_unknown_one(capsys) -> None:
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
+    with pytest.raises(SystemExit) as stop:
+        main(["trian", "norm=rms"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "train, eval, generate, compare, bench" in err
+
+
+def test_resumable_keys_are_the_ones_a_continued_run_may_change() -> None:
+    assert all(resumable(k) for k in ("trainer.max_steps", "logger", "monitor.every_n_steps", "threads"))
+    assert not any(resumable(k) for k in ("norm", "model.n_layer", "trainer.devices", "optim.lr", "loggerx"))
+
+
+def test_a_sweep_leaves_the_resumable_keys_it_sets_once_out_of_its_job_names() -> None:
+    argv = ["-m", "placement=pre,post", "trainer.max_steps=60", "logger=csv", "model.n_layer=2"]
+    assert dirname_exclusions(argv) == ["hydra.job.config.override_dirname.exclude_keys=[trainer.max_steps,logger]"]
+    # swept, the steps name the jobs (two jobs, two directories); outside a sweep there are no job names
+    assert dirname_exclusions(["-m", "trainer.max_steps=60,120", "logger=csv"]) == [
+        "hydra.job.config.override_dirname.exclude_keys=[logger]"]
+    assert dirname_exclusions(["trainer.max_steps=60"]) == []
+    assert dirname_exclusions(["-m", "seed=1,2"]) == []
+    # the user's own setting is Hydra's and stays theirs
+    assert dirname_exclusions(["-m", "trainer.max_steps=60", "hydra.job.config.override_dirname.exclude_keys=[seed]"]
+                              ) == []
+
+
+def test_a_job_named_by_an_earlier_lmlab_keeps_its_directory(tmp_path: Path) -> None:
+    task = ["placement=pre", "trainer.max_steps=60"]
+    assert _job_dirname("placement=pre", task, str(tmp_path)) == "placement=pre"  # nothing there yet: the new name
+    old = tmp_path / "placement=pre,trainer.max_steps=60"
+    old.mkdir()
+    (old / "summary.json").write_text("{}")
+    assert _job_dirname("placement=pre", task, str(tmp_path)) == old.name  # the old run is continued in place
+    (tmp_path / "placement=pre").mkdir()
+    assert _job_dirname("placement=pre", task, str(tmp_path)) == "placement=pre"  # the new one once it exists
+    assert _job_dirname("", [], str(tmp_path)) == "default"
+
+
+def test_the_continue_command_pastes_into_a_shell() -> None:
+    """The interrupt line's command, split by a shell and read by train's Hydra, names the run's directory exactly
+    (sweep jobs' names hold '=' and ','; paths may hold spaces)."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for path in ("multirun/x/placement=post,seed=1", "/data/my runs/a"):
+        words = shlex.split(continue_command(path))
+        assert words[:2] == ["python", "train.py"]
+        override = OverridesParser.create().parse_override(quote_paths(words[2:], ("hydra.run.dir",))[0])
+        assert (override.key_or_group, override.value()) == ("hydra.run.dir", path)
+
+
+@pytest.mark.e2e
+def test_a_sweep_command_with_more_steps_continues_its_jobs_in_place(corpus: Path, tmp_path: Path) -> None:
+    """The same sweep command, `trainer.max_steps` raised: each job continues in its own directory (which the steps
+    do not name) from its checkpoint, to the new total; `lmlab compare` reads the sweep."""
+    sweep = tmp_path / "sweep"
+    args = [*tiny(corpus, tmp_path / "cache", "model.n_layer=1", "trainer.max_steps=10"), "placement=pre,post",
+            f"hydra.sweep.dir={sweep}"]
+    first = cli("-m", "lmlab", "train", "-m", *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 2 and not any("max_steps" in j for j in jobs), jobs
+    again = cli(str(ROOT / "train.py"), "-m", *args, "trainer.max_steps=20", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == jobs  # no new job directories
+    for job in jobs:
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["steps"] == 20
+        assert [(a["from_step"], a["to_step"]) for a in summary["attempts"]] == [(0, 10), (10, 20)]
+        assert sorted(metric(sweep / job, "train/loss")) == list(range(20))
+    res = cli("-m", "lmlab", "compare", str(sweep), cwd=tmp_path)
+    assert res.returncode == 0 and "placement" in res.stdout and (sweep / "compare.md").exists(), res.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_python_m_lmlab_is_the_script(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "lmlab", "eval"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip() == ("lmlab eval: one of run=<run dir>, hf=<transformers dir> or compare=<multirun dir> "
+                                  "is needed")
+
+
+@pytest.mark.e2e
+def test_lmlab_train_starts_ddp_ranks_as_itself(corpus: Path, tmp_path: Path) -> None:
+    """Lightning's DDP launcher starts the other ranks by re-running the main module with sys.argv[1:]: under `python
+    -m lmlab train` that is `python -m lmlab.commands.train <overrides>`, which must train the same run."""
+    run = tmp_path / "run"
+    args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "data.batch"))]
+    res = cli("-m", "lmlab", "train", *args, "trainer.max_steps=3", "trainer.val_check_interval=3",
+              "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp",
+              f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3 and summary["world_size"] == 2
