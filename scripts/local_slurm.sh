@@ -15,8 +15,8 @@
 #   sched_interval/bf_interval=5, EnforcePartLimits=ALL (a request no node meets fails at sbatch instead of pending
 #   forever), MailProg=/bin/true (no mail binary), JobRequeue=1, proctrack/linuxproc + task/none (no cgroups).
 #
-# Knobs: LOCAL_SLURM_CPUS (default nproc), LOCAL_SLURM_MEM_MB (default 85% of MemTotal), LOCAL_SLURM_PARTITION
-# (default debug), LOCAL_SLURM_REQUEUE_DELAY (cred_expire, default 10), LOCAL_SLURM_RUN (default /run/lmlab-slurm).
+# Knobs: LOCAL_SLURM_CPUS (default: the CPUs this process may use), LOCAL_SLURM_MEM_MB (default 85% of MemTotal),
+# LOCAL_SLURM_PARTITION (default debug), LOCAL_SLURM_REQUEUE_DELAY (cred_expire, default 10), LOCAL_SLURM_RUN (default /run/lmlab-slurm).
 # LOCAL_SLURM_TWO_NODES=1 adds a second node, n2: a slurmd in a network namespace of its own (and a UTS namespace,
 # so its hostname is n2) joined to this one by a veth pair `lmlabv` on 10.213.7.0/24, which start creates and stop
 # removes; this host is 10.213.7.1, n2 10.213.7.2. The default partition stays this host alone; partition `two`
@@ -74,7 +74,8 @@ clear_pidfile() {
 }
 
 render_conf() {
-  local cpus=${LOCAL_SLURM_CPUS:-$(nproc)} partition=${LOCAL_SLURM_PARTITION:-debug}
+  # nproc honours OMP_NUM_THREADS (CI exports 1): the CPUs the process may use, without it
+  local cpus=${LOCAL_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)} partition=${LOCAL_SLURM_PARTITION:-debug}
   local mem=${LOCAL_SLURM_MEM_MB:-$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)}
   cat <<EOF
 $MARK: edit its knobs (LOCAL_SLURM_*), not this file
