@@ -86,6 +86,8 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
         params = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
@@ -98,7 +100,13 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
             refuse(str(err), self.params)
         print(f"slurm: submitted {len(jobs)} job(s): {', '.join(j.job_id for j in jobs)}; waiting for them "
               f"(logs: {sweep_dir}/.submitit/)", flush=True)
-        watched = watch.wait(jobs)
+        try:
+            watched = watch.wait(jobs)
+        except KeyboardInterrupt:  # the jobs are SLURM's now: say so, and how to stop them
+            ids = " ".join(j.job_id for j in jobs)
+            print(f"\nslurm: stopped waiting; the jobs run on (squeue -j {ids.split('_')[0]}; scancel {ids})",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
         results, failed = [], 0
         for w, overrides, run_dir, text in zip(watched, job_overrides, dirs, shown):
             out, bad = report.line(w.job.job_id, text, run_dir, w.outcome, w.lost, w.job.paths.stderr)
