@@ -71,11 +71,30 @@ def _slurm_count(key: str, value: object) -> int:
     return value
 
 
+GPU_ACCELERATORS = ("gpu", "cuda", "auto")  # auto: a GPU where the job runs; a CPU cluster sets accelerator=cpu
+CPU_ACCELERATORS = ("cpu",)
+
+
+def _slurm_by_accelerator(accelerator: object, on_gpu: object, on_cpu: object) -> object:
+    """A launcher request that depends on the run's accelerator (resolver `lmlab.slurm_by_accelerator`,
+    conf/hydra/launcher/slurm.yaml): `--gpus-per-node` only for a GPU run (on a cluster without GRES a CPU job that
+    asks for GPUs is refused by sbatch; on a GPU cluster it would hold GPUs it never uses), and the CPU and memory
+    requests of a GPU node or of a small CPU node."""
+    name = str(accelerator).lower()
+    if name in GPU_ACCELERATORS:
+        return on_gpu
+    if name in CPU_ACCELERATORS:
+        return on_cpu
+    raise ValueError(f"trainer.accelerator={accelerator!r}: hydra/launcher=slurm knows "
+                     f"{list(GPU_ACCELERATORS + CPU_ACCELERATORS)} (GPU ones ask SLURM for trainer.devices GPUs per "
+                     f"node); set hydra.launcher.gpus_per_node, cpus_per_task and mem_gb yourself for another one")
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
     for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url), ("lmlab.study_seed", _study_seed),
-                     ("lmlab.slurm_count", _slurm_count)):
+                     ("lmlab.slurm_count", _slurm_count), ("lmlab.slurm_by_accelerator", _slurm_by_accelerator)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

@@ -8,8 +8,10 @@ so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's l
 make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
 Before the run starts (its checks and data preparation, which can take minutes on a new corpus) a signal stops the
 process at once, with the signal's exit code: there is nothing to save, and a token-shard preparation goes on from
-its finished shards next time. A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run
-is being recorded (its checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
+its finished shards next time. SIGUSR1 in a SLURM job requeues it first, so the job starts again (lmlab.early_signals
+keeps a signal that comes even earlier, while the entry point imports, and `install()` takes it over here).
+A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
+checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
 and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
@@ -59,7 +61,7 @@ class StopOnSignal(Callback):
         if self.preparing:  # nothing to save yet (data preparation, checks): stop now, as the signal's default would
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            raise SystemExit(EXIT_CODES[int(signum)])
+            stop_before_start(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
@@ -82,7 +84,12 @@ class StopOnSignal(Callback):
             signal.signal(s, self._handler)
 
     def install(self) -> StopOnSignal:
+        from lmlab.early_signals import take_pending
+
         self._take()
+        pending = take_pending()  # one that came while the entry point imported (lmlab.early_signals)
+        if pending:
+            self._handler(pending, None)
         return self
 
     def restore(self) -> None:
@@ -112,6 +119,15 @@ class StopOnSignal(Callback):
         if self.signum:
             trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
             raise RunInterrupted(self.signum)
+
+
+def stop_before_start(signum: int) -> None:
+    """A signal before the run started: nothing to save. Under SLURM, SIGUSR1 (the time-limit warning) requeues the
+    job first (rank 0; every rank gets the signal and stops), so it runs again instead of ending here."""
+    requeued = requeue_on_slurm(signum) if os.environ.get("SLURM_PROCID", "0") == "0" else None
+    print(f"interrupted by signal {signum} before the run started: nothing to save" +
+          (f"; {requeued}" if requeued else ""), flush=True)
+    raise SystemExit(EXIT_CODES[int(signum)])
 
 
 def requeue_on_slurm(signum: int) -> str | None:

@@ -194,7 +194,7 @@ def test_submitit_launchers_compose(launcher: str) -> None:
         cfg = hydra_compose("train", overrides=[f"hydra/launcher={launcher}", "trainer.devices=4"],
                             return_hydra_config=True)
     launch = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-    assert launch["_target_"].startswith("hydra_plugins.hydra_submitit_launcher")
+    assert launch["_target_"].startswith(("hydra_plugins.hydra_submitit_launcher", "hydra_plugins.lmlab_slurm"))
     if launcher == "slurm":  # one task per device: Lightning's SLURMEnvironment reads the ranks from it
         assert launch["tasks_per_node"] == 4 and launch["gpus_per_node"] == 4 and launch["max_num_timeout"] == 3
 

@@ -1,6 +1,6 @@
-"""hydra/launcher=slurm_dry_run (lmlab's, in the hydra_plugins namespace where Hydra requires launchers to live).
-
-SLURM goes through hydra-submitit-launcher (`pip install '.[slurm]'`).
+"""lmlab's SLURM launchers, in the hydra_plugins namespace where Hydra requires launchers to live:
+`hydra/launcher=slurm` (launcher.py: hydra-submitit-launcher's, waiting for every job and reporting how each ended)
+and `hydra/launcher=slurm_dry_run` (below). SLURM goes through hydra-submitit-launcher (`pip install '.[slurm]'`).
 
 `hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml) maps `trainer.num_nodes` x `trainer.devices` to
 `--nodes` x `--ntasks-per-node`, one GPU per task (`--gpus-per-node` = `trainer.devices`), so that srun starts one
@@ -9,7 +9,7 @@ SLURM_NODEID. The warning before the time limit is SIGUSR1 (`--signal=USR1@<sign
 step boundary and requeues the job itself (lmlab/interrupt.py). submitit's own default is USR2, which would run
 submitit's checkpoint-and-resubmit handler instead, without lmlab's checkpoint.
 
-`hydra/launcher=slurm_dry_run` runs hydra-submitit-launcher's own `launch` unchanged (the same executor, the same
+`hydra/launcher=slurm_dry_run` runs `hydra/launcher=slurm`'s `launch` unchanged (the same executor, the same
 parameters, submitit's own `_make_sbatch_string`) up to the point where submitit would call `sbatch`, and prints
 the script it would have submitted instead. Nothing is submitted and nothing is trained; the job pickles submitit
 writes on the way are removed again. No cluster is needed (submitit's check that `srun` exists is skipped).
@@ -23,17 +23,14 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-try:  # hydra imports every module of hydra_plugins at start-up: without the slurm extra, there is nothing here
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-except ImportError:  # pragma: no cover
-    SlurmLauncher = None
+from hydra_plugins.lmlab_slurm.launcher import LmlabSlurmLauncher  # noqa: F401  (hydra/launcher=slurm's _target_)
 
 
 class _Submitted(Exception):
     """Raised where submitit would run sbatch: the dry run ends there."""
 
 
-class DryRunSlurmLauncher(SlurmLauncher or object):
+class DryRunSlurmLauncher(LmlabSlurmLauncher):
     """Everything `hydra/launcher=slurm` does until `sbatch`; then print the sbatch script instead of submitting it.
     `scripts` keeps what was printed (one script per submission: a sweep is one job array)."""
 

@@ -14,10 +14,12 @@ from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
 from lmlab.cli import PROG, dirname_exclusions, quote_paths, usage_errors
+from lmlab.early_signals import catch_early
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',', and non-ASCII paths are quoted for Hydra)."""
+    catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.early_signals)
     PROG["train"] = prog
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
@@ -27,6 +29,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 @usage_errors("train")
 def main(cfg: DictConfig) -> float:
+    catch_early()  # again in a launcher's job process, which runs main() without run() (submitit's, say)
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()

@@ -1,0 +1,119 @@
+"""The `slurm` fixture and helpers for the tests on a real SLURM scheduler (tests/test_slurm*.py).
+
+The tests do not start a cluster: `.ci/run` does (`bash scripts/local_slurm.sh start`, a one-node cluster on the
+test machine) and stops it afterwards; where no controller answers `scontrol ping` they are skipped, saying so.
+Every submitting command runs with a timeout: a scheduler that never starts a job must fail the test, not hang CI.
+The jobs import the checkout's lmlab: sbatch exports the submitter's environment, PYTHONPATH included."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import ROOT, tiny
+
+
+def cluster_answers() -> str | None:
+    """None when a SLURM controller answers, else why not."""
+    if not shutil.which("scontrol") or not shutil.which("sbatch"):
+        return "no SLURM client here (scontrol, sbatch): `sudo bash scripts/local_slurm.sh start` installs one"
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "`scontrol ping` did not answer in 10 s"
+    if "is UP" not in out.stdout:
+        return f"no SLURM controller answers `scontrol ping` ({(out.stdout + out.stderr).strip()[:200]}): " \
+               f"`sudo bash scripts/local_slurm.sh start` starts a local one"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm() -> None:
+    """Skips the test with the reason when no SLURM cluster answers."""
+    why = cluster_answers()
+    if why:
+        pytest.skip(why)
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The submitter's environment, which sbatch passes on to the jobs: the checkout's lmlab, one thread."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def sweep_command(corpus: Path, cache: Path, sweep_dir: Path, *extra: str) -> list[str]:
+    """`python train.py -m <tiny run> <extra> hydra/launcher=slurm` on CPU, with the defaults of the CPU launcher."""
+    return [sys.executable, str(ROOT / "train.py"), "-m", *tiny(corpus, cache, "trainer.accelerator=cpu", *extra),
+            "hydra/launcher=slurm", f"hydra.sweep.dir={sweep_dir}"]
+
+
+def run_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str, timeout: float = 300,
+              environ: dict[str, str] | None = None):
+    return subprocess.run(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent,
+                          env=env(**(environ or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def start_sweep(corpus: Path, cache: Path, sweep_dir: Path, *extra: str,
+                environ: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """The submitting command in the background; its output goes to `<sweep_dir>.out`."""
+    log = sweep_dir.with_suffix(".out")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(sweep_command(corpus, cache, sweep_dir, *extra), cwd=sweep_dir.parent,
+                                env=env(**(environ or {})),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    return proc, log
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def submitted_job(log: Path, timeout: float = 120) -> str:
+    """The SLURM job id the submitter printed (`slurm: submitted 1 job(s): 12_0; ...`)."""
+    def job():
+        found = re.search(r"slurm: submitted \d+ job\(s\): (\S+?)[;,]", log.read_text())
+        return found and found.group(1)
+
+    return wait_until(job, timeout, f"the submission in {log}")
+
+
+def last_step(run_dir_glob: str, sweep_dir: Path) -> int:
+    """The last step metrics.csv has a row for, in the job's run directory (0 before there is one)."""
+    files = list(sweep_dir.glob(run_dir_glob))
+    if not files:
+        return 0
+    with open(files[0], newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("step")]
+    return max(steps, default=0)
+
+
+def show_job(job: str) -> dict[str, str]:
+    """`scontrol show job`'s fields (JobState, Restarts, ...); the controller keeps an ended job for MinJobAge."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def two_nodes() -> dict[str, str]:
+    """The environment a job over partition `two` needs (scripts/local_slurm.sh with LOCAL_SLURM_TWO_NODES=1): gloo on
+    the veth both nodes share, the first node's address as MASTER_ADDR (n2 is not in /etc/hosts); skips otherwise."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "two", "-o", "%N %o %T"], capture_output=True, text=True,
+                         timeout=30).stdout.split("\n")
+    nodes = sorted(line.split() for line in out if line.strip())
+    if len(nodes) < 2 or not all(n[2] in ("idle", "mixed") for n in nodes):
+        pytest.skip(f"no partition `two` with 2 idle nodes (sinfo: {nodes}): LOCAL_SLURM_TWO_NODES=1 "
+                    f"scripts/local_slurm.sh start makes one")
+    return {"GLOO_SOCKET_IFNAME": "lmlabv", "MASTER_ADDR": nodes[0][1]}

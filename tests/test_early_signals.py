@@ -1,0 +1,48 @@
+"""Signals from the first line of `python train.py`: SIGTERM and SIGUSR1 are caught before torch is even imported
+(lmlab.early_signals, the entry point's first call), and one that comes then stops the run before it starts with
+the signal's exit code and a line that says so, instead of the signal's default killing the process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import ROOT, tiny
+
+pytestmark = pytest.mark.e2e
+
+
+def caught(pid: int) -> int:
+    """The process's caught-signals mask (SigCgt in /proc/<pid>/status), 0 when it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_before_torch_is_imported_stops_the_run_before_it_starts(signum, corpus: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"),
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wanted = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+        deadline = time.time() + 60
+        while caught(proc.pid) & wanted != wanted:  # the entry point's catch_early has run
+            assert proc.poll() is None and time.time() < deadline, "train.py never caught SIGTERM and SIGUSR1"
+            time.sleep(0.005)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()  # caught before torch is loaded
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"interrupted by signal {signum} before the run started: nothing to save" in out, out + err[-2000:]
+    assert not (tmp_path / "run" / "summary.json").exists()  # nothing was started, so nothing to continue
