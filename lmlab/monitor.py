@@ -312,7 +312,7 @@ class StabilityMonitor(Callback):
         from lmlab.distributed import gathered
 
         model, out = pl_module.model, {}
-        sums, counts, maxes = [], [], []
+        sums, counts, maxes, sinks = [], [], [], []
         for i in sorted(self._attn_in):
             x, doc = self._attn_in[i]
             with gathered(model.h[i], model):  # FSDP2: the block's and the root's (positions) full weights
@@ -320,6 +320,10 @@ class StabilityMonitor(Callback):
             if stats is not None:
                 attn = attention_sublayer(model.h[i])
                 p, max_logit = stats  # (B, nh, T, T), (B, nh)
+                sink = (1 - p.sum(-1)).clamp_min(0) if getattr(attn, "sink", None) is not None else None  # (B, nh, T)
+                sinks.append(torch.zeros(()) if sink is None else sink.sum().float())
+                if sink is not None:  # a row and its sink's weight make the distribution
+                    p = torch.cat((p, sink[..., None]), dim=-1)
                 if attn.score.sums_to_one:
                     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
                     sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
@@ -328,17 +332,24 @@ class StabilityMonitor(Callback):
                 maxes.append(max_logit.max().float())
             else:  # this rank holds none of the sampled sequences
                 sums.append(torch.zeros(())), counts.append(0.0), maxes.append(torch.tensor(float("-inf")))
+                sinks.append(torch.zeros(()))
         device = trainer.strategy.root_device
         total, n, mx = torch.stack(sums).to(device), torch.tensor(counts, device=device), torch.stack(maxes).to(device)
+        sink_total = torch.stack(sinks).to(device)
         if trainer.world_size > 1:
+            sink_total = trainer.strategy.reduce(sink_total, reduce_op="sum")
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
         distributions = [attention_sublayer(block).score.sums_to_one for block in model.h]
+        with_sinks = [getattr(attention_sublayer(block), "sink", None) is not None for block in model.h]
+        sink_mass = (sink_total / n.clamp_min(1)).tolist()
         for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):
             if distributions[i]:
                 out[names.per_layer(names.ATTN_ENTROPY, i)] = ent
             out[names.per_layer(names.ATTN_MAX_LOGIT, i)] = m
+            if with_sinks[i]:  # the weight the sink takes: attention to nothing
+                out[names.per_layer(names.ATTN_SINK_MASS, i)] = sink_mass[i]
         return out
 
     def _log_profile(self, trainer) -> None:

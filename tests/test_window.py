@@ -210,3 +210,42 @@ def test_the_output_gate_is_its_formula_and_counted(gate) -> None:
     width = {"elementwise": 32, "headwise": 4}[gate]
     assert model.num_params() - plain.num_params() == 2 * 32 * width  # two layers, no biases
     assert abs(n_params_estimate(model.cfg) - model.num_params()) / model.num_params() < 0.01
+
+
+def test_a_sink_is_a_softmax_column_that_weighs_no_value() -> None:
+    """gpt-oss's learned sinks: weights = exp(l_j) / (exp(s_h) + Σ_j exp(l_j)), so each row sums to 1 − the sink's
+    share; a very negative sink is plain softmax, a very positive one attends to (almost) nothing."""
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    sink = torch.tensor([0.5, -1.0])
+    mask = allowed(6, 0, 6, None, q.device)
+    logits = (q @ k.transpose(-2, -1)).masked_fill(~mask, float("-inf"))
+    z = logits.exp().sum(-1, keepdim=True) + sink.exp()[:, None, None]
+    expected = logits.exp() / z
+    out = attend(q, k, v, SCORES["softmax"](64), 1.0, _nope(), 0, sink=sink)
+    torch.testing.assert_close(out, expected @ v, **TOL)
+    plain = attend(q, k, v, SCORES["softmax"](64), 1.0, _nope(), 0)
+    torch.testing.assert_close(attend(q, k, v, SCORES["softmax"](64), 1.0, _nope(), 0, sink=torch.full((2,), -1e4)),
+                               plain, **TOL)
+    assert attend(q, k, v, SCORES["softmax"](64), 1.0, _nope(), 0, sink=torch.full((2,), 1e4)).abs().max() < 1e-6
+
+
+def test_the_monitor_logs_the_sinks_share_and_an_entropy_with_it() -> None:
+    from types import SimpleNamespace
+
+    from lmlab.monitor import StabilityMonitor
+
+    model = _model(n_layer=2, attention={"name": "mha", "sinks": True})
+    with torch.no_grad():
+        model.h[0].attn.sink.fill_(2.0)  # layer 0's heads give the sink most of their weight
+    monitor = StabilityMonitor()
+    monitor._attn_in = {i: (torch.randn(2, 6, 32), None) for i in range(2)}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
+    out = monitor._attention_stats(trainer, SimpleNamespace(model=model))
+    assert out["attn/sink_mass/layer_00"] > out["attn/sink_mass/layer_01"] > 0
+    assert 0 < out["attn/entropy/layer_00"] < torch.log(torch.tensor(7.0))  # 6 keys and the sink at most
+
+
+def test_sinks_need_a_softmax() -> None:
+    with pytest.raises(ValueError, match="attention.sinks=true needs attention.score=softmax"):
+        _model(attention={"name": "mha", "sinks": True, "score": "relu2"})

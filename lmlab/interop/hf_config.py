@@ -46,7 +46,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
     plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
-                  ("softcap", None), ("doc_mask", False), ("gate", None),
+                  ("softcap", None), ("doc_mask", False), ("gate", None), ("sinks", False),
                   *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:

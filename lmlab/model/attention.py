@@ -48,7 +48,9 @@ class MHA(nn.Module):
       the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document;
     - gate: a sigmoid gate on the attention output before the output projection, from the sublayer's input
       (Qiu et al., 2025, "Gated Attention", Qwen3-Next): `elementwise` (one gate per head dimension) or `headwise`
-      (one per head); y ← y ⊙ σ(x W_g).
+      (one per head); y ← y ⊙ σ(x W_g);
+    - sinks: a learned sink logit per head (gpt-oss; Xiao et al., 2024's attention sinks, learned): the softmax
+      normalises over the keys and the sink, whose weight reads no value; softmax scores only, explicit.
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -61,8 +63,11 @@ class MHA(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None) -> None:
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False) -> None:
         super().__init__()
+        if sinks and score != "softmax":
+            raise ValueError(f"attention.sinks=true needs attention.score=softmax (got {score!r}): a sink is a column "
+                             f"of the softmax")
         if doc_mask and cfg.eod_id is None:
             raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
                              "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
@@ -85,6 +90,7 @@ class MHA(nn.Module):
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
         self.gate = None if gate is None else nn.Linear(cfg.d_model, gate_width(gate, self.n_head, self.head_dim),
                                                         bias=cfg.bias)
+        self.sink = nn.Parameter(torch.zeros(self.n_head)) if sinks else None  # logit 0: e^0 beside the keys' at init
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
 
@@ -116,7 +122,7 @@ class MHA(nn.Module):
             k, v = cache.append(k, v)  # (B, nkv, S, hs): every token so far (a windowed layer: its last W - 1 + T)
         docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
         y = attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
-                   self.window, self.softcap, docs)  # (B, nh, T, hs)
+                   self.window, self.softcap, docs, self.sink)  # (B, nh, T, hs)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
         if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)
@@ -130,7 +136,7 @@ class MHA(nn.Module):
         q, k, _ = self.qkv(x, pos, 0, doc)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
-                                           (doc, doc) if self.doc_mask else None)
+                                           (doc, doc) if self.doc_mask else None, self.sink)
         return weights, logits.amax(dim=(-2, -1))
 
 

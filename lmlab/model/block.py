@@ -45,7 +45,7 @@ class Transformer:
         qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
         gate = gate_width(cfg.attention.get("gate"), cfg.n_head, cfg.head_dim)
         attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
-        attn += (cfg.d_model + cfg.bias) * gate
+        attn += (cfg.d_model + cfg.bias) * gate + cfg.n_head * bool(cfg.attention.get("sinks"))
         return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:

@@ -88,12 +88,15 @@ def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
 
 def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
                      offset: int = 0, window: int | None = None, softcap: float | None = None,
-                     doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d), the keys ending with the last query
     (key heads already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`.
     `window`: each query reads its last W keys (lmlab.model.mask); `softcap` c: the logits become c·tanh(logits / c)
     before the position bias and the mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys'
-    document numbers, each query reading its own document's keys only (lmlab.model.mask.doc_allowed)."""
+    document numbers, each query reading its own document's keys only (lmlab.model.mask.doc_allowed); `sink` (h,):
+    each head's learned sink logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a
+    row sums to less than one and a head can attend to nothing."""
     T, S = q.size(-2), k.size(-2)
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, S)
     if softcap is not None:
@@ -103,20 +106,24 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     if bias is not None:
         logits = logits + bias[..., offset + T - S:].masked_fill(~mask, 0.0)
     n = key_counts(T, offset, q.device, window) if doc is None else mask.sum(-1).float()  # the keys each query reads
-    return score.weights(logits, mask, n), logits.masked_fill(~mask, float("-inf"))
+    masked = logits.masked_fill(~mask, float("-inf"))
+    if sink is not None:  # softmax over the keys and the sink column, the sink's weight dropped
+        column = sink.to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
+        return torch.exp(masked - torch.cat((masked, column), dim=-1).logsumexp(-1, keepdim=True)), masked
+    return score.weights(logits, mask, n), masked
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, scale: float, pos: Position,
            offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
-           doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
     block by block, lmlab.model.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others, and
-    softcapped logits, are computed explicitly."""
+    softcapped logits and sinks, are computed explicitly."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
-    if score.sdpa and softcap is None:
+    if score.sdpa and softcap is None and sink is None:
         bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, offset + T), -inf where j > i, or None
         if bias is not None:
             bias = bias[..., offset + T - S:]
@@ -132,7 +139,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc, sink)
     return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
 
 
