@@ -76,6 +76,7 @@ CASES |= {
     "gate+gqa+window": {"position": {"name": "rope"}, "n_kv_head": 2,
                         "attention": {"name": "gqa", "gate": "elementwise", "window": 4}},
     "headwise_gate": {"attention": {"name": "mha", "gate": "headwise"}},
+    "rope+nope_layers": {"position": {"name": "rope", "nope_layers": [1]}, "attention": {"name": "mha", "window": 6}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},
 }
 

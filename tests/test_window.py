@@ -249,3 +249,17 @@ def test_the_monitor_logs_the_sinks_share_and_an_entropy_with_it() -> None:
 def test_sinks_need_a_softmax() -> None:
     with pytest.raises(ValueError, match="attention.sinks=true needs attention.score=softmax"):
         _model(attention={"name": "mha", "sinks": True, "score": "relu2"})
+
+
+def test_a_nope_layer_among_rope_layers_is_unrotated() -> None:
+    """position.nope_layers (iRoPE): the listed layers read no positions; a one-layer model whose layer is one is the
+    NoPE model with the same weights, and a layer outside the model is refused by key."""
+    nope_layer = _model(position={"name": "rope", "nope_layers": [0]})
+    plain = _model(position={"name": "none"})
+    plain.load_state_dict(nope_layer.state_dict())
+    idx = torch.randint(0, 30, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(nope_layer(idx), plain(idx), **TOL)
+        assert not torch.allclose(_model()(idx), plain(idx), **TOL)  # the rotary model differs
+    with pytest.raises(ValueError, match=r"position.nope_layers has \[4\], not layers of the model"):
+        _model(n_layer=4, position={"name": "rope", "nope_layers": [3, 4]})

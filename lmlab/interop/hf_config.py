@@ -75,6 +75,8 @@ def _check_llama(cfg: GPTConfig) -> str:
         raise _refuse("norm", cfg.norm["name"], "Llama", "norm=rms with a gain")
     if _glu_act(cfg) is None:
         raise _refuse("ffn", cfg.ffn["name"], "Llama", "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
+    if cfg.position.get("nope_layers"):
+        raise _refuse("position.nope_layers", cfg.position["nope_layers"], "Llama", "position.nope_layers=null")
     if cfg.position.get("rotary_pct", 1.0) != 1.0:
         raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], "Llama", "rotary_pct=1")
     if cfg.rope_scaling["name"] not in _ROPE_TYPES:

@@ -72,6 +72,7 @@ class MHA(nn.Module):
             raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
                              "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.doc_mask = doc_mask
+        self.layer = layer
         self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
@@ -107,7 +108,7 @@ class MHA(nn.Module):
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.head_dim,), self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
-        q, k = pos.rotate(q, k, offset, doc)
+        q, k = pos.rotate(q, k, offset, doc, self.layer)
         if self.logn_scaling and offset + T > self.train_len:
             n = key_counts(T, offset, x.device, self.window, doc if self.doc_mask else None)
             q = q * per_query(log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype))

@@ -31,6 +31,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
+        if bad := sorted(i for i in getattr(self.pos, "nope_layers", ()) if not 0 <= i < cfg.n_layer):
+            raise ValueError(f"position.nope_layers has {bad}, not layers of the model (0 .. model.n_layer - 1 = "
+                             f"{cfg.n_layer - 1})")
         if self.pos.per_document and cfg.eod_id is None:
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")

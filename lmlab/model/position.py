@@ -3,7 +3,7 @@
 Contract: `Position(dim, head_dim, n_head, max_seq_len, train_len, scaling, *, <own params>)` with three
 hooks, each a no-op unless the scheme overrides it, so `gpt.py` never asks which scheme it has:
 - `embed(x, offset=0, doc=None)`: add absolute position information to the token embeddings, x (B, T, C);
-- `rotate(q, k, offset=0, doc=None)`: rotate queries and keys, (B, nh, T, hs) each;
+- `rotate(q, k, offset=0, doc=None, layer=None)`: rotate queries and keys, (B, nh, T, hs) each, in layer `layer`;
 - `attn_bias(T, device, dtype, offset=0)`: an additive (nh, T, offset + T) bias on the attention logits, or None.
 `offset` is the position of the first of the T tokens: 0 for a whole text, the number of tokens already in the
 KV cache when generating. `cache_key(length)` says when cached keys go stale: it changes with the text's length
@@ -44,8 +44,8 @@ class Position(nn.Module):
     def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None,
+               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
     def positions(self, T: int, offset: int, doc: torch.Tensor | None) -> torch.Tensor | None:
@@ -129,7 +129,8 @@ class Learned(Position):
 class RoPE(Position):
     """Rotary position embedding (Su et al., 2021), half-split layout as in GPT-NeoX / HF Llama.
 
-    Rotates the first `rotary_pct` of each head's dims by angles t·θ_j, so q·k depends only on the offset.
+    Rotates the first `rotary_pct` of each head's dims by angles t·θ_j, so q·k depends only on the offset;
+    `nope_layers` (0-based) are left unrotated: NoPE layers among RoPE ones (iRoPE).
     The frequencies come from the `rope_scaling` option: static ones are computed once, dynamic ones
     (`fn.dynamic = True`) per forward from the current length. cos/sin tables are cached per length.
     """
@@ -139,10 +140,12 @@ class RoPE(Position):
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, theta: PositiveFloat = 10000.0,
-                 rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0, per_document: bool = False) -> None:
+                 rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0, per_document: bool = False,
+                 nope_layers: list[int] | None = None) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.head_dim, self.theta, self.rotary_pct = head_dim, theta, rotary_pct
         self.per_document = per_document
+        self.nope_layers = frozenset(nope_layers or ())  # layers left unrotated: no positions at all (iRoPE)
         option_params("rope_scaling", ROPE_SCALINGS, scaling)  # an unknown name lists the choices
         self.scaling = dict(scaling)
         if self.scaling["name"] != "none" and self.scaling.get("original_max_len") is None:
@@ -198,8 +201,10 @@ class RoPE(Position):
         self._cache = {}
         return super()._apply(fn, recurse)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None,
+               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.nope_layers:  # a NoPE layer among rotary ones (Llama 4's iRoPE, every 4th layer)
+            return q, k
         cos, _, signed_sin = self._tables(offset + q.size(-2), q.device, q.dtype)  # (offset + T, d)
         at = self.positions(q.size(-2), offset, doc)
         if at is None:
