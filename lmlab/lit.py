@@ -62,26 +62,33 @@ class LitGPT(L.LightningModule):
         """The largest global gradient norm (before clipping) of the run so far, resumed runs included."""
         return float(self._peak_grad)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_fn(idx, targets)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, **loss: Any) -> Any:
+        return self.forward_fn(idx, targets, **loss)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T) each
         return self(x, y)  # the model's own loss: fp32 whatever the logits' dtype, chunked if configured
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        x, y = batch
+        z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
+        if z_loss:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
+            objective, loss, z = self(x, y, z_loss=z_loss, parts=True)
+        else:
+            objective = loss = self(x, y)
         if self.divergence.check(self.global_step, loss.item()):
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
         if self.logs_now():
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
+            if z_loss:
+                self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
             self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
             self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
-        return loss
+        return objective
 
     def logs_now(self) -> bool:
         """Whether Lightning hands this step's metrics to the loggers (every trainer.log_every_n_steps, and the last

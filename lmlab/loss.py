@@ -6,9 +6,16 @@ passes over the (N, V) logits; autograd through torch's loss zero-fills an (N, V
 scatters into it, and runs log_softmax's backward on top (1 thread, N = 2048, V = 4096: 44 ms forward + backward
 against 32 ms). Lower-precision logits (bf16 autocast) are read by log_softmax directly into fp32, without a
 separate upcast copy, and get their gradient back in their own dtype.
+
+Two options change the objective, on both paths (and in their closed-form backward): `softcap` c, the final-logit
+softcap z ← c·tanh(z / c) before the softmax (Gemma 2), and `z_loss` λ, PaLM's auxiliary z-loss λ·mean(log Z)², log Z
+the log-partition of each row, which keeps the logits from drifting. With `parts=True` the functions return the
+objective and, detached, its cross-entropy and z-loss parts (what the loggers show apart).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -43,13 +50,64 @@ class _CrossEntropy(torch.autograd.Function):
         return _dlogits(logp.exp(), index, scale).to(ctx.dtype), None, None  # logp stays intact: backward may rerun
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean token cross-entropy, in fp32 (fp64 for fp64 logits). logits (..., V), targets (...) class ids."""
-    return _CrossEntropy.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index)
+def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, softcap: float | None, z_loss: float,
+                 count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows z (N, V) in fp32: the summed NLL and summed (log Z)² of the (softcapped) rows, and d objective / d z
+    for objective = (NLL + z_loss·(log Z)²) summed over the valid rows / count."""
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    logp = torch.log_softmax(z, dim=-1)
+    nll, index = _nll_sum(logp, targets, valid)
+    lse = (z[:, 0] - logp[:, 0])[:, None]  # log Z per row (logp = z − log Z in every column)
+    z_sq = torch.where(valid[:, None], lse.square(), 0.0).sum()
+    scale = valid[:, None].to(z.dtype) / count
+    probs = logp.exp_()
+    dz = _dlogits(probs.clone() if z_loss else probs, index, scale)
+    if z_loss:
+        dz.add_(probs.mul_(lse * (2 * z_loss) * scale))
+    if softcap is not None:
+        dz.mul_(1 - t.square())
+    return nll, z_sq, dz
+
+
+class _CappedCrossEntropy(torch.autograd.Function):
+    """cross_entropy with a softcap and/or a z-loss: the gradient is worked out in forward (one (N, V) tensor kept)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float | None,
+                z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid = targets != ignore_index
+        count = valid.sum()
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        nll, z_sq, dz = _capped_rows(z, targets, valid, softcap, z_loss, count)
+        ctx.save_for_backward(dz)
+        ctx.dtype = logits.dtype
+        ce, zl = nll / count, z_sq / count
+        ctx.mark_non_differentiable(ce, zl)
+        return ce + z_loss * zl, ce, zl
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        (dz,) = ctx.saved_tensors
+        return (dz * grad).to(ctx.dtype), None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                  softcap: float | None = None, z_loss: float = 0.0, parts: bool = False) -> Any:
+    """Mean token cross-entropy, in fp32 (fp64 for fp64 logits). logits (..., V), targets (...) class ids. With a
+    `softcap` or a `z_loss`, their objective (module docstring); `parts=True`: (objective, cross-entropy, z-loss)."""
+    flat, t = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    if softcap is None and not z_loss:
+        loss = _CrossEntropy.apply(flat, t, ignore_index)
+        return (loss, loss.detach(), torch.zeros_like(loss)) if parts else loss
+    out = _CappedCrossEntropy.apply(flat, t, ignore_index, softcap, float(z_loss))
+    return out if parts else out[0]
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                         chunk_elems: int = 1 << 25) -> torch.Tensor:
+                         chunk_elems: int = 1 << 25, softcap: float | None = None, z_loss: float = 0.0,
+                         parts: bool = False) -> Any:
     """`cross_entropy(h @ weight.T, targets)` without ever holding the (N, V) logits: row blocks of about
     `chunk_elems` logits each, the head's gradients computed block by block in the forward pass.
 
@@ -59,8 +117,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """
     h2, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     rows = max(1, chunk_elems // weight.size(0))
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+    plain = softcap is None and not z_loss
+    if plain and not parts and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows)
+    if not plain or parts:
+        out = _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows, softcap, float(z_loss))
+        return out if parts else out[0]
     with torch.no_grad():
         hc, wc, _ = _compute_dtype(h2, weight)
         valid = t != ignore_index
@@ -87,7 +149,7 @@ def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, val
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                rows: int) -> torch.Tensor:
+                rows: int, softcap: float | None = None, z_loss: float | None = None) -> Any:
         hc, wc, dtype = _compute_dtype(h, weight)
         valid = targets != ignore_index
         count = valid.sum()
@@ -95,19 +157,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty(h.shape, dtype=dtype, device=h.device)
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         total = torch.zeros((), dtype=acc, device=h.device)
+        z_total = torch.zeros((), dtype=acc, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.size(0), rows):
-                nll, index, logp = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
+                if z_loss is None:  # the plain loss: one log-softmax per block, its gradient in place
+                    nll, index, logp = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
+                    scale = valid[i:i + rows, None].to(logp.dtype) / count
+                    dlogits = _dlogits(logp.exp_(), index, scale).to(dtype)  # logp is this block's own: in place
+                else:
+                    z = (hc[i:i + rows] @ wc.t()).to(acc)
+                    nll, z_sq, dlogits = _capped_rows(z, targets[i:i + rows], valid[i:i + rows], softcap, z_loss,
+                                                      count)
+                    dlogits = dlogits.to(dtype)
+                    z_total += z_sq
                 total += nll
-                scale = valid[i:i + rows, None].to(logp.dtype) / count
-                dlogits = _dlogits(logp.exp_(), index, scale).to(dtype)  # logp is this block's own: in place
                 torch.mm(dlogits, wc, out=dh[i:i + rows])
                 dw += (dlogits.t() @ hc[i:i + rows]).to(acc)
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = (h.dtype, weight.dtype)
-        return total / count
+        if z_loss is None:
+            return total / count
+        ce, zl = total / count, z_total / count
+        ctx.mark_non_differentiable(ce, zl)
+        return ce + z_loss * zl, ce, zl
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(ctx, grad: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None,
+                                                                      None, None]:
         dh, dw = ctx.saved_tensors
-        return (dh * grad).to(ctx.dtypes[0]), (dw * grad).to(ctx.dtypes[1]), None, None, None
+        return (dh * grad).to(ctx.dtypes[0]), (dw * grad).to(ctx.dtypes[1]), None, None, None, None, None

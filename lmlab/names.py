@@ -5,6 +5,7 @@ name is written once, here; every module that logs or reads one imports it."""
 from __future__ import annotations
 
 TRAIN_LOSS = "train/loss"
+TRAIN_Z_LOSS = "train/z_loss"  # mean (log Z)² of the output logits, under optim.z_loss (the objective adds λ times it)
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 TOKENS = "tokens"  # tokens trained on so far

@@ -222,7 +222,8 @@ SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": ws
 
 # --- the optim and schedule groups, checked (lmlab.checks: before Lightning is imported) ----------------------
 
-OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None}  # the loop's keys
+# the loop's keys: z_loss is PaLM's auxiliary λ·mean(log Z)² on the output logits (0: off), added to the objective
+OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None, "z_loss": NonNegativeFloat}
 
 
 def optimizer_spec(optim: dict) -> dict:

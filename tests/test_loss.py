@@ -172,3 +172,73 @@ def test_compute_keys_may_change_on_resume() -> None:
     with pytest.raises(ValueError, match="model/d_model"):
         check_same_arch("resume", {"vocab_size": 50, "n_layer": 2, "d_model": 64, "chunked_loss": True}, saved,
                         COMPUTE_KEYS)
+
+
+def _reference(z: torch.Tensor, t: torch.Tensor, softcap, z_loss: float, ignore: int = -100) -> torch.Tensor:
+    """Softcap then cross-entropy, plus λ·mean over the counted rows of logsumexp², written with torch's ops."""
+    import torch.nn.functional as F
+
+    capped = z if softcap is None else softcap * torch.tanh(z / softcap)
+    valid = t != ignore
+    return F.cross_entropy(capped, t, ignore_index=ignore) + z_loss * capped.logsumexp(-1)[valid].square().mean()
+
+
+@pytest.mark.parametrize("softcap,z_loss", [(None, 1e-2), (2.0, 0.0), (1.5, 0.1)])
+def test_the_softcap_and_the_z_loss_are_their_formulas_on_both_paths(softcap, z_loss) -> None:
+    from lmlab.loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    x = (torch.randn(12, 9, dtype=torch.float64) * 3).requires_grad_()
+    t = torch.randint(0, 9, (12,))
+    t[3] = -100
+    assert torch.autograd.gradcheck(lambda a: cross_entropy(a, t, softcap=softcap, z_loss=z_loss), (x,))
+    total, ce, zl = cross_entropy(x, t, softcap=softcap, z_loss=z_loss, parts=True)
+    torch.testing.assert_close(total, _reference(x, t, softcap, z_loss))
+    torch.testing.assert_close(ce, _reference(x, t, softcap, 0.0))
+    assert not ce.requires_grad and not zl.requires_grad
+    h = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    ours = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27)  # 3-row blocks
+    ref = _reference(h @ w.t(), t, softcap, z_loss)
+    torch.testing.assert_close(ours, ref)
+    g_ours = torch.autograd.grad(ours, (h, w))
+    g_ref = torch.autograd.grad(ref, (h, w))
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_final_logit_softcap_bounds_the_models_logits_and_its_loss_is_theirs() -> None:
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT, validate
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=20, n_layer=1, d_model=16, n_head=2, max_seq_len=8)
+    capped, plain = GPT(validate(GPTConfig(**kw, logit_softcap=0.5))), GPT(validate(GPTConfig(**kw)))
+    plain.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        for p in capped.parameters():
+            p.mul_(5)  # large logits
+        plain.load_state_dict(capped.state_dict())
+    idx, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
+    z = plain(idx)
+    assert z.abs().max() > 2 and capped(idx).abs().max() <= 0.5
+    torch.testing.assert_close(capped(idx), 0.5 * torch.tanh(z / 0.5))
+    torch.testing.assert_close(capped(idx, y), F.cross_entropy((0.5 * torch.tanh(z / 0.5)).flatten(0, 1), y.flatten()))
+
+
+@pytest.mark.e2e
+def test_a_run_with_a_z_loss_logs_it_apart_from_the_loss(corpus, tmp_path) -> None:
+    import csv
+
+    from lmlab import compose
+    from lmlab.training import train
+    from tests.runs import tiny
+
+    run = tmp_path / "run"
+    summary = train(compose(tiny(corpus, tmp_path / "cache", "optim.z_loss=1e-3", "model.logit_softcap=30",
+                                 "trainer.max_steps=10", "trainer.val_check_interval=10")), run)
+    assert summary["status"] == "completed"
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("train/z_loss")]
+    assert len(rows) == 10 and all(float(r["train/z_loss"]) > 0 for r in rows)
+    # the loss logged is the cross-entropy alone: at step 0 about ln V, which the z-loss (log Z)² would exceed
+    assert abs(float(rows[0]["train/loss"]) - math.log(summary["model"]["vocab_size"])) < 0.5

@@ -43,6 +43,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
+    if cfg.logit_softcap is not None:
+        raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
     plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),

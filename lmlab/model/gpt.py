@@ -7,6 +7,8 @@ the meta device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -49,11 +51,13 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
-                ) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab); given targets (B, T), the mean token cross-entropy instead
-        (fp32; with `chunked_loss` the logits are never held whole). With a `cache` (generation), the tokens
-        continue the cached ones and their keys and values are added to it."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                z_loss: float = 0.0, parts: bool = False) -> Any:
+        """idx (B, T) token ids -> logits (B, T, vocab) (softcapped under `logit_softcap`); given targets (B, T), the
+        mean token cross-entropy instead (fp32; with `chunked_loss` the logits are never held whole), plus `z_loss` ·
+        mean(log Z)² when given; `parts=True`: (objective, cross-entropy, z-loss), the last two detached (lmlab.loss).
+        With a `cache` (generation), the tokens continue the cached ones and their keys and values are added to
+        it."""
         offset = 0
         if cache is not None:
             cache.start()
@@ -71,11 +75,13 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += idx.size(1)
         h = self.ln_f(x)
+        cap = self.cfg.logit_softcap
         if targets is None:
-            return self.lm_head(h)
+            logits = self.lm_head(h)
+            return logits if cap is None else cap * torch.tanh(logits / cap)
         if self.cfg.chunked_loss:
-            return linear_cross_entropy(h, self.lm_head.weight, targets)
-        return cross_entropy(self.lm_head(h), targets)
+            return linear_cross_entropy(h, self.lm_head.weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
+        return cross_entropy(self.lm_head(h), targets, softcap=cap, z_loss=z_loss, parts=parts)
 
     def documents(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
         """Every position's document number (B, offset + T) when the model has an end-of-document token (`cfg.eod_id`,
