@@ -324,7 +324,7 @@ class StabilityMonitor(Callback):
                 sinks.append(torch.zeros(()) if sink is None else sink.sum().float())
                 if sink is not None:  # a row and its sink's weight make the distribution
                     p = torch.cat((p, sink[..., None]), dim=-1)
-                if attn.score.sums_to_one:
+                if getattr(attn, "sums_to_one", attn.score.sums_to_one) or sink is not None:
                     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
                     sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
                 else:  # rows that are not distributions have no entropy: none is logged for this layer
@@ -341,7 +341,8 @@ class StabilityMonitor(Callback):
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
-        distributions = [attention_sublayer(block).score.sums_to_one for block in model.h]
+        distributions = [(lambda a: getattr(a, "sums_to_one", a.score.sums_to_one) or getattr(a, "sink", None)
+                          is not None)(attention_sublayer(block)) for block in model.h]
         with_sinks = [getattr(attention_sublayer(block), "sink", None) is not None for block in model.h]
         sink_mass = (sink_total / n.clamp_min(1)).tolist()
         for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):

@@ -77,6 +77,8 @@ CASES |= {
                         "attention": {"name": "gqa", "gate": "elementwise", "window": 4}},
     "headwise_gate": {"attention": {"name": "mha", "gate": "headwise"}},
     "rope+nope_layers": {"position": {"name": "rope", "nope_layers": [1]}, "attention": {"name": "mha", "window": 6}},
+    "diff+rope": {"position": {"name": "rope"}, "attention": {"name": "diff"}},
+    "diff+window+softcap": {"position": {"name": "rope"}, "attention": {"name": "diff", "window": 5, "softcap": 3.0}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},
 }
 

@@ -263,3 +263,44 @@ def test_a_nope_layer_among_rope_layers_is_unrotated() -> None:
         assert not torch.allclose(_model()(idx), plain(idx), **TOL)  # the rotary model differs
     with pytest.raises(ValueError, match=r"position.nope_layers has \[4\], not layers of the model"):
         _model(n_layer=4, position={"name": "rope", "nope_layers": [3, 4]})
+
+
+def test_differential_attention_is_the_papers_equations() -> None:
+    """Ye et al. (2024), written out: per differential head j (query/key heads 2j, 2j + 1),
+    (softmax(Q1 K1ᵀ/√d) − λ softmax(Q2 K2ᵀ/√d)) [V_2j; V_2j+1], RMSNorm over its 2d, × (1 − λ_init), with
+    λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init and λ_init = 0.8 − 0.6·exp(−0.3 (l − 1))."""
+    import math
+
+    model = _model(n_layer=3, position={"name": "none"}, attention={"name": "diff"})
+    attn, B, T, d, nh = model.h[2].attn, 2, 7, 8, 4
+    assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * 2))
+    x = torch.randn(B, T, 32)
+    with torch.no_grad():
+        q, k, v = attn.c_attn(x).split(attn.c_attn.fused, dim=-1)
+        q, k, v = (t.view(B, T, nh, d).transpose(1, 2) for t in (q, k, v))
+        lam = (torch.exp(attn.lambda_q1 @ attn.lambda_k1) - torch.exp(attn.lambda_q2 @ attn.lambda_k2)
+               + attn.lambda_init)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        heads = []
+        for j in range(nh // 2):
+            def softmax(qh, kh):
+                return ((qh @ kh.transpose(-2, -1)) / math.sqrt(d)).masked_fill(~causal, float("-inf")).softmax(-1)
+            a = softmax(q[:, 2 * j], k[:, 2 * j]) - lam * softmax(q[:, 2 * j + 1], k[:, 2 * j + 1])
+            o = a @ torch.cat((v[:, 2 * j], v[:, 2 * j + 1]), dim=-1)  # (B, T, 2d)
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * attn.subln
+            heads.append(o * (1 - attn.lambda_init))
+        expected = attn.c_proj(torch.cat(heads, dim=-1))
+        torch.testing.assert_close(attn(x, model.pos), expected, **TOL)
+        weights, _ = attn.probs(x, model.pos)
+        assert weights.shape == (B, 2, T, T)
+        torch.testing.assert_close(weights.sum(-1), (1 - lam).expand(B, 2, T), **TOL)  # rows sum to 1 − λ
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"n_head": 3, "d_model": 48}, "model.n_head=3 must be even"),
+    ({"attention": {"name": "diff", "score": "relu2"}}, "attention=diff is a difference of two softmax maps"),
+    ({"position": {"name": "alibi"}}, "attention=diff with position=alibi"),
+])
+def test_differential_attention_refuses_what_it_cannot_pair(kw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _model(**{"attention": {"name": "diff"}, **kw})

@@ -43,6 +43,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
+    if cfg.attention["name"] not in ("mha", "gqa", "mqa"):
+        raise _refuse("attention", cfg.attention["name"], fam, "attention=mha|gqa|mqa")
     if cfg.logit_softcap is not None:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
