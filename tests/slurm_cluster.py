@@ -101,6 +101,20 @@ def last_step(run_dir_glob: str, sweep_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def interrupt_midway(proc: subprocess.Popen, log: Path, sweep_dir: Path, *scancel: str, at_step: int,
+                     within: float = 180, timeout: float = 400) -> tuple[str, int, str]:
+    """Once the sweep's job has logged `at_step`, `scancel [scancel ...] <job>`; then wait for the submitting command:
+    (the job id, its exit code, its output). The submitter is killed whatever happens."""
+    try:
+        job = submitted_job(log)
+        wait_until(lambda: last_step("*/metrics.csv", sweep_dir) >= at_step, within, f"step {at_step} in metrics.csv")
+        subprocess.run(["scancel", *scancel, job], check=True, timeout=30)
+        rc = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    return job, rc, log.read_text()
+
+
 def show_job(job: str) -> dict[str, str]:
     """`scontrol show job`'s fields (JobState, Restarts, ...); the controller keeps an ended job for MinJobAge."""
     out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30).stdout

@@ -15,7 +15,7 @@ import pytest
 
 from tests.runs import ROOT, cli, tiny
 from tests.slurm_cluster import (
-    last_step,
+    interrupt_midway,
     run_sweep,
     show_job,
     slurm,  # noqa: F401  (the fixture)
@@ -89,15 +89,8 @@ def test_sigusr1_saves_requeues_and_resumes_to_the_uninterrupted_curve(corpus: P
                                                                        reference: Path) -> None:
     sweep = tmp_path / "sweep"
     proc, log = start_sweep(corpus, tmp_path / "cache", sweep, *LONG)
-    try:
-        job = submitted_job(log)
-        wait_until(lambda: last_step("*/metrics.csv", sweep) >= 300, 180, "step 300 in metrics.csv")
-        # the job's steps get the signal, as with SLURM's time-limit warning (--batch would signal the batch shell)
-        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
-        rc = proc.wait(timeout=400)
-    finally:
-        proc.kill()
-    out = log.read_text()
+    # the job's steps get the signal, as with SLURM's time-limit warning (--batch would signal the batch shell)
+    job, rc, out = interrupt_midway(proc, log, sweep, "--signal=USR1", at_step=300)
     assert rc == 0, out[-4000:]
     assert show_job(job).get("Restarts") == "1", show_job(job)
     (summary,) = summaries(sweep).values()
@@ -112,14 +105,8 @@ def test_a_plain_scancel_is_reported_and_the_same_command_continues(corpus: Path
                                                                    reference: Path) -> None:
     sweep = tmp_path / "sweep"
     proc, log = start_sweep(corpus, tmp_path / "cache", sweep, *LONG)
-    try:
-        job = submitted_job(log)
-        wait_until(lambda: last_step("*/metrics.csv", sweep) >= 300, 180, "step 300 in metrics.csv")
-        subprocess.run(["scancel", job], check=True, timeout=30)
-        rc = proc.wait(timeout=200)  # a lost job (no result) is reported, not waited on forever
-    finally:
-        proc.kill()
-    out = log.read_text()
+    # a lost job (no result) is reported, not waited on forever
+    job, rc, out = interrupt_midway(proc, log, sweep, at_step=300, timeout=200)
     assert rc == 1, out[-4000:]
     (line,) = job_lines(out)
     assert "interrupted: step" in line and "SLURM state CANCELLED, no result" in line and "run the same" in line, line

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.runs import ROOT, cli, tiny
 from tests.slurm_cluster import (  # noqa: F401  (slurm: the fixture)
-    last_step,
+    interrupt_midway,
     show_job,
     slurm,
     start_sweep,
-    submitted_job,
     two_nodes,
-    wait_until,
 )
 from tests.test_interrupt import figures
 
@@ -35,14 +32,7 @@ def test_two_nodes_one_rank_each_preempted_resumes_exactly(corpus: Path, tmp_pat
     sweep = tmp_path / "sweep"
     proc, log = start_sweep(corpus, tmp_path / "cache", sweep, *DDP, "trainer.num_nodes=2",
                             "hydra.launcher.partition=two", environ=environ)
-    try:
-        job = submitted_job(log)
-        wait_until(lambda: last_step("*/metrics.csv", sweep) >= 150, 240, "step 150 in metrics.csv")
-        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
-        rc = proc.wait(timeout=400)
-    finally:
-        proc.kill()
-    out = log.read_text()
+    job, rc, out = interrupt_midway(proc, log, sweep, "--signal=USR1", at_step=150, within=240)
     assert rc == 0, out[-4000:]
     assert "completed: step 600" in out and show_job(job).get("Restarts") == "1"
     (summary,) = [json.loads(p.read_text()) for p in sweep.glob("*/summary.json")]
