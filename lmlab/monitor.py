@@ -312,7 +312,7 @@ class StabilityMonitor(Callback):
         from lmlab.distributed import gathered
 
         model, out = pl_module.model, {}
-        sums, counts, maxes, sinks = [], [], [], []
+        sums, counts, maxes, sinks, firsts, first_counts = [], [], [], [], [], []
         for i in sorted(self._attn_in):
             x, doc = self._attn_in[i]
             with gathered(model.h[i], model):  # FSDP2: the block's and the root's (positions) full weights
@@ -322,6 +322,8 @@ class StabilityMonitor(Callback):
                 p, max_logit = stats  # (B, nh, T, T), (B, nh)
                 sink = (1 - p.sum(-1)).clamp_min(0) if getattr(attn, "sink", None) is not None else None  # (B, nh, T)
                 sinks.append(torch.zeros(()) if sink is None else sink.sum().float())
+                firsts.append(p[..., 1:, 0].sum().float())  # the weight later queries put on the first token
+                first_counts.append(float(p[..., 1:, 0].numel()))
                 if sink is not None:  # a row and its sink's weight make the distribution
                     p = torch.cat((p, sink[..., None]), dim=-1)
                 if getattr(attn, "sums_to_one", attn.score.sums_to_one) or sink is not None:
@@ -332,12 +334,13 @@ class StabilityMonitor(Callback):
                 maxes.append(max_logit.max().float())
             else:  # this rank holds none of the sampled sequences
                 sums.append(torch.zeros(())), counts.append(0.0), maxes.append(torch.tensor(float("-inf")))
-                sinks.append(torch.zeros(()))
+                sinks.append(torch.zeros(())), firsts.append(torch.zeros(())), first_counts.append(0.0)
         device = trainer.strategy.root_device
         total, n, mx = torch.stack(sums).to(device), torch.tensor(counts, device=device), torch.stack(maxes).to(device)
-        sink_total = torch.stack(sinks).to(device)
+        sink_total, first_total = torch.stack(sinks).to(device), torch.stack(firsts).to(device)
         if trainer.world_size > 1:
             sink_total = trainer.strategy.reduce(sink_total, reduce_op="sum")
+            first_total = trainer.strategy.reduce(first_total, reduce_op="sum")
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
@@ -345,12 +348,17 @@ class StabilityMonitor(Callback):
                           is not None)(attention_sublayer(block)) for block in model.h]
         with_sinks = [getattr(attention_sublayer(block), "sink", None) is not None for block in model.h]
         sink_mass = (sink_total / n.clamp_min(1)).tolist()
+        first_rows = torch.tensor(first_counts, device=device)
+        if trainer.world_size > 1:
+            first_rows = trainer.strategy.reduce(first_rows, reduce_op="sum")
+        first_mass = (first_total / first_rows.clamp_min(1)).tolist()
         for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):
             if distributions[i]:
                 out[names.per_layer(names.ATTN_ENTROPY, i)] = ent
             out[names.per_layer(names.ATTN_MAX_LOGIT, i)] = m
             if with_sinks[i]:  # the weight the sink takes: attention to nothing
                 out[names.per_layer(names.ATTN_SINK_MASS, i)] = sink_mass[i]
+            out[names.per_layer(names.ATTN_FIRST_MASS, i)] = first_mass[i]  # the first token as an implicit sink
         return out
 
     def _log_profile(self, trainer) -> None:

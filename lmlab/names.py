@@ -18,6 +18,7 @@ TOKENS_PER_S, MFU, MAX_MEMORY = f"{PERF}tokens_per_s", f"{PERF}mfu", f"{PERF}max
 # Per-layer figures: <prefix>/layer_XX[/<sublayer>]
 PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "act/rms", "act/ratio"
 ATTN_ENTROPY, ATTN_MAX_LOGIT, ATTN_SINK_MASS = "attn/entropy", "attn/max_logit", "attn/sink_mass"
+ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
 
 
 def layer(i: int) -> str:

@@ -304,3 +304,22 @@ def test_differential_attention_is_the_papers_equations() -> None:
 def test_differential_attention_refuses_what_it_cannot_pair(kw, message) -> None:
     with pytest.raises(ValueError, match=message):
         _model(**{"attention": {"name": "diff"}, **kw})
+
+
+def test_the_monitor_logs_the_weight_on_the_first_token() -> None:
+    """attn/first_token_mass: the mean weight the queries after the first put on the first token (the implicit sink
+    learned sinks replace), from the same maps the entropy is computed on."""
+    from types import SimpleNamespace
+
+    from lmlab.monitor import StabilityMonitor
+
+    model = _model(n_layer=2)
+    x = torch.randn(2, 6, 32)
+    monitor = StabilityMonitor()
+    monitor._attn_in = {i: (x, None) for i in range(2)}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
+    out = monitor._attention_stats(trainer, SimpleNamespace(model=model))
+    with torch.no_grad():
+        p, _ = model.h[1].attn.probs(x, model.pos)
+    assert out["attn/first_token_mass/layer_01"] == pytest.approx(float(p[..., 1:, 0].mean()), rel=1e-5)
+    assert 0 < out["attn/first_token_mass/layer_00"] < 1
