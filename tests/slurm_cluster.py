@@ -51,8 +51,14 @@ def nodes_lost() -> list[str]:
     and then while it launches two job steps at once: glibc's "malloc(): unaligned tcache chunk detected" inside its
     own hostlist code (nodelist_find), a core file in /var/log/slurm; seen once in CI. Not lmlab's doing."""
     out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30).stdout
-    return sorted({n for n, state in (line.split()[:2] for line in out.splitlines() if line.strip())
-                   if state.startswith(("down", "idle*", "mixed*", "allocated*", "drain", "fail"))})
+    lost = {n for n, state in (line.split()[:2] for line in out.splitlines() if line.strip())
+            if state.startswith(("down", "idle*", "mixed*", "allocated*", "drain", "fail"))}
+    # the controller notices a dead slurmd only after SlurmdTimeout; the script's records say it at once
+    for record, node in (("slurmd", os.uname().nodename.split(".")[0]), ("slurmd-n2", "n2")):
+        pid_file = Path("/run/lmlab-slurm") / f"{record}.pid"
+        if pid_file.is_file() and not Path(f"/proc/{pid_file.read_text().split()[0]}").exists():
+            lost.add(node)
+    return sorted(lost)
 
 
 def bring_back() -> None:
