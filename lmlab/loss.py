@@ -117,18 +117,24 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """
     h2, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     rows = max(1, chunk_elems // weight.size(0))
-    plain = softcap is None and not z_loss
-    if plain and not parts and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows)
-    if not plain or parts:
+    plain = softcap is None and not z_loss and not parts
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        if plain:
+            return _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows)
         out = _LinearCrossEntropy.apply(h2, weight, t, ignore_index, rows, softcap, float(z_loss))
         return out if parts else out[0]
-    with torch.no_grad():
+    with torch.no_grad():  # no gradient wanted (eval): the objective's terms block by block, nothing else
         hc, wc, _ = _compute_dtype(h2, weight)
         valid = t != ignore_index
-        total = sum(_block_nll(hc[i:i + rows], wc, t[i:i + rows], valid[i:i + rows])[0]
-                    for i in range(0, hc.size(0), rows))
-        return total / valid.sum()
+        nll = z_sq = torch.zeros((), device=h.device)
+        for i in range(0, hc.size(0), rows):
+            block_nll, _, logp = _block_nll(hc[i:i + rows], wc, t[i:i + rows], valid[i:i + rows], softcap)
+            nll = nll + block_nll
+            if z_loss or parts:  # log Z = z − log p in any column: column 0's
+                z0 = _capped((hc[i:i + rows] @ wc[:1].t()).to(logp.dtype), softcap)[:, 0]
+                z_sq = z_sq + torch.where(valid[i:i + rows], (z0 - logp[:, 0]).square(), 0.0).sum()
+        ce, zl = nll / valid.sum(), z_sq / valid.sum()
+        return (ce + z_loss * zl, ce, zl) if parts else ce + z_loss * zl
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
@@ -138,11 +144,20 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
     return h.to(dtype), weight.to(dtype), dtype
 
 
-def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed NLL of one row block, its fp32 log-probs and the class index used per row."""
+def _capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The final-logit softcap c·tanh(z / c), or z itself without one."""
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed NLL of one row block (softcapped logits, with one), its fp32 log-probs and the class index per row."""
     with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
-        logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=torch.promote_types(h.dtype, torch.float32))
+        acc = torch.promote_types(h.dtype, torch.float32)
+        if softcap is None:  # bf16 logits read straight into fp32, no separate upcast copy
+            logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=acc)
+        else:
+            logp = torch.log_softmax(_capped((h @ weight.t()).to(acc), softcap), dim=-1)
     return *_nll_sum(logp, targets, valid), logp
 
 

@@ -99,6 +99,12 @@ def attention_sublayer(block: nn.Module) -> nn.Module | None:
     return None
 
 
+def distribution(attn: nn.Module) -> bool:
+    """Whether each row of the sublayer's weights (`probs`, a sink's share appended) is a distribution: the
+    sublayer says so (`sums_to_one`), else its score does."""
+    return getattr(attn, "sums_to_one", attn.score.sums_to_one)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP2 (DTensor) parameter or gradient; any other tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -326,7 +332,7 @@ class StabilityMonitor(Callback):
                 first_counts.append(float(p[..., 1:, 0].numel()))
                 if sink is not None:  # a row and its sink's weight make the distribution
                     p = torch.cat((p, sink[..., None]), dim=-1)
-                if getattr(attn, "sums_to_one", attn.score.sums_to_one) or sink is not None:
+                if distribution(attn):
                     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
                     sums.append(entropy.sum().float()), counts.append(float(entropy.numel()))
                 else:  # rows that are not distributions have no entropy: none is logged for this layer
@@ -344,8 +350,7 @@ class StabilityMonitor(Callback):
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
-        distributions = [(lambda a: getattr(a, "sums_to_one", a.score.sums_to_one) or getattr(a, "sink", None)
-                          is not None)(attention_sublayer(block)) for block in model.h]
+        distributions = [distribution(attention_sublayer(block)) for block in model.h]
         with_sinks = [getattr(attention_sublayer(block), "sink", None) is not None for block in model.h]
         sink_mass = (sink_total / n.clamp_min(1)).tolist()
         first_rows = torch.tensor(first_counts, device=device)

@@ -242,3 +242,20 @@ def test_a_run_with_a_z_loss_logs_it_apart_from_the_loss(corpus, tmp_path) -> No
     assert len(rows) == 10 and all(float(r["train/z_loss"]) > 0 for r in rows)
     # the loss logged is the cross-entropy alone: at step 0 about ln V, which the z-loss (log Z)² would exceed
     assert abs(float(rows[0]["train/loss"]) - math.log(summary["model"]["vocab_size"])) < 0.5
+
+
+@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (2.0, 0.0), (1.5, 0.1)])
+def test_the_chunked_loss_without_gradients_is_the_objective(softcap, z_loss) -> None:
+    """Evaluation (no gradient wanted) takes its own path, which computes no gradient: the same objective and parts."""
+    from lmlab.loss import linear_cross_entropy
+
+    torch.manual_seed(1)
+    h, w = torch.randn(12, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+    t = torch.randint(0, 9, (12,))
+    t[4] = -100
+    with torch.no_grad():
+        total, ce, zl = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27, parts=True)
+        plain = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27)
+    torch.testing.assert_close(total, _reference(h @ w.t(), t, softcap, z_loss))
+    torch.testing.assert_close(plain, total)
+    torch.testing.assert_close(ce, _reference(h @ w.t(), t, softcap, 0.0))

@@ -137,8 +137,8 @@ class MHA(nn.Module):
 
     @property
     def sums_to_one(self) -> bool:
-        """Whether each row of the weights (`probs`) is a distribution: the score's, and no sink takes a share."""
-        return self.score.sums_to_one and self.sink is None
+        """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's."""
+        return self.score.sums_to_one
 
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
