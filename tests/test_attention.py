@@ -17,8 +17,9 @@ from lmlab.registry import build
 
 B, T, C, NH = 2, 7, 32, 4
 # The options that share key/value heads and weigh them with one softmax map: the formulas below are theirs.
-# attention=diff (two maps per head pair) is checked against its paper's equations in tests/test_window.py.
-SHARING = sorted(a for a in ATTENTIONS if a != "diff")
+# attention=diff (two maps per head pair) is checked against its paper's equations in tests/test_window.py, MLA
+# (keys and values from a latent) against DeepSeek-V2's in tests/test_mla.py.
+SHARING = sorted(a for a in ATTENTIONS if a not in ("diff", "mla"))
 HS = C // NH
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -35,7 +36,7 @@ def _attn(cfg: GPTConfig):
 
 
 def _pos(cfg: GPTConfig, name: str = "none"):
-    return build("position", POSITIONS, {"name": name}, cfg.d_model, cfg.head_dim, cfg.n_head, cfg.max_seq_len,
+    return build("position", POSITIONS, {"name": name}, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads, cfg.max_seq_len,
                  cfg.train_len, {"name": "none"})
 
 

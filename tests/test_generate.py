@@ -29,7 +29,7 @@ def _model(**kw) -> GPT:
     model = GPT(validate(GPTConfig(**{**base, **kw}))).eval()
     with torch.no_grad():  # sharp, position-dependent attention: at init it is nearly uniform and hides mistakes
         for name, p in model.named_parameters():  # attention's q, k, v; GAU's scales of Q and K
-            if name.endswith("attn.c_attn.weight"):
+            if name.endswith(("attn.c_attn.weight", "attn.q_proj.weight", "attn.q_b.weight", "attn.kv_b.weight")):
                 p.mul_(10)
             elif name.endswith(("q_gamma", "k_gamma")):
                 p.mul_(4)
@@ -80,6 +80,14 @@ CASES |= {
     "diff+rope": {"position": {"name": "rope"}, "attention": {"name": "diff"}},
     "diff+window+softcap": {"position": {"name": "rope"}, "attention": {"name": "diff", "window": 5, "softcap": 3.0}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},
+    # MLA: the cache holds the latents, up-projected at every step
+    "mla+rope": {"position": {"name": "rope"}, "attention": {"name": "mla", "kv_lora_rank": 16}},
+    "mla+q_lora+window+yarn": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": "yarn"},
+                               "attention": {"name": "mla", "kv_lora_rank": 12, "q_lora_rank": 16, "window": 5}},
+    "mla+alibi+sinks+gate": {"position": {"name": "alibi"},
+                             "attention": {"name": "mla", "sinks": True, "gate": "headwise", "v_head_dim": 4}},
+    "mla+logn+learned": {"train_len": 8, "position": {"name": "learned"},
+                         "attention": {"name": "mla", "logn_scaling": True, "qk_rope_head_dim": 2}},
 }
 
 

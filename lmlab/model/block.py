@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lmlab.model.attention import ATTENTIONS, gate_width
+from lmlab.model.attention import ATTENTIONS
 from lmlab.model.ffn import FFNS
 from lmlab.model.gau import GAU
-from lmlab.registry import PositiveFloat, PositiveInt, build
+from lmlab.registry import PositiveFloat, PositiveInt, build, option_params
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -34,19 +34,16 @@ class Transformer:
 
     def __init__(self, cfg: GPTConfig) -> None:
         self.cfg = cfg
-        self.heads, self.head_dim = cfg.n_head, cfg.head_dim
-        self.cache_width = 2 * cfg.kv_heads * cfg.head_dim
-        self.attn_width = 2 * cfg.n_head * cfg.head_dim  # QKᵀ over n_head heads of head_dim, then A·V as wide
+        name, params = option_params("attention", ATTENTIONS, cfg.attention)
+        self.attention = ATTENTIONS[name].geometry(cfg, **params)  # the option's own heads, cache and weights
+        self.heads, self.head_dim = self.attention.heads, self.attention.head_dim
+        self.cache_width = self.attention.cache_width
+        self.attn_width = self.attention.attn_width  # MHA: QKᵀ over n_head heads of head_dim, then A·V as wide
 
     def n_params(self) -> int:
-        """Fused QKV (n_head + 2·kv_heads heads of head_dim), the output projection, the output gate (if any), the FFN
-        (its option's count)."""
+        """The attention option's weights (its `geometry`), the FFN's (its option's count)."""
         cfg = self.cfg
-        qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-        gate = gate_width(cfg.attention.get("gate"), cfg.n_head, cfg.head_dim)
-        attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
-        attn += (cfg.d_model + cfg.bias) * gate + cfg.n_head * bool(cfg.attention.get("sinks"))
-        return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        return self.attention.n_params + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg

@@ -40,6 +40,8 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
         _fill(cfg, name, value)
+    if "attention" in uses:  # the sizes the option derives from the ones above (MLA's), in the record as numbers
+        cfg.attention = ATTENTIONS[attn_name].fill(cfg, cfg.attention)
 
     kind = build("block", BLOCKS, cfg.block, cfg)  # reads the sizes above
     for name, value in (("attn_heads", kind.heads), ("attn_head_dim", kind.head_dim),
