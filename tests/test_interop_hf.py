@@ -134,6 +134,12 @@ LMLAB_CASES = {
                               attention={"name": "mha", "window": 3, "pattern": ["local", "global"]}),
     "gpt2_bias": dict(norm={"name": "layer"}, position={"name": "learned"}, activation={"name": "gelu_tanh"},
                       bias=True),
+    # multi-head latent attention: transformers' DeepSeek-V3 with every layer dense
+    "deepseek_mla": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"}, position={"name": "rope"},
+                         attention={"name": "mla", "kv_lora_rank": 12}, tie_embeddings=False),
+    "deepseek_mla_q_lora": dict(norm={"name": "rms"}, ffn={"name": "geglu"}, position={"name": "rope", "theta": 5e5},
+                                attention={"name": "mla", "kv_lora_rank": 16, "q_lora_rank": 24,
+                                           "qk_rope_head_dim": 6, "qk_nope_head_dim": 10, "v_head_dim": 12}),
 }
 
 
@@ -156,8 +162,37 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
         assert getattr(back.cfg, key) == getattr(ours.cfg, key), key
     assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
     assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
-    for key in ("window", "pattern"):
+    for key in ("window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                "v_head_dim"):
         assert back.cfg.attention.get(key) == ours.cfg.attention.get(key), key
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_from_hf_deepseek_v3_gives_the_same_logits(q_lora_rank, interleave: bool) -> None:
+    """A DeepSeek-V3 whose layers are all dense (MLA + SwiGLU), with DeepSeek's interleaved RoPE channels or not."""
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in LLAMA.items() if k != "rms_norm_eps"}, rms_norm_eps=1e-6, num_key_value_heads=4,
+        first_k_dense_replace=2, kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_rope_head_dim=4, qk_nope_head_dim=6,
+        v_head_dim=10, rope_interleave=interleave, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(5)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 2 and "embed" not in name:
+                p.normal_(0, 0.3)  # sharp attention: transformers' init (0.02) leaves it nearly uniform
+    ours = from_hf(hf)
+    assert ours.cfg.attention["name"] == "mla" and ours.cfg.cache_width == 12 + 4
+    idx = _tokens(ORIGINAL)
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+
+
+def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
+    config = transformers.DeepseekV3Config(**LLAMA, first_k_dense_replace=1, kv_lora_rank=12, q_lora_rank=None)
+    with pytest.raises(NotRepresentable, match="first_k_dense_replace=1 < num_hidden_layers=2"):
+        lmlab_config(config)
 
 
 @pytest.mark.parametrize("override,axis", [
@@ -176,6 +211,13 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
       "attention": {"name": "mha", "window": 4}}, "model.bias=True"),  # Ministral has no biases
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "n_layer": 2,
       "attention": {"name": "mha", "pattern": [4, 6]}}, "attention.pattern="),  # one window size in transformers
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mla", "window": 4}}, "attention.window=4"),  # DeepSeek-V3 has no sliding window
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "bias": True,
+      "attention": {"name": "mla"}}, "model.bias=True"),  # DeepSeek-V3's MLP has no biases
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "max_seq_len": 32,
+      "train_len": 16, "rope_scaling": {"name": "yarn"}, "attention": {"name": "mla"}}, "rope_scaling='yarn'"),
+    ({"attention": {"name": "mla"}}, "position='learned'"),  # MLA's decoupled part is rotated
 ])
 def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
     kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,

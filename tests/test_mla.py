@@ -160,3 +160,12 @@ def test_bad_mla_sizes_are_named_before_training(override: str, message: str) ->
     cfg = compose(["attention=mla", override])
     with pytest.raises(ValueError, match=message):
         check_config(cfg)
+
+
+def test_the_benchs_cache_table_is_what_the_caches_hold() -> None:
+    from lmlab.bench.attention import cache_rows
+
+    rows = {r["attention"]: r for r in cache_rows(tokens=8)}
+    assert all(r["bytes_per_token"] == 4 * r["cache_width"] for r in rows.values())  # fp32
+    assert rows["mla (kv_lora_rank 64)"]["bytes_per_token"] < rows["mqa"]["bytes_per_token"] < rows["mha"][
+        "bytes_per_token"]

@@ -7,6 +7,11 @@ fresh process: full causal attention (SDPA's causal kernel) and a sliding window
 path: SDPA block by block, never a (T, T) matrix). Reported: tokens/s of forward + backward, and the peak RSS
 (sampled every millisecond from /proc) the process grew by over the weights and the input: the attention's working
 memory, forward and backward.
+
+Then the KV cache each attention option keeps, measured: one layer of each at the same width (d_model 256, 4 heads of
+64) reads 256 tokens into a KVCache, whose tensors' bytes per token (fp32; half that in bf16) are reported beside
+what the record's `cache_width` says: MHA, GQA (2 and 1 key/value heads) and MLA (its default latent of 4 x 64 with a
+RoPE part of 32, and a smaller latent).
 """
 
 from __future__ import annotations
@@ -65,6 +70,30 @@ def run_case(T: int, window: int | None, steps: int) -> dict[str, Any]:
     return {"T": T, "window": window, **json.loads(res.stdout.strip().splitlines()[-1])}
 
 
+CACHE_CASES = {"mha": {"name": "mha"}, "gqa (2 kv heads)": {"name": "gqa"}, "mqa": {"name": "mqa"},
+               "mla (default)": {"name": "mla"}, "mla (kv_lora_rank 64)": {"name": "mla", "kv_lora_rank": 64}}
+
+
+def cache_rows(tokens: int = 256) -> list[dict[str, Any]]:
+    """Each option's KV cache after reading `tokens` tokens, in bytes per token and layer (fp32)."""
+    import torch
+
+    from lmlab.config import GPTConfig
+    from lmlab.model.cache import KVCache
+    from lmlab.model.gpt import GPT, validate
+
+    rows = []
+    for name, attention in CACHE_CASES.items():
+        cfg = validate(GPTConfig(vocab_size=16, n_layer=1, d_model=256, n_head=4, n_kv_head=2, max_seq_len=tokens,
+                                 attention=attention))
+        cache = KVCache(1)
+        with torch.no_grad():
+            GPT(cfg).eval()(torch.zeros(1, tokens, dtype=torch.long), cache=cache)
+        held = sum(t.numel() * t.element_size() for t in (cache.layers[0].k, cache.layers[0].v))
+        rows.append({"attention": name, "bytes_per_token": held / tokens, "cache_width": cfg.cache_width})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m lmlab.bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
@@ -80,7 +109,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name = "full causal" if window is None else f"window {window}"
             print(f"T={T:>6}  {name:<12} {row['tokens_per_s']:>10,.0f} tok/s  {row['step_s'] * 1e3:>8.1f} ms/step  "
                   f"peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
-    out = {"date": time.strftime("%Y-%m-%d"), "rows": rows}
+    cache = cache_rows()
+    print("KV cache per token and layer (d_model 256, 4 heads of 64; fp32, measured):")
+    for row in cache:
+        print(f"  {row['attention']:<22} {row['bytes_per_token']:>6,.0f} B  ({row['cache_width']} numbers)")
+    out = {"date": time.strftime("%Y-%m-%d"), "rows": rows, "kv_cache": cache}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -1,8 +1,11 @@
-"""Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel`.
+"""Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel` (and their
+relatives: Ministral for sliding windows, DeepSeek-V3 for attention=mla).
 
-Two families are represented exactly, weight for weight:
+These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
   (full rotary) with rope_scaling none/linear/dynamic_ntk/yarn/ntk_by_parts/llama3, MHA/GQA/MQA, tied or untied;
+- DeepSeek-V3-like (dense layers): Llama's layers with attention=mla, rope_scaling none, no biases; a checkpoint with
+  interleaved RoPE channels (rope_interleave, DeepSeek's own) is imported with the rows reordered;
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -53,6 +56,44 @@ def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
+# lmlab's MLA weights and DeepSeek-V3's (transformers), one to one; the MLP and the norms are Llama's.
+_MLA_NAMES = {"q_proj.weight": "q_proj.weight", "q_a.weight": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight",
+              "q_b.weight": "q_b_proj.weight", "kv_a.weight": "kv_a_proj_with_mqa.weight",
+              "kv_a_norm": "kv_a_layernorm.weight", "kv_b.weight": "kv_b_proj.weight", "c_proj.weight": "o_proj.weight"}
+
+
+def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
+    sd, out = model.state_dict(), {}
+    out["model.embed_tokens.weight"] = sd["wte.weight"]
+    for i, block in enumerate(model.h):
+        p, q = f"h.{i}.", f"model.layers.{i}."
+        out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
+        out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
+        for ours, theirs in _MLA_NAMES.items():
+            if p + "attn." + ours in sd:
+                out[q + "self_attn." + theirs] = sd[p + "attn." + ours]
+        gate, up = _split_rows(sd[p + "mlp.c_fc.weight"], block.mlp.c_fc.fused)
+        out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up
+        out[q + "mlp.down_proj.weight"] = sd[p + "mlp.c_proj.weight"]
+    out["model.norm.weight"] = sd["ln_f.weight"]
+    out["lm_head.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def _deinterleave(state: dict[str, torch.Tensor], q: str, hf_config: Any) -> None:
+    """transformers' `rope_interleave=True` (DeepSeek's checkpoints) reorders each RoPE part's channels (0, 2, 4, ...,
+    1, 3, 5, ...) before a half-split rotation; the same reordering of the rows that make q_rope and k_rope gives
+    lmlab's half-split RoPE the same logits."""
+    r, nope, nh = hf_config.qk_rope_head_dim, hf_config.qk_nope_head_dim, hf_config.num_attention_heads
+    order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
+    name = q + ("self_attn.q_proj.weight" if hf_config.q_lora_rank is None else "self_attn.q_b_proj.weight")
+    w = state[name].view(nh, nope + r, -1)
+    state[name] = torch.cat((w[:, :nope], w[:, nope:][:, order]), dim=1).reshape(nh * (nope + r), -1)
+    kv = state[q + "self_attn.kv_a_proj_with_mqa.weight"]
+    rank = kv.size(0) - r
+    state[q + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat((kv[:rank], kv[rank:][order]))
+
+
 def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
     sd, out = model.state_dict(), {}
 
@@ -80,7 +121,19 @@ def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
 def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, torch.Tensor]:
     """transformers' state dict -> lmlab's, by running the forward mapping on names and inverting each rule."""
     sd = {}
-    if fam in ("llama", "ministral"):
+    if fam == "deepseek_v3":
+        sd["wte.weight"] = state["model.embed_tokens.weight"]
+        for i in range(model.cfg.n_layer):
+            p, q = f"h.{i}.", f"model.layers.{i}."
+            sd[p + "ln_1.weight"] = state[q + "input_layernorm.weight"]
+            sd[p + "ln_2.weight"] = state[q + "post_attention_layernorm.weight"]
+            for ours, theirs in _MLA_NAMES.items():
+                if q + "self_attn." + theirs in state:
+                    sd[p + "attn." + ours] = state[q + "self_attn." + theirs]
+            sd[p + "mlp.c_fc.weight"] = torch.cat([state[q + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+            sd[p + "mlp.c_proj.weight"] = state[q + "mlp.down_proj.weight"]
+        sd["ln_f.weight"] = state["model.norm.weight"]
+    elif fam in ("llama", "ministral"):
         sd["wte.weight"] = state["model.embed_tokens.weight"]
         for i in range(model.cfg.n_layer):
             p, q = f"h.{i}.", f"model.layers.{i}."
@@ -121,8 +174,8 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     config = hf_config(model.cfg)
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
-          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
-    state = _llama_state(model) if fam in ("llama", "ministral") else _gpt2_state(model)
+          "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+    state = {"deepseek_v3": _deepseek_state, "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -139,6 +192,9 @@ def from_hf(hf_model: Any) -> GPT:
     fam = family(cfg)
     model = GPT(cfg)
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in hf_model.state_dict().items()}
+    if fam == "deepseek_v3" and getattr(hf_model.config, "rope_interleave", False):
+        for i in range(cfg.n_layer):
+            _deinterleave(state, f"model.layers.{i}.", hf_model.config)
     model.load_state_dict(_invert(state, model, fam))
     return model.eval()
 

@@ -28,8 +28,11 @@ def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentab
 
 def family(cfg: GPTConfig) -> str:
     """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
-    say which layers slide) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
+    say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense layers) or 'gpt2', or
+    NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
+    if cfg.attention.get("name") == "mla":
+        return _check_deepseek(cfg)
     if pos == "rope":
         return _check_llama(cfg)
     if pos == "learned":
@@ -37,14 +40,15 @@ def family(cfg: GPTConfig) -> str:
     raise _refuse("position", pos, "Llama or GPT-2", "position=rope (Llama) or position=learned (GPT-2)")
 
 
-def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
+def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa")
+                  ) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
     attn = cfg.attention
-    if cfg.attention["name"] not in ("mha", "gqa", "mqa"):
-        raise _refuse("attention", cfg.attention["name"], fam, "attention=mha|gqa|mqa")
+    if cfg.attention["name"] not in attentions:
+        raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")
     if cfg.logit_softcap is not None:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
@@ -75,19 +79,39 @@ def _check_llama(cfg: GPTConfig) -> str:
                           "one window size for every local layer")
         if cfg.bias:
             raise _refuse("model.bias", cfg.bias, "Ministral", "model.bias=false (its Linear layers have none)")
-    if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
-        raise _refuse("norm", cfg.norm["name"], "Llama", "norm=rms with a gain")
-    if _glu_act(cfg) is None:
-        raise _refuse("ffn", cfg.ffn["name"], "Llama", "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
-    if cfg.position.get("nope_layers"):
-        raise _refuse("position.nope_layers", cfg.position["nope_layers"], "Llama", "position.nope_layers=null")
-    if cfg.position.get("rotary_pct", 1.0) != 1.0:
-        raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], "Llama", "rotary_pct=1")
+    _check_llama_layers(cfg, "Llama")
     if cfg.rope_scaling["name"] not in _ROPE_TYPES:
         raise _refuse("rope_scaling", cfg.rope_scaling["name"], "Llama", f"one of {sorted(_ROPE_TYPES)}")
     if cfg.rope_scaling.get("ramp", "index") != "index":  # transformers' YaRN ramps in the pair index
         raise _refuse("rope_scaling.ramp", cfg.rope_scaling["ramp"], "Llama", "rope_scaling.ramp=index")
     return "ministral" if windows else "llama"
+
+
+def _check_llama_layers(cfg: GPTConfig, fam: str) -> None:
+    """What Llama-like families share: RMSNorm with a gain, a GLU FFN, RoPE on every layer's whole rotated part."""
+    if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
+        raise _refuse("norm", cfg.norm["name"], fam, "norm=rms with a gain")
+    if _glu_act(cfg) is None:
+        raise _refuse("ffn", cfg.ffn["name"], fam, "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
+    if cfg.position.get("nope_layers"):
+        raise _refuse("position.nope_layers", cfg.position["nope_layers"], fam, "position.nope_layers=null")
+    if cfg.position.get("rotary_pct", 1.0) != 1.0:
+        raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], fam, "rotary_pct=1")
+
+
+def _check_deepseek(cfg: GPTConfig) -> str:
+    """DeepSeek-V3's architecture with every layer dense (first_k_dense_replace = n_layer): MLA and a SwiGLU-like
+    FFN. Its YaRN scales the softmax by mscale rather than the rotation, and its MLP has no biases: refused."""
+    fam = "DeepSeek-V3"
+    if cfg.position["name"] != "rope":
+        raise _refuse("position", cfg.position["name"], fam, "position=rope")
+    _check_common(cfg, fam, attentions=("mla",))
+    _check_llama_layers(cfg, fam)
+    if cfg.rope_scaling["name"] != "none":
+        raise _refuse("rope_scaling", cfg.rope_scaling["name"], fam, "rope_scaling=none")
+    if cfg.bias:
+        raise _refuse("model.bias", cfg.bias, fam, "model.bias=false (its MLP has no biases)")
+    return "deepseek_v3"
 
 
 def _check_gpt2(cfg: GPTConfig) -> str:
@@ -145,6 +169,18 @@ def hf_config(cfg: GPTConfig) -> Any:
     import transformers
 
     fam = family(cfg)
+    if fam == "deepseek_v3":
+        rope, max_pos = _rope_parameters(cfg)
+        a = cfg.attention
+        return transformers.DeepseekV3Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=cfg.n_layer, first_k_dense_replace=cfg.n_layer,  # every layer dense: no experts
+            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, kv_lora_rank=a["kv_lora_rank"],
+            q_lora_rank=a["q_lora_rank"], qk_rope_head_dim=a["qk_rope_head_dim"],
+            qk_nope_head_dim=a["qk_nope_head_dim"], v_head_dim=a["v_head_dim"], hidden_act=_glu_act(cfg),
+            max_position_embeddings=max_pos, rms_norm_eps=float(cfg.norm.get("eps", 1e-6)),
+            tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope, rope_interleave=False,
+            attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None)
     if fam in ("llama", "ministral"):
         rope, max_pos = _rope_parameters(cfg)
         common = dict(
@@ -201,6 +237,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
                                           **_windows_back(hf, kind)},
             init={"name": "gpt2"},
         )
+    if kind == "deepseek_v3":
+        return _deepseek_back(hf)
     if kind == "gpt2":
         act = _ACTS_BACK.get(hf.activation_function)
         if act is None:
@@ -217,7 +255,39 @@ def lmlab_config(hf: Any) -> GPTConfig:
             position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
             init={"name": "gpt2"},
         )
-    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like and GPT-2-like models")
+    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like, DeepSeek-V3-like (dense) and GPT-2-like "
+                           f"models")
+
+
+def _deepseek_back(hf: Any) -> GPTConfig:
+    """A DeepSeek-V3 config whose layers are all dense (first_k_dense_replace >= num_hidden_layers): MLA and a GLU."""
+    if (hf.first_k_dense_replace or 0) < hf.num_hidden_layers:
+        raise NotRepresentable(f"first_k_dense_replace={hf.first_k_dense_replace} < num_hidden_layers="
+                               f"{hf.num_hidden_layers}: the later layers are mixtures of experts, which lmlab's "
+                               f"DeepSeek-V3 import does not map")
+    if hf.attention_bias:
+        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and DeepSeek-V3's "
+                               "MLP has none")
+    act = _ACTS_BACK.get(hf.hidden_act)
+    if act is None:
+        raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
+    p = dict(hf.rope_parameters or {})
+    if p.get("rope_type", "default") != "default":
+        raise NotRepresentable(f"rope_type={p['rope_type']!r}: DeepSeek-V3's scalings scale the softmax (mscale); "
+                               f"lmlab imports its default RoPE")
+    named = {gate: name for name, gate in _GLU_GATES.items()}
+    return GPTConfig(
+        vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
+        n_head=hf.num_attention_heads, max_seq_len=hf.max_position_embeddings, bias=False,
+        tie_embeddings=bool(hf.tie_word_embeddings), norm={"name": "rms", "eps": float(hf.rms_norm_eps),
+                                                           "affine": True},
+        placement={"name": "pre"}, activation={"name": act},
+        ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
+        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        attention={"name": "mla", "kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank,
+                   "qk_rope_head_dim": hf.qk_rope_head_dim, "qk_nope_head_dim": hf.qk_nope_head_dim,
+                   "v_head_dim": hf.v_head_dim},
+        init={"name": "gpt2"})
 
 
 def _windows_back(hf: Any, kind: str) -> dict[str, Any]:
