@@ -1,5 +1,5 @@
 """Hugging Face interop: from_hf and to_hf give the transformers model's logits (fp32, tight tolerance) for Llama-like
-and GPT-2-like configs — GQA or not, tied or untied, every rope_scaling transformers represents, positions past the
+(Mistral/Ministral windows, Gemma 2's softcaps and sandwich norms, DeepSeek-V3's MLA) and GPT-2-like configs — GQA or not, tied or untied, every rope_scaling transformers represents, positions past the
 original context — round-trip, and an exported run reloads with AutoModelForCausalLM / AutoTokenizer."""
 
 from __future__ import annotations
@@ -134,6 +134,14 @@ LMLAB_CASES = {
                               attention={"name": "mha", "window": 3, "pattern": ["local", "global"]}),
     "gpt2_bias": dict(norm={"name": "layer"}, position={"name": "learned"}, activation={"name": "gelu_tanh"},
                       bias=True),
+    # Gemma 2: the double placement, both softcaps, local/global layers (and a temperature: query_pre_attn_scalar)
+    "gemma2_softcaps_pattern": dict(norm={"name": "rms"}, ffn={"name": "geglu"}, activation={"name": "gelu_tanh"},
+                                    placement={"name": "double"}, position={"name": "rope"}, logit_softcap=5.0,
+                                    attention={"name": "gqa", "softcap": 2.0, "window": 5,
+                                               "pattern": ["local", "global"]}, n_kv_head=2),
+    "gemma2_tied_temperature": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"},
+                                    placement={"name": "double"}, position={"name": "rope"},
+                                    attention={"name": "mha", "temperature": 1.5}),
     # multi-head latent attention: transformers' DeepSeek-V3 with every layer dense
     "deepseek_mla": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"}, position={"name": "rope"},
                          attention={"name": "mla", "kv_lora_rank": 12}, tie_embeddings=False),
@@ -158,11 +166,14 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
     back = from_hf(hf)
     torch.testing.assert_close(_logits(back, idx), _logits(ours, idx), rtol=1e-5, atol=1e-5)
     assert family(back.cfg) == family(ours.cfg)
-    for key in ("n_layer", "d_model", "n_head", "max_seq_len", "train_len", "tie_embeddings", "vocab_size"):
+    for key in ("n_layer", "d_model", "n_head", "max_seq_len", "train_len", "vocab_size"):
         assert getattr(back.cfg, key) == getattr(ours.cfg, key), key
+    # Gemma 2 scales the embeddings on the way in only: a tied model comes back untied (the same function)
+    assert back.cfg.tie_embeddings == (ours.cfg.tie_embeddings and family(ours.cfg) != "gemma2")
     assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
     assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
-    for key in ("window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    assert back.cfg.logit_softcap == ours.cfg.logit_softcap
+    for key in ("softcap", "temperature", "window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"):
         assert back.cfg.attention.get(key) == ours.cfg.attention.get(key), key
 
@@ -186,6 +197,29 @@ def test_from_hf_deepseek_v3_gives_the_same_logits(q_lora_rank, interleave: bool
     ours = from_hf(hf)
     assert ours.cfg.attention["name"] == "mla" and ours.cfg.cache_width == 12 + 4
     idx = _tokens(ORIGINAL)
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_from_hf_gemma2_gives_the_same_logits(tied: bool) -> None:
+    """Gemma 2 as transformers builds it by default (alternating local/global layers, attention softcap 50, final
+    softcap 30), softcaps tightened so that they bite, a window shorter than the text."""
+    config = transformers.Gemma2Config(
+        **{k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=32, sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+        query_pre_attn_scalar=12, tie_word_embeddings=tied, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(6)
+    hf = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)  # Gemma's gains are 1 + w
+            elif p.dim() == 2 and "embed" not in name:
+                p.normal_(0, 0.2)
+    ours = from_hf(hf)
+    assert ours.cfg.placement["name"] == "double" and ours.cfg.attention["pattern"] == ["local", "global"]
+    assert not ours.cfg.tie_embeddings  # the embeddings are scaled on the way in only
+    idx = _tokens(24)
     torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
 
 
@@ -218,6 +252,10 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "max_seq_len": 32,
       "train_len": 16, "rope_scaling": {"name": "yarn"}, "attention": {"name": "mla"}}, "rope_scaling='yarn'"),
     ({"attention": {"name": "mla"}}, "position='learned'"),  # MLA's decoupled part is rotated
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
+      "attention": {"name": "mha", "temperature": 1.1}}, "attention.temperature=1.1"),  # an integer in Gemma 2
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
+      "attention": {"name": "mha", "sinks": True}}, "attention.sinks=True"),  # no sinks in Gemma 2
 ])
 def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
     kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,

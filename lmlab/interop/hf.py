@@ -1,11 +1,15 @@
 """Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel` (and their
-relatives: Ministral for sliding windows, DeepSeek-V3 for attention=mla).
+relatives: Ministral for sliding windows, Gemma 2 for the double placement with softcaps, DeepSeek-V3 for
+attention=mla).
 
 These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
   (full rotary) with rope_scaling none/linear/dynamic_ntk/yarn/ntk_by_parts/llama3, MHA/GQA/MQA, tied or untied;
 - DeepSeek-V3-like (dense layers): Llama's layers with attention=mla, rope_scaling none, no biases; a checkpoint with
   interleaved RoPE channels (rope_interleave, DeepSeek's own) is imported with the rows reordered;
+- Gemma 2-like: Llama's layers under placement=double (its four norms per layer), the attention-logit and final-logit
+  softcaps, local/global layers of one window, a temperature as query_pre_attn_scalar; exported untied (Gemma scales
+  the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -80,6 +84,25 @@ def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
+# lmlab's double placement and Gemma 2's four norms per layer; Gemma's RMSNorm multiplies by 1 + w.
+_GEMMA_NORMS = {"ln_1": "input_layernorm", "ln_1_post": "post_attention_layernorm", "ln_2": "pre_feedforward_layernorm",
+                "ln_2_post": "post_feedforward_layernorm"}
+
+
+def _gemma2_state(model: GPT) -> dict[str, torch.Tensor]:
+    """Llama's projections; the norms' gains minus one; the embeddings divided by sqrt(d_model), which Gemma 2
+    multiplies them by (untied: the head keeps lmlab's matrix)."""
+    out = _llama_state(model)
+    sd = model.state_dict()
+    out["model.embed_tokens.weight"] = sd["wte.weight"] / model.cfg.d_model ** 0.5
+    for i in range(model.cfg.n_layer):
+        for ours, theirs in _GEMMA_NORMS.items():
+            out.pop(f"model.layers.{i}.{theirs}.weight", None)
+            out[f"model.layers.{i}.{theirs}.weight"] = sd[f"h.{i}.{ours}.weight"] - 1
+    out["model.norm.weight"] = sd["ln_f.weight"] - 1
+    return out
+
+
 def _deinterleave(state: dict[str, torch.Tensor], q: str, hf_config: Any) -> None:
     """transformers' `rope_interleave=True` (DeepSeek's checkpoints) reorders each RoPE part's channels (0, 2, 4, ...,
     1, 3, 5, ...) before a half-split rotation; the same reordering of the rows that make q_rope and k_rope gives
@@ -133,6 +156,15 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
             sd[p + "mlp.c_fc.weight"] = torch.cat([state[q + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
             sd[p + "mlp.c_proj.weight"] = state[q + "mlp.down_proj.weight"]
         sd["ln_f.weight"] = state["model.norm.weight"]
+    elif fam == "gemma2":
+        sd = _invert(state, model, "llama")  # the projections; the norms and the embeddings below
+        sd["wte.weight"] = state["model.embed_tokens.weight"] * model.cfg.d_model ** 0.5
+        for i in range(model.cfg.n_layer):
+            for ours, theirs in _GEMMA_NORMS.items():
+                sd[f"h.{i}.{ours}.weight"] = state[f"model.layers.{i}.{theirs}.weight"] + 1
+        sd["ln_f.weight"] = state["model.norm.weight"] + 1
+        sd["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        return sd
     elif fam in ("llama", "ministral"):
         sd["wte.weight"] = state["model.embed_tokens.weight"]
         for i in range(model.cfg.n_layer):
@@ -174,8 +206,9 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     config = hf_config(model.cfg)
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
-          "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
-    state = {"deepseek_v3": _deepseek_state, "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
+          "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
+          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+    state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -28,11 +28,14 @@ def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentab
 
 def family(cfg: GPTConfig) -> str:
     """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
-    say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense layers) or 'gpt2', or
-    NotRepresentable naming the first axis that fits none."""
+    say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense layers), 'gemma2' (the
+    double placement with softcaps and local/global layers) or 'gpt2', or NotRepresentable naming the first axis that
+    fits none."""
     pos = cfg.position["name"]
     if cfg.attention.get("name") == "mla":
         return _check_deepseek(cfg)
+    if cfg.placement["name"] == "double":
+        return _check_gemma2(cfg)
     if pos == "rope":
         return _check_llama(cfg)
     if pos == "learned":
@@ -40,22 +43,22 @@ def family(cfg: GPTConfig) -> str:
     raise _refuse("position", pos, "Llama or GPT-2", "position=rope (Llama) or position=learned (GPT-2)")
 
 
-def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa")
-                  ) -> None:
+def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa"),
+                  placement: str = "pre", softcaps: bool = False) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
-    if cfg.placement["name"] != "pre":
-        raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
+    if cfg.placement["name"] != placement:
+        raise _refuse("placement", cfg.placement["name"], fam, f"placement={placement}")
     attn = cfg.attention
     if cfg.attention["name"] not in attentions:
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")
-    if cfg.logit_softcap is not None:
+    if cfg.logit_softcap is not None and not softcaps:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
-    plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False), ("temperature", 1.0),
-                  ("softcap", None), ("doc_mask", False), ("gate", None), ("sinks", False),
-                  *(() if windows else (("window", None), ("pattern", None))))
+    plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False),
+                  *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
+                  ("gate", None), ("sinks", False), *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")
@@ -112,6 +115,34 @@ def _check_deepseek(cfg: GPTConfig) -> str:
     if cfg.bias:
         raise _refuse("model.bias", cfg.bias, fam, "model.bias=false (its MLP has no biases)")
     return "deepseek_v3"
+
+
+def _check_gemma2(cfg: GPTConfig) -> str:
+    """Gemma 2: Llama's layers with the double (sandwich) placement, the attention-logit and final-logit softcaps,
+    local/global layers of one window, no biases. Its RMSNorm gains are stored as w − 1, its embeddings multiplied by
+    sqrt(d_model) (exported untied, divided by it), its attention scale 1/sqrt(query_pre_attn_scalar) (lmlab's
+    temperature t: query_pre_attn_scalar = head_dim·t²)."""
+    fam = "Gemma 2"
+    if cfg.position["name"] != "rope":
+        raise _refuse("position", cfg.position["name"], fam, "position=rope")
+    _check_common(cfg, fam, windows=True, placement="double", softcaps=True)
+    _check_llama_layers(cfg, fam)
+    if len({w for w in layer_windows(cfg) if w is not None}) > 1:
+        raise _refuse("attention.pattern", cfg.attention.get("pattern"), fam, "one window size for every local layer")
+    if cfg.bias:
+        raise _refuse("model.bias", cfg.bias, fam, "model.bias=false (its MLP has no biases)")
+    if cfg.rope_scaling["name"] != "none":
+        raise _refuse("rope_scaling", cfg.rope_scaling["name"], fam, "rope_scaling=none")
+    scalar = cfg.head_dim * float(cfg.attention.get("temperature", 1.0)) ** 2
+    if abs(scalar - round(scalar)) > 1e-9 * scalar:
+        raise _refuse("attention.temperature", cfg.attention["temperature"], fam,
+                      f"head_dim·temperature² an integer (its query_pre_attn_scalar; here {scalar:g})")
+    return "gemma2"
+
+
+def _query_pre_attn_scalar(cfg: GPTConfig) -> int:
+    """Gemma 2 scales logits by query_pre_attn_scalar^-½ = 1 / (sqrt(head_dim)·temperature)."""
+    return round(cfg.head_dim * float(cfg.attention.get("temperature", 1.0)) ** 2)
 
 
 def _check_gpt2(cfg: GPTConfig) -> str:
@@ -181,6 +212,19 @@ def hf_config(cfg: GPTConfig) -> Any:
             max_position_embeddings=max_pos, rms_norm_eps=float(cfg.norm.get("eps", 1e-6)),
             tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope, rope_interleave=False,
             attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None)
+    if fam == "gemma2":
+        rope, max_pos = _rope_parameters(cfg)
+        windows = layer_windows(cfg)
+        return transformers.Gemma2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_activation=_glu_act(cfg), max_position_embeddings=max_pos,
+            rms_norm_eps=float(cfg.norm.get("eps", 1e-6)), tie_word_embeddings=False, rope_parameters=rope,
+            query_pre_attn_scalar=_query_pre_attn_scalar(cfg),
+            attn_logit_softcapping=cfg.attention.get("softcap"), final_logit_softcapping=cfg.logit_softcap,
+            sliding_window=next((w for w in windows if w is not None), cfg.max_seq_len),
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+            attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if fam in ("llama", "ministral"):
         rope, max_pos = _rope_parameters(cfg)
         common = dict(
@@ -239,6 +283,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
         )
     if kind == "deepseek_v3":
         return _deepseek_back(hf)
+    if kind == "gemma2":
+        return _gemma2_back(hf)
     if kind == "gpt2":
         act = _ACTS_BACK.get(hf.activation_function)
         if act is None:
@@ -257,6 +303,35 @@ def lmlab_config(hf: Any) -> GPTConfig:
         )
     raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like, DeepSeek-V3-like (dense) and GPT-2-like "
                            f"models")
+
+
+def _gemma2_back(hf: Any) -> GPTConfig:
+    """A Gemma 2 config: the double placement, its softcaps and windows; untied in lmlab (its embeddings are scaled
+    by sqrt(d_model) on the way in, not on the way out)."""
+    if hf.attention_bias:
+        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and Gemma 2's MLP has "
+                               "none")
+    act = _ACTS_BACK.get(hf.hidden_activation)
+    if act is None:
+        raise NotRepresentable(f"hidden_activation={hf.hidden_activation!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
+    p = dict(hf.rope_parameters or {})
+    if p.get("rope_type", "default") != "default":
+        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports Gemma 2 with its default RoPE")
+    if hf.head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise NotRepresentable(f"head_dim={hf.head_dim} x num_attention_heads={hf.num_attention_heads} != "
+                               f"hidden_size={hf.hidden_size}: lmlab's heads split d_model")
+    named = {gate: name for name, gate in _GLU_GATES.items()}
+    temperature = (hf.query_pre_attn_scalar / hf.head_dim) ** 0.5
+    return GPTConfig(
+        vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
+        n_head=hf.num_attention_heads, n_kv_head=hf.num_key_value_heads, max_seq_len=hf.max_position_embeddings,
+        bias=False, tie_embeddings=False, logit_softcap=hf.final_logit_softcapping,
+        norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "double"},
+        activation={"name": act}, ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
+        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
+                   "softcap": hf.attn_logit_softcapping, "temperature": temperature, **_windows_back(hf, "gemma2")},
+        init={"name": "gpt2"})
 
 
 def _deepseek_back(hf: Any) -> GPTConfig:
@@ -300,6 +375,8 @@ def _windows_back(hf: Any, kind: str) -> dict[str, Any]:
     if unknown := sorted(set(types) - {"sliding_attention", "full_attention"}):
         raise NotRepresentable(f"layer_types {unknown}: lmlab's layers slide or attend to the whole context")
     pattern = ["local" if t == "sliding_attention" else "global" for t in types]
+    if "local" not in pattern:  # the window of no layer (Gemma 2 always names one)
+        return {}
     if "global" not in pattern:
         return {"window": int(window)}
     cycle = next(n for n in range(1, len(pattern) + 1) if len(pattern) % n == 0 and pattern == pattern[:n] * (
