@@ -1,5 +1,6 @@
 """Hugging Face interop: from_hf and to_hf give the transformers model's logits (fp32, tight tolerance) for Llama-like
-(Mistral/Ministral windows, Gemma 2's softcaps and sandwich norms, DeepSeek-V3's MLA) and GPT-2-like configs — GQA or not, tied or untied, every rope_scaling transformers represents, positions past the
+(Mistral/Ministral windows, Gemma 2's softcaps and sandwich norms, DeepSeek-V3's MLA) and GPT-2-like configs — GQA
+or not, tied or untied, every rope_scaling transformers represents, positions past the
 original context — round-trip, and an exported run reloads with AutoModelForCausalLM / AutoTokenizer."""
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
     assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
     assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
     assert back.cfg.logit_softcap == ours.cfg.logit_softcap
-    for key in ("softcap", "temperature", "window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-                "v_head_dim"):
+    for key in ("softcap", "temperature", "window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim"):
         assert back.cfg.attention.get(key) == ours.cfg.attention.get(key), key
 
 
