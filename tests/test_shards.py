@@ -369,7 +369,8 @@ def test_a_worker_killed_mid_shard_ends_the_preparation_with_an_error_not_a_hang
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
-    threading.Thread(target=kill_a_worker, daemon=True).start()
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
     raised: list[BaseException] = []
 
     def prepare() -> None:
@@ -381,7 +382,8 @@ def test_a_worker_killed_mid_shard_ends_the_preparation_with_an_error_not_a_hang
 
     preparing = threading.Thread(target=prepare, daemon=True)
     preparing.start()
-    preparing.join(timeout=15)  # not the 20 s the units take, and not forever (the old pool waited for ever)
+    killer.join(timeout=60)  # the workers start (seconds on a loaded machine), one is killed mid-shard
+    preparing.join(timeout=15)  # then: not the 20 s the units take, and not forever (the old pool waited for ever)
     assert killed and not preparing.is_alive() and raised, "the preparation hung after its worker was killed"
     assert isinstance(raised[0], shards.ShardError) and re.search(
         r"a tokenizing process died while the shards of .* were being written \(shard \d: the slow unit u\d\).*"

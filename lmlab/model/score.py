@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lmlab.model.flex import flex_attend, use_flex
 from lmlab.model.mask import allowed, banded_sdpa, doc_allowed, key_counts  # noqa: F401  (key_counts: as before)
 
 if TYPE_CHECKING:
@@ -120,14 +121,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
     block by block, lmlab.model.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others, and
-    softcapped logits and sinks, are computed explicitly."""
+    softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.flex.use_flex), softmax under a
+    window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a function, never dense."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
+    cut = window is not None and window < offset + T  # the window cuts the context somewhere
+    if (score.sdpa and sink is None and not dropout_p and (cut or doc is not None or softcap is not None)
+            and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None):  # on the GPU: one masked kernel
+        return flex_attend(q, k, v, scale=scale, offset=offset, window=window if cut else None, doc=doc,
+                           softcap=softcap)
     if score.sdpa and softcap is None and sink is None:
         bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, offset + T), -inf where j > i, or None
         if bias is not None:
             bias = bias[..., offset + T - S:]
-        if window is not None and window < offset + T:  # the window cuts the context somewhere
+        if cut:
             return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
                                doc=doc)
         if doc is not None:  # each query's own document: a (B, 1, T, S) mask (with the bias: -inf outside it)

@@ -1,0 +1,66 @@
+"""Masked softmax attention through torch's FlexAttention (`torch.nn.attention.flex_attention`), on the GPU: the mask
+is a function of (query, key) positions turned into a block mask (which blocks of 128 × 128 to compute at all), so a
+window of W costs O(T·W) and documents cost their own blocks, with no (T, T) tensor; the attention-logit softcap is a
+score modification inside the same kernel.
+
+torch 2.13 has no FlexAttention backward on the CPU, so training on the CPU keeps lmlab's banded SDPA path
+(lmlab.model.mask.banded_sdpa) and the explicit softcap; `use_flex` says where this path runs: CUDA tensors (compiled
+once per shape, as FlexAttention is meant to run; eager it would materialise the scores). The masks are the ones
+`lmlab.model.mask.allowed` and `doc_allowed` build densely, and the tests check this path against them (forward, on
+the CPU without gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Devices whose tensors take this path (tests add "cpu" to check the masks without gradients).
+FLEX_DEVICES = {"cuda"}
+
+
+def use_flex(q: torch.Tensor) -> bool:
+    """Whether masked attention on `q` runs through FlexAttention here."""
+    if q.device.type not in FLEX_DEVICES:
+        return False
+    return q.device.type == "cuda" or not (torch.is_grad_enabled() and q.requires_grad)
+
+
+@functools.cache
+def _kernel(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, offset: int,
+                window: int | None = None, doc: tuple[torch.Tensor, torch.Tensor] | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+    """softmax(softcap(q·kᵀ·scale), masked) v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv), the S keys ending
+    with the last query (at positions offset + T - S ..); query i reads key j when j's position is at most i's, within
+    the `window`, and (with `doc`, the queries' and keys' document numbers) of its document -> (B, h, T, dv)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, _, T, _ = q.shape
+    S = k.size(-2)
+    first = offset + T - S  # the position of key 0
+    q_doc, k_doc = doc if doc is not None else (None, None)
+
+    def mask_mod(b, h, qi, kj):
+        p, pk = qi + offset, kj + first
+        keep = pk <= p
+        if window is not None:
+            keep = keep & (p - pk < window)
+        if q_doc is not None:
+            keep = keep & (q_doc[b, qi] == k_doc[b, kj])
+        return keep
+
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, qi, kj):
+            return softcap * torch.tanh(score / softcap)
+
+    block_mask = create_block_mask(mask_mod, B if doc is not None else None, None, T, S, device=q.device)
+    return _kernel(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                  enable_gqa=q.size(1) != k.size(1))
