@@ -19,6 +19,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.position import POSITIONS
+from lmlab.model.residual import RESIDUALS, residual_specs
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import build, check_values, option_defaults, option_params
 
@@ -36,6 +37,8 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
         cfg.attention = {**option_defaults(ATTENTIONS[attn_name]), **cfg.attention}
     pos_name, _ = option_params("position", POSITIONS, cfg.position)
     cfg.position = {**option_defaults(POSITIONS[pos_name]), **cfg.position}
+    cfg.residual = {name: {**option_defaults(RESIDUALS[name]), **params}
+                    for name, params in residual_specs(cfg.residual)}
     derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
