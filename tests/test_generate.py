@@ -83,6 +83,8 @@ CASES |= {
     # residual connections: the first layer's values mixed in before caching, skips and re-injections per step
     "value_residual+window+gqa": {"position": {"name": "rope"}, "n_kv_head": 2, "residual": {"value_residual": {}},
                                   "attention": {"name": "gqa", "window": 5}},
+    "value_embed+mqa": {"position": {"name": "rope"}, "attention": {"name": "mqa"},
+                        "residual": {"value_embed": {"tables": 1}, "value_residual": {}}},
     "unet+x0+scaled": {"position": {"name": "rope"}, "n_layer": 4,
                        "residual": {"scaled": {"stream": True}, "unet": {"gate_init": 0.7}, "x0": {"init": 0.3}}},
     "parallel+alibi": {"position": {"name": "alibi"}, "residual": {"parallel": {}}},

@@ -34,7 +34,7 @@ COMBOS = (
     + [{"activation": {"name": a}} for a in sorted(ACTIVATIONS)]
     + [{"attention": {"name": a}, "n_kv_head": 2 if a == "gqa" else None} for a in sorted(ATTENTIONS)]
     + [{"attention": {"name": "mha", "score": s}} for s in sorted(SCORES)]
-    + [{"residual": {r: {}}} for r in sorted(RESIDUALS)]
+    + [{"residual": {r: {"tables": 1} if r == "value_embed" else {}}} for r in sorted(RESIDUALS)]
     + [{"residual": {"scaled": {"stream": True}, "value_residual": {}, "unet": {}, "x0": {}}},
        {"residual": {"parallel": {}, "scaled": {"per_channel": True}}, "placement": {"name": "double"}},
        {"residual": {"scaled": {"branch_init": 0.5}, "unet": {}}, "block": {"name": "gau"}}]

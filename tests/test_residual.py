@@ -22,7 +22,7 @@ def _model(residual: dict, **kw) -> GPT:
     model = GPT(validate(GPTConfig(**{**base, **kw}))).eval()
     with torch.no_grad():  # the learned scalars away from their inits, so that a wrong index shows
         for name, p in model.named_parameters():
-            if name.startswith("residual.") or "branch_scale" in name or name.endswith(".lam"):
+            if name.startswith("residual.") or "branch_scale" in name or "value_mixes" in name:
                 p.copy_(torch.rand_like(p) + 0.25)
     return model
 
@@ -103,7 +103,7 @@ def test_value_residual_mixes_each_layers_values_with_the_first_layers() -> None
             if i == 0:
                 v_first = v
             else:
-                lam = block.attn.value_mix.lam
+                lam = block.attn.value_mixes[0].lam
                 assert lam.requires_grad and 0.25 <= float(lam) < 1.25  # learned, set away from init above
                 v = (1 - lam) * v + lam * v_first
             T = q.size(-2)
@@ -118,9 +118,52 @@ def test_value_residual_mixes_each_layers_values_with_the_first_layers() -> None
 def test_value_residual_fixed_keeps_resformers_equal_mix() -> None:
     model = GPT(validate(GPTConfig(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=16,
                                    residual={"value_residual": {"learned": False}})))
-    lam = model.h[1].attn.value_mix.lam
+    lam = model.h[1].attn.value_mixes[0].lam
     assert not lam.requires_grad and float(lam) == 0.5
     assert not any("lam" in n for n, _ in model.named_parameters())
+
+
+def test_value_embeddings_are_added_to_the_values_of_their_layers() -> None:
+    """v_l ← λ_l·v_l + μ_l·E_t(idx) on the layers that read table t: layer i and layer L − tables + i share table i."""
+    from lmlab.model.residual.value_embed import ValueEmbed
+
+    assert ValueEmbed.assignment(6, 2, None) == {0: 0, 1: 1, 4: 0, 5: 1}
+    assert ValueEmbed.assignment(4, 3, None) == {0: 0, 1: 1, 2: 2, 3: 2}  # layer 1 is in both halves: table 1 once
+    assert ValueEmbed.assignment(4, 3, [3, 0]) == {3: 0, 0: 1}
+    model = _model({"value_embed": {"tables": 2}}, n_layer=5, position={"name": "none"})
+    idx = _idx()
+    ins, outs, x0 = _trace(model, idx)
+    tables = model.residual.options["value_embed"].tables
+    nh, hs = 4, 8
+
+    def heads(t):
+        return t.view(2, -1, nh, hs).transpose(1, 2)
+
+    with torch.no_grad():
+        for i, block in enumerate(model.h):
+            q, k, v = (heads(t) for t in block.attn.c_attn(block.ln_1(ins[i])).split(block.attn.c_attn.fused, dim=-1))
+            table = {0: 0, 1: 1, 3: 0, 4: 1}.get(i)
+            if table is None:
+                assert not block.attn.value_mixes
+            else:
+                lam = block.attn.value_mixes[0].lambdas
+                v = lam[0] * v + lam[1] * heads(tables[table](idx))
+            T = q.size(-2)
+            logits = (q @ k.transpose(-2, -1) / hs ** 0.5).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1),
+                                                                         float("-inf"))
+            x = ins[i] + block.attn.c_proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(2, T, nh * hs))
+            torch.testing.assert_close(outs[i], x + block.mlp(block.ln_2(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_value_embeddings_are_counted_in_the_size_estimate() -> None:
+    from lmlab.model.resolve import n_params_estimate
+
+    cfg = GPTConfig(vocab_size=500, n_layer=4, d_model=32, n_head=4, residual={"value_embed": {"tables": 2}})
+    with torch.device("meta"):
+        built = GPT(cfg).num_params()
+    assert n_params_estimate(cfg) <= built <= 1.01 * n_params_estimate(cfg)
+    assert n_params_estimate(cfg) - n_params_estimate(GPTConfig(vocab_size=500, n_layer=4, d_model=32, n_head=4)) >= (
+        2 * 500 * 32)
 
 
 def test_x0_reinjects_the_embedding_output() -> None:
@@ -161,7 +204,7 @@ def test_parallel_sums_both_branches_of_the_same_input(placement: str) -> None:
 
 
 STACKS = [{"value_residual": {}}, {"unet": {}, "x0": {}}, {"scaled": {"stream": True}, "value_residual": {},
-                                                           "unet": {}, "x0": {}}]
+                                                           "value_embed": {"tables": 2}, "unet": {}, "x0": {}}]
 
 
 @pytest.mark.parametrize("residual", STACKS, ids=lambda r: "+".join(r))
@@ -179,11 +222,12 @@ def test_checkpointing_gives_the_same_gradients(residual: dict) -> None:
 
 
 def test_every_option_reaches_its_weights_with_gradients() -> None:
-    model = _model({"scaled": {"stream": True}, "value_residual": {}, "unet": {}, "x0": {}}).train()
+    model = _model({"scaled": {"stream": True}, "value_residual": {}, "value_embed": {"tables": 2}, "unet": {},
+                    "x0": {}}).train()
     idx = _idx()
     model(idx, targets=torch.roll(idx, -1, 1)).backward()
     for name, p in model.named_parameters():
-        if name.startswith("residual.") or "branch_scale" in name or name.endswith(".lam"):
+        if name.startswith("residual.") or "branch_scale" in name or "value_mixes" in name:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
@@ -197,6 +241,8 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual.init=2.0"),
     (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual.branch_init=-1"),
     (["+residual.hyper={}"], r"residual='hyper' is not an option; choose one of"),
+    (["residual=value_embed", "residual.value_embed.tables=5"], r"residual.tables=5 is more than model.n_layer=4"),
+    (["residual=value_embed", "attention=mla"], r"residual=value_embed with attention=mla"),
 ])
 def test_bad_residual_input_is_named_before_training(overrides: list[str], message: str) -> None:
     from lmlab.checks import check_config

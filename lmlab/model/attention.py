@@ -86,7 +86,7 @@ class MHA(nn.Module):
                              "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.doc_mask = doc_mask
         self.layer = layer
-        self.value_mix: nn.Module | None = None  # v -> v mixed with other layers' (set by residual=value_residual)
+        self.value_mixes = nn.ModuleList()  # v -> v mixed with other values (residual=value_residual, value_embed)
         self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
@@ -145,8 +145,8 @@ class MHA(nn.Module):
             q = F.rms_norm(q, (self.head_dim,), self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
         q, k = pos.rotate(q, k, offset, doc, self.layer)
-        if self.value_mix is not None:  # these tokens' values, before they are cached (residual=value_residual)
-            v = self.value_mix(v)
+        for mix in self.value_mixes:  # these tokens' values, before they are cached (residual=value_residual, ...)
+            v = mix(v)
         if cache is not None:
             k, v = cache.append(k, v)
         return self.scale_queries(q, offset, doc), k, v

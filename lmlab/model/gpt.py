@@ -68,7 +68,7 @@ class GPT(nn.Module):
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
         x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
-        self.residual.start(x)
+        self.residual.start(x, idx)
         for i, block in enumerate(self.h):
             x = self.residual.before(i, x)
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so

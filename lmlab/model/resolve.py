@@ -7,7 +7,8 @@ attention geometry the position scheme is built for and what its KV cache holds.
 never holds `null` for a number the model used). A record that already carries derived sizes (one saved after
 December 2026) is checked against them: they are the model its weights belong to.
 
-`n_params_estimate(cfg)` counts the weights from the sizes alone, for the size bounds (`lmlab.memory`).
+`n_params_estimate(cfg)` counts the weights from the sizes alone (the residual options' tables included), for the
+size bounds (`lmlab.memory`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.position import POSITIONS
-from lmlab.model.residual import RESIDUALS, residual_specs
+from lmlab.model.residual import RESIDUALS, residual_params, residual_specs
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import build, check_values, option_defaults, option_params
 
@@ -91,4 +92,5 @@ def n_params_estimate(cfg: GPTConfig) -> int:
     """Weights from the sizes alone: the blocks' (each kind's `n_params`) and the embeddings' (norms, gains and
     position tables aside: a lower bound within 1% of the built model's count)."""
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
-    return kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+            + residual_params(cfg))

@@ -7,7 +7,9 @@ The group holds any number of options at once, each under its own name (`residua
 option at all. Contract: `Option(cfg, **own params)`, an nn.Module built once per model, that may
 - `attach(model)`: configure the blocks at build time (a branch scale on each block, a value mix on each attention,
   the parallel wiring), refusing by key what it cannot apply to;
-- `start(x0)`: reset its per-forward state at the start of a forward (x0: the embedding output);
+- `start(x0, idx)`: reset its per-forward state at the start of a forward (x0: the embedding output, idx: the tokens);
+- `n_params(cfg, **own params)` (a classmethod, if it has weights of a size that matters): its weights from the sizes
+  alone, for the size bounds;
 - `before(i, x)` / `after(i, x)`: change the stream at the input of layer i / after it (re-injections, skips).
 Each option's weights live in it (`residual.<name>.*` in the state dict); inits leave them at their constructors'
 values. `Connections` runs the chosen options in the order they are named.
@@ -25,6 +27,7 @@ from lmlab.model.residual.parallel import Parallel
 from lmlab.model.residual.scaled import Scaled
 from lmlab.model.residual.unet import UNet
 from lmlab.model.residual.value import ValueResidual
+from lmlab.model.residual.value_embed import ValueEmbed
 from lmlab.model.residual.x0 import X0
 from lmlab.registry import option_params
 
@@ -39,8 +42,8 @@ class Standard(nn.Module):
         super().__init__()
 
 
-RESIDUALS = {"standard": Standard, "scaled": Scaled, "value_residual": ValueResidual, "x0": X0, "unet": UNet,
-             "parallel": Parallel}
+RESIDUALS = {"standard": Standard, "scaled": Scaled, "value_residual": ValueResidual, "value_embed": ValueEmbed,
+             "x0": X0, "unet": UNet, "parallel": Parallel}
 
 
 def residual_specs(spec: Mapping[str, Any]) -> list[tuple[str, dict]]:
@@ -74,9 +77,9 @@ class Connections(nn.Module):
             if hasattr(option, "attach"):
                 option.attach(model)
 
-    def start(self, x0: torch.Tensor) -> None:
+    def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         for option in self._hooks["start"]:
-            option.start(x0)
+            option.start(x0, idx)
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
         for option in self._hooks["before"]:
@@ -87,3 +90,9 @@ class Connections(nn.Module):
         for option in self._hooks["after"]:
             x = option.after(i, x)
         return x
+
+
+def residual_params(cfg: GPTConfig) -> int:
+    """The weights the residual options add that matter for the size bounds (value embeddings' tables)."""
+    return sum(RESIDUALS[name].n_params(cfg, **params) for name, params in residual_specs(cfg.residual)
+               if hasattr(RESIDUALS[name], "n_params"))

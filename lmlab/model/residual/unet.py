@@ -29,7 +29,7 @@ class UNet(nn.Module):
         """The layer whose output layer i receives, or None."""
         return self.n_layer - 1 - i if i >= self.first_receiver else None
 
-    def start(self, x0: torch.Tensor) -> None:
+    def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         self.skips = {}
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -58,4 +58,4 @@ class ValueResidual(nn.Module):
 
     def attach(self, model: nn.Module) -> None:
         for i, block in enumerate(model.h):
-            block.attn.value_mix = ValueMix(i, self.first, self.init, self.learned)
+            block.attn.value_mixes.append(ValueMix(i, self.first, self.init, self.learned))

@@ -19,7 +19,7 @@ class X0(nn.Module):
         self.lambdas = nn.Parameter(torch.full((cfg.n_layer,), float(init)))
         self.x0: torch.Tensor | None = None
 
-    def start(self, x0: torch.Tensor) -> None:
+    def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         self.x0 = x0
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
