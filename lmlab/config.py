@@ -48,6 +48,7 @@ class GPTConfig:
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
     logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
+    embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
     eod_id: int | None = None  # the end-of-document token (data.eod's id) the documents are found by (doc masks)
     block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})

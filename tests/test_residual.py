@@ -258,3 +258,38 @@ def test_every_option_has_a_yaml_and_composes() -> None:
         cfg = compose([f"residual={name}"])
         assert list(cfg.residual) == [name]
         check_config(cfg)
+
+
+@pytest.mark.e2e
+def test_the_speedrun_recipe_trains(tmp_path) -> None:
+    from tests.runs import ROOT, cli, metric, tiny, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    res = cli("train.py", "recipe=speedrun", *tiny(corpus, tmp_path / "cache", "model.n_layer=4", "logger=csv"),
+              f"hydra.run.dir={run}", cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and list(summary["model"]["residual"]) == ["scaled", "x0", "unet",
+                                                                                     "value_embed"]
+    loss = metric(run, "train/loss")
+    assert loss[max(loss)] < loss[min(loss)] - 0.3  # it learns
+
+
+def test_the_monitors_attention_figures_read_no_stale_values() -> None:
+    """The monitor's maps run outside the model's forward, on other sequences than the last batch's: the value mixes
+    (which read the forward's first-layer values and tokens) are not applied there."""
+    from types import SimpleNamespace
+
+    from lmlab.monitor import StabilityMonitor
+
+    model = _model({"value_residual": {}, "value_embed": {"tables": 2}})
+    with torch.no_grad():
+        model(_idx(12))  # the last forward: batch 2, 12 tokens
+    monitor = StabilityMonitor()
+    monitor._attn_in = {i: (torch.randn(3, 5, 32), None) for i in range(4)}  # 3 sequences of 5
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
+    out = monitor._attention_stats(trainer, SimpleNamespace(model=model))
+    assert all(0 < out[f"attn/entropy/layer_{i:02d}"] < torch.log(torch.tensor(5.0)) for i in range(4))

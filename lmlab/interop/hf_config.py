@@ -56,6 +56,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
     attn = cfg.attention
     if cfg.attention["name"] not in attentions:
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")
+    if cfg.embed_norm:
+        raise _refuse("model.embed_norm", True, fam, "model.embed_norm=false")
     if cfg.logit_softcap is not None and not softcaps:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):

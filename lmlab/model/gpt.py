@@ -41,6 +41,7 @@ class GPT(nn.Module):
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.drop = nn.Dropout(cfg.dropout)
+        self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
         self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)
         self.residual.attach(self)
@@ -67,6 +68,8 @@ class GPT(nn.Module):
             offset = cache.length
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
         x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
+        if self.ln_e is not None:
+            x = self.ln_e(x)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
         self.residual.start(x, idx)
         for i, block in enumerate(self.h):
