@@ -41,25 +41,10 @@ def _split_rows(w: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
     return list(w.split(list(sizes), dim=0))
 
 
-def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
-    sd, out = model.state_dict(), {}
-    out["model.embed_tokens.weight"] = sd["wte.weight"]
-    for i, block in enumerate(model.h):
-        p, q = f"h.{i}.", f"model.layers.{i}."
-        out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
-        out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
-        sizes = block.attn.c_attn.fused
-        for suffix in ("weight", "bias") if model.cfg.bias else ("weight",):
-            qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], sizes)
-            out[q + f"self_attn.q_proj.{suffix}"], out[q + f"self_attn.k_proj.{suffix}"] = qw, kw
-            out[q + f"self_attn.v_proj.{suffix}"] = vw
-            out[q + f"self_attn.o_proj.{suffix}"] = sd[p + f"attn.c_proj.{suffix}"]
-            gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
-            out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
-            out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
-    out["model.norm.weight"] = sd["ln_f.weight"]
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    return out
+def _llama_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
+    qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], block.attn.c_attn.fused)
+    return {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
+            q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
 
 
 # lmlab's MLA weights and DeepSeek-V3's (transformers), one to one; the MLP and the norms are Llama's.
@@ -68,22 +53,31 @@ _MLA_NAMES = {"q_proj.weight": "q_proj.weight", "q_a.weight": "q_a_proj.weight",
               "kv_a_norm": "kv_a_layernorm.weight", "kv_b.weight": "kv_b_proj.weight", "c_proj.weight": "o_proj.weight"}
 
 
-def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
+def _mla_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
+    return {q + "self_attn." + theirs: sd[p + "attn." + ours] for ours, theirs in _MLA_NAMES.items()
+            if p + "attn." + ours in sd}
+
+
+def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, torch.Tensor]:
+    """Llama's names (and its relatives', whose attention differs: `attention` maps one layer's)."""
     sd, out = model.state_dict(), {}
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
         out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
         out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
-        for ours, theirs in _MLA_NAMES.items():
-            if p + "attn." + ours in sd:
-                out[q + "self_attn." + theirs] = sd[p + "attn." + ours]
-        gate, up = _split_rows(sd[p + "mlp.c_fc.weight"], block.mlp.c_fc.fused)
-        out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up
-        out[q + "mlp.down_proj.weight"] = sd[p + "mlp.c_proj.weight"]
+        for suffix in ("weight", "bias") if model.cfg.bias else ("weight",):
+            out.update(attention(sd, p, q, block, suffix))
+            gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
+            out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
+            out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
     out["model.norm.weight"] = sd["ln_f.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"]
     return out
+
+
+def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
+    return _llama_state(model, _mla_attention)
 
 
 # lmlab's double placement and Gemma 2's four norms per layer; Gemma's RMSNorm multiplies by 1 + w.

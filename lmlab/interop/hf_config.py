@@ -366,30 +366,38 @@ def _neox_back(hf: Any) -> GPTConfig:
         residual={"parallel": {}} if hf.use_parallel_residual else {"standard": {}}, init={"name": "gpt2"})
 
 
+def _unbiased_glu_back(hf: Any, fam: str, act_key: str) -> tuple[str, dict[str, Any], float]:
+    """(activation, ffn spec, RoPE theta) of a Llama-like family whose MLP has no biases and whose RoPE is the default
+    one (Gemma 2, DeepSeek-V3), or NotRepresentable naming the field."""
+    if hf.attention_bias:
+        raise NotRepresentable(f"attention_bias=true: lmlab has one model.bias for every Linear, and {fam}'s MLP has "
+                               f"none")
+    act = _ACTS_BACK.get(getattr(hf, act_key))
+    if act is None:
+        raise NotRepresentable(f"{act_key}={getattr(hf, act_key)!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
+    p = dict(hf.rope_parameters or {})
+    if p.get("rope_type", "default") != "default":
+        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports {fam} with its default RoPE (its "
+                               f"scalings are not mapped)")
+    named = {gate: name for name, gate in _GLU_GATES.items()}
+    return act, {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)}, float(p.get("rope_theta",
+                                                                                                10000.0))
+
+
 def _gemma2_back(hf: Any) -> GPTConfig:
     """A Gemma 2 config: the double placement, its softcaps and windows; untied in lmlab (its embeddings are scaled
     by sqrt(d_model) on the way in, not on the way out)."""
-    if hf.attention_bias:
-        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and Gemma 2's MLP has "
-                               "none")
-    act = _ACTS_BACK.get(hf.hidden_activation)
-    if act is None:
-        raise NotRepresentable(f"hidden_activation={hf.hidden_activation!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
-    p = dict(hf.rope_parameters or {})
-    if p.get("rope_type", "default") != "default":
-        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports Gemma 2 with its default RoPE")
+    act, ffn, theta = _unbiased_glu_back(hf, "Gemma 2", "hidden_activation")
     if hf.head_dim * hf.num_attention_heads != hf.hidden_size:
         raise NotRepresentable(f"head_dim={hf.head_dim} x num_attention_heads={hf.num_attention_heads} != "
                                f"hidden_size={hf.hidden_size}: lmlab's heads split d_model")
-    named = {gate: name for name, gate in _GLU_GATES.items()}
     temperature = (hf.query_pre_attn_scalar / hf.head_dim) ** 0.5
     return GPTConfig(
         vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
         n_head=hf.num_attention_heads, n_kv_head=hf.num_key_value_heads, max_seq_len=hf.max_position_embeddings,
         bias=False, tie_embeddings=False, logit_softcap=hf.final_logit_softcapping,
         norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "double"},
-        activation={"name": act}, ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
-        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": theta}, rope_scaling={"name": "none"},
         attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
                    "softcap": hf.attn_logit_softcapping, "temperature": temperature, **_windows_back(hf, "gemma2")},
         init={"name": "gpt2"})
@@ -401,25 +409,14 @@ def _deepseek_back(hf: Any) -> GPTConfig:
         raise NotRepresentable(f"first_k_dense_replace={hf.first_k_dense_replace} < num_hidden_layers="
                                f"{hf.num_hidden_layers}: the later layers are mixtures of experts, which lmlab's "
                                f"DeepSeek-V3 import does not map")
-    if hf.attention_bias:
-        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and DeepSeek-V3's "
-                               "MLP has none")
-    act = _ACTS_BACK.get(hf.hidden_act)
-    if act is None:
-        raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
-    p = dict(hf.rope_parameters or {})
-    if p.get("rope_type", "default") != "default":
-        raise NotRepresentable(f"rope_type={p['rope_type']!r}: DeepSeek-V3's scalings scale the softmax (mscale); "
-                               f"lmlab imports its default RoPE")
-    named = {gate: name for name, gate in _GLU_GATES.items()}
+    act, ffn, theta = _unbiased_glu_back(hf, "DeepSeek-V3", "hidden_act")
     return GPTConfig(
         vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
         n_head=hf.num_attention_heads, max_seq_len=hf.max_position_embeddings, bias=False,
         tie_embeddings=bool(hf.tie_word_embeddings), norm={"name": "rms", "eps": float(hf.rms_norm_eps),
                                                            "affine": True},
-        placement={"name": "pre"}, activation={"name": act},
-        ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
-        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        placement={"name": "pre"}, activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": theta},
+        rope_scaling={"name": "none"},
         attention={"name": "mla", "kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank,
                    "qk_rope_head_dim": hf.qk_rope_head_dim, "qk_nope_head_dim": hf.qk_nope_head_dim,
                    "v_head_dim": hf.v_head_dim},
