@@ -88,6 +88,8 @@ CASES |= {
     "unet+x0+scaled": {"position": {"name": "rope"}, "n_layer": 4,
                        "residual": {"scaled": {"stream": True}, "unet": {"gate_init": 0.7}, "x0": {"init": 0.3}}},
     "parallel+alibi": {"position": {"name": "alibi"}, "residual": {"parallel": {}}},
+    "hyper+window": {"position": {"name": "rope"}, "attention": {"name": "mha", "window": 4},
+                     "residual": {"hyper": {"streams": 3}}},
     # MLA: the cache holds the latents, up-projected at every step
     "mla+rope": {"position": {"name": "rope"}, "attention": {"name": "mla", "kv_lora_rank": 16}},
     "mla+q_lora+window+yarn": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": "yarn"},

@@ -34,7 +34,10 @@ COMBOS = (
     + [{"activation": {"name": a}} for a in sorted(ACTIVATIONS)]
     + [{"attention": {"name": a}, "n_kv_head": 2 if a == "gqa" else None} for a in sorted(ATTENTIONS)]
     + [{"attention": {"name": "mha", "score": s}} for s in sorted(SCORES)]
-    + [{"residual": {r: {"tables": 1} if r == "value_embed" else {}}} for r in sorted(RESIDUALS)]
+    # value_embed: one table for 2 layers; hyper's dynamic scales see no gradient at step 0 (its W start at zero)
+    + [{"residual": {r: {"value_embed": {"tables": 1}, "hyper": {"dynamic": False}}.get(r, {})}}
+       for r in sorted(RESIDUALS)]
+    + [{"residual": {"hyper": {"streams": 3, "dynamic": False}}, "block": {"name": "gau"}}]
     + [{"residual": {"scaled": {"stream": True}, "value_residual": {}, "unet": {}, "x0": {}}},
        {"residual": {"parallel": {}, "scaled": {"per_channel": True}}, "placement": {"name": "double"}},
        {"residual": {"scaled": {"branch_init": 0.5}, "unet": {}}, "block": {"name": "gau"}}]

@@ -203,8 +203,45 @@ def test_parallel_sums_both_branches_of_the_same_input(placement: str) -> None:
                                        rtol=1e-6, atol=1e-6)
 
 
-STACKS = [{"value_residual": {}}, {"unet": {}, "x0": {}}, {"scaled": {"stream": True}, "value_residual": {},
-                                                           "value_embed": {"tables": 2}, "unet": {}, "x0": {}}]
+def test_hyper_connections_with_one_stream_and_static_weights_are_the_standard_stream() -> None:
+    standard = _model({})
+    hyper = GPT(validate(GPTConfig(**{**standard.cfg.inputs(), "residual": {"hyper": {"streams": 1,
+                                                                                       "dynamic": False}}})))
+    hyper.load_state_dict(standard.state_dict(), strict=False)  # the same weights; the connections at their init
+    assert not hyper.residual.options["hyper"].dynamic
+    with torch.no_grad():
+        torch.testing.assert_close(hyper.eval()(_idx()), standard(_idx()), rtol=1e-6, atol=1e-6)
+
+
+def test_hyper_connections_are_the_papers_update() -> None:
+    """Each sublayer k: h = Σ_i α_i0 H_i, y = branch(h), H'_j = Σ_i α_i(1+j) H_i + β_j y, with α = static +
+    s·tanh(RMSNorm(H) W) per token (and β likewise), written out stream by stream."""
+    model = _model({"hyper": {"streams": 3}}, n_layer=2)
+    with torch.no_grad():
+        for block in model.h:
+            for hc in block.hyper:  # the dynamic parts away from zero so that they count
+                for p in (hc.w_alpha, hc.w_beta):
+                    p.copy_(torch.randn_like(p) * 0.5)
+                hc.s_alpha.fill_(0.3), hc.s_beta.fill_(0.2)
+    ins, outs, x0 = _trace(model, _idx())
+    assert ins[0].shape == (2, 12, 3, 32) and torch.equal(ins[0], x0[:, :, None].expand(2, 12, 3, 32))
+    with torch.no_grad():
+        for i, block in enumerate(model.h):
+            H = ins[i]
+            for j, f in ((1, lambda h: block.attn(h, model.pos)), (2, block.mlp)):
+                hc = block.hyper[j - 1]
+                normed = H / H.pow(2).mean(-1, keepdim=True).add(torch.finfo(H.dtype).eps).sqrt()
+                a = hc.alpha + hc.s_alpha * torch.tanh(normed @ hc.w_alpha)  # (B, T, n, n + 1)
+                b = hc.beta + hc.s_beta * torch.tanh(normed @ hc.w_beta)  # (B, T, n)
+                h = sum(a[..., s, 0, None] * H[..., s, :] for s in range(3))
+                y = f(block.norm(j)(h))
+                H = torch.stack([sum(a[..., s, 1 + t, None] * H[..., s, :] for s in range(3)) + b[..., t, None] * y
+                                 for t in range(3)], dim=-2)
+            torch.testing.assert_close(outs[i], H, rtol=1e-5, atol=1e-5)  # the copies (summed after the last)
+
+
+STACKS = [{"value_residual": {}}, {"unet": {}, "x0": {}}, {"hyper": {"streams": 2}},
+          {"scaled": {"stream": True}, "value_residual": {}, "value_embed": {"tables": 2}, "unet": {}, "x0": {}}]
 
 
 @pytest.mark.parametrize("residual", STACKS, ids=lambda r: "+".join(r))
@@ -240,7 +277,9 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=unet", "model.n_layer=1"], r"residual=unet .* model.n_layer=1"),
     (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual.init=2.0"),
     (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual.branch_init=-1"),
-    (["+residual.hyper={}"], r"residual='hyper' is not an option; choose one of"),
+    (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
+    (["residual=[hyper,unet]"], r"residual=hyper widens the stream to n copies: it does not stack with residual=unet"),
+    (["residual=hyper", "placement=post"], r"residual=hyper adds each sublayer's branch to the copies: placement='pos"),
     (["residual=value_embed", "residual.value_embed.tables=5"], r"residual.tables=5 is more than model.n_layer=4"),
     (["residual=value_embed", "attention=mla"], r"residual=value_embed with attention=mla"),
 ])

@@ -3,8 +3,8 @@
 Contract: a `Block(cfg, layer_idx)` subclass with its own `branch(x, f, j)` (what sublayer j adds to the stream: x +
 branch; `additive`) or, for a placement that normalises the sum, its own `sublayer(x, f, j)`: how sublayer j (1-based,
 `f` already bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual
-stream. The residual options (lmlab.model.residual) may scale each branch (`branch_scale`) or sum the branches of one
-input (`parallel`). The
+stream. The residual options (lmlab.model.residual) may scale each branch (`branch_scale`), sum the branches of one
+input (`parallel`) or connect each to n copies of the stream (`hyper`). The
 `block` group supplies the sublayers (attention + FFN, or one GAU); `Block.forward(x, pos, cache=None)` applies the
 placement to each in turn, so every placement works with every block. Each placement says on itself whether the
 model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init applies to its value/output
@@ -53,6 +53,7 @@ class Block(nn.Module):
         # (j, branch) -> the branch scaled: set by residual=scaled at build time (a submodule then; an instance
         # attribute, not a class one, which would shadow the registered module)
         self.branch_scale: nn.Module | None = None
+        self.hyper: nn.ModuleList | None = None  # each sublayer's hyper-connection (residual=hyper): x is n streams
 
     @staticmethod
     def init_gain(n_layer: int) -> float:
@@ -65,7 +66,9 @@ class Block(nn.Module):
             module = getattr(self, name)
             mixes = getattr(module, "mixes_tokens", False)
             f = partial(module, pos=pos, cache=cache, doc=doc) if mixes else module
-            if self.parallel:  # each branch from the block's input, summed
+            if self.hyper is not None:  # x: the n copies of the stream (B, T, n, d)
+                x = out = self.hyper[j - 1](x, partial(self._hyper_branch, f, j))
+            elif self.parallel:  # each branch from the block's input, summed
                 out = out + self.scaled(j, self.branch(x, f, j))
             elif self.additive:
                 x = out = x + self.scaled(j, self.branch(x, f, j))
@@ -75,6 +78,9 @@ class Block(nn.Module):
 
     def scaled(self, j: int, y: torch.Tensor) -> torch.Tensor:
         return y if self.branch_scale is None else self.branch_scale(j, y)
+
+    def _hyper_branch(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.scaled(j, self.branch(h, f, j))
 
     def _scaled_f(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
         return self.branch_scale(j, f(h))

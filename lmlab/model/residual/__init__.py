@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmlab.model.residual.hyper import Hyper
 from lmlab.model.residual.parallel import Parallel
 from lmlab.model.residual.scaled import Scaled
 from lmlab.model.residual.unet import UNet
@@ -43,7 +44,7 @@ class Standard(nn.Module):
 
 
 RESIDUALS = {"standard": Standard, "scaled": Scaled, "value_residual": ValueResidual, "value_embed": ValueEmbed,
-             "x0": X0, "unet": UNet, "parallel": Parallel}
+             "x0": X0, "unet": UNet, "parallel": Parallel, "hyper": Hyper}
 
 
 def residual_specs(spec: Mapping[str, Any]) -> list[tuple[str, dict]]:
