@@ -21,7 +21,7 @@ from torch import nn
 from lmlab.model.attention import ATTENTIONS, gate_width
 from lmlab.model.ffn import FFNS
 from lmlab.model.gau import GAU
-from lmlab.registry import PositiveFloat, PositiveInt, build
+from lmlab.registry import PositiveFloat, PositiveInt, build, option_params
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -46,7 +46,8 @@ class Transformer:
         gate = gate_width(cfg.attention.get("gate"), cfg.n_head, cfg.head_dim)
         attn = cfg.d_model * qkv + cfg.n_head * cfg.head_dim * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
         attn += (cfg.d_model + cfg.bias) * gate + cfg.n_head * bool(cfg.attention.get("sinks"))
-        return attn + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        ffn, params = option_params("ffn", FFNS, cfg.ffn_spec)  # an MoE's count reads its own options
+        return attn + FFNS[ffn].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias, **params)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg
