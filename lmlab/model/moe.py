@@ -6,7 +6,9 @@ sigmoid(z) (DeepSeek-V3); the chosen experts are the top k of s + b, b the loss-
 `bias_update_rate`); their weights are s at the chosen experts, divided by their sum when `norm_topk` (Mixtral,
 DeepSeek-V3) or not (Qwen1.5-MoE). Dropless by default: every token reaches its k experts. With a
 `capacity_factor` c an expert takes at most ceil(c · N·k / E) of a batch's N·k assignments, first come (token order)
-first served (Switch Transformer); the others are dropped (they add nothing) and counted.
+first served (Switch Transformer); the others are dropped (they add nothing) and counted. Capacity applies to
+training forwards only: evaluation and generation are dropless, so a token's output never depends on the other
+tokens of its batch there (causality, and the KV cache's logits equal the full forward's).
 
 Balancing, each an option, combinable:
 - `balance_loss` α: the Switch/GShard load-balancing loss α · E · Σ_e f_e P_e, f_e the share of the N·k assignments
@@ -111,8 +113,10 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (M, in), rows sorted by expert (`counts` (E) rows each, `offs` their int32 ends); w (E, out, in) ->
-    (M, out): each expert's rows times its own matrix transposed."""
-    if x.device.type != "meta" and _grouped_mm_runs(x.device.type, x.dtype):
+    (M, out): each expert's rows times its own matrix transposed. F.grouped_mm wants rows of a multiple of 16 bytes
+    (in and out of 4 fp32 numbers, 8 bf16): other widths take the loop."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])  # grouped_mm's rows: 16-byte strides
+    if aligned and x.device.type != "meta" and _grouped_mm_runs(x.device.type, x.dtype):
         return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
     outs, start = [], 0
     for e, n in enumerate(counts.tolist()):  # a loop over experts, each over its contiguous rows
@@ -221,7 +225,7 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen, minlength=E)  # (E,) before any drop: the router's load
         order = torch.argsort(chosen, stable=True)  # assignments grouped by expert, token order kept in each group
         kept = counts
-        cap = capacity(N, k, E, self.capacity_factor)
+        cap = capacity(N, k, E, self.capacity_factor) if self.training else None  # eval, generation: dropless
         if cap is not None:  # the first `cap` assignments of each expert in token order stay
             starts = counts.cumsum(0) - counts
             rank = torch.arange(order.numel(), device=order.device) - starts[chosen[order]]
