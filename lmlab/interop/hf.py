@@ -1,8 +1,10 @@
-"""Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel`.
+"""Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel` (and the
+MoE families built on Llama's layers).
 
-Two families are represented exactly, weight for weight:
+These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
   (full rotary) with rope_scaling none/linear/dynamic_ntk/yarn/ntk_by_parts/llama3, MHA/GQA/MQA, tied or untied;
+- Mixtral / Qwen2-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each has);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -20,6 +22,9 @@ import torch
 from lmlab import env
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
+from lmlab.interop.hf_moe import MOE_TYPES
+from lmlab.interop.hf_moe import invert as moe_invert
+from lmlab.interop.hf_moe import state as moe_state
 from lmlab.memory import check_model_fits
 from lmlab.model.gpt import GPT, validate
 from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
@@ -34,6 +39,8 @@ def _split_rows(w: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
     sd, out = model.state_dict(), {}
+    fam = family(model.cfg)
+    routed = fam in MOE_TYPES  # Mixtral, Qwen2-MoE: Llama's layers with routed experts (lmlab.interop.hf_moe)
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
@@ -45,9 +52,13 @@ def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
             out[q + f"self_attn.q_proj.{suffix}"], out[q + f"self_attn.k_proj.{suffix}"] = qw, kw
             out[q + f"self_attn.v_proj.{suffix}"] = vw
             out[q + f"self_attn.o_proj.{suffix}"] = sd[p + f"attn.c_proj.{suffix}"]
+            if routed:
+                continue
             gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
             out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
             out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
+        if routed:
+            out.update(moe_state(sd, p, q, block, fam))
     out["model.norm.weight"] = sd["ln_f.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"]
     return out
@@ -80,7 +91,7 @@ def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
 def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, torch.Tensor]:
     """transformers' state dict -> lmlab's, by running the forward mapping on names and inverting each rule."""
     sd = {}
-    if fam in ("llama", "ministral"):
+    if fam in ("llama", "ministral", *MOE_TYPES):
         sd["wte.weight"] = state["model.embed_tokens.weight"]
         for i in range(model.cfg.n_layer):
             p, q = f"h.{i}.", f"model.layers.{i}."
@@ -90,6 +101,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
                 sd[p + f"attn.c_attn.{suffix}"] = torch.cat(
                     [state[q + f"self_attn.{x}_proj.{suffix}"] for x in "qkv"], dim=0)
                 sd[p + f"attn.c_proj.{suffix}"] = state[q + f"self_attn.o_proj.{suffix}"]
+                if fam in MOE_TYPES:
+                    sd.update(moe_invert(state, p, q, model.cfg, fam))
+                    continue
                 sd[p + f"mlp.c_fc.{suffix}"] = torch.cat(
                     [state[q + f"mlp.{x}_proj.{suffix}"] for x in ("gate", "up")], dim=0)
                 sd[p + f"mlp.c_proj.{suffix}"] = state[q + f"mlp.down_proj.{suffix}"]
@@ -121,8 +135,9 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     config = hf_config(model.cfg)
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
+          "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM,
           "gpt2": transformers.GPT2LMHeadModel}[fam](config)
-    state = _llama_state(model) if fam in ("llama", "ministral") else _gpt2_state(model)
+    state = _llama_state(model) if fam != "gpt2" else _gpt2_state(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
