@@ -18,7 +18,7 @@ from typing import Any
 
 from lmlab import names
 from lmlab.data.tasks import TASKS
-from lmlab.plots import plot_curves, plot_init_profile, read_metrics
+from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
@@ -236,6 +236,10 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
     plot_curves(series, names.GRAD_NORM, plots / "grad_norm.png", log=True,
                 title="global gradient norm (before clipping)")
+    routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
+    if routed:  # an MoE's expert load by layer and step, one panel per run
+        plot_expert_load({name(r, varying): read_metrics(r / METRICS) for r in routed if (r / METRICS).exists()},
+                         plots / "expert_load.png")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")

@@ -322,3 +322,19 @@ def test_ddp_routing_figures_equal_one_process_on_the_same_global_batch(corpus, 
     for step in range(0, 6, 5):
         for c in figs:
             assert float(b[step][c]) == pytest.approx(float(a[step][c]), rel=1e-4, abs=1e-6), (step, c)
+
+
+def test_the_expert_load_heat_map_is_drawn_from_metrics(tmp_path) -> None:
+    from lmlab.plots import main, plot_expert_load
+
+    runs = {"a": {f"moe/load_max_over_mean/layer_0{i}": [(s, 1 + i + s / 10) for s in range(0, 50, 10)]
+                  for i in range(3)}, "dense": {"train/loss": [(0, 3.0), (1, 2.0)]}}
+    assert plot_expert_load(runs, tmp_path / "load.png").stat().st_size > 0
+    assert plot_expert_load({"dense": runs["dense"]}, tmp_path / "none.png") is None
+    run = tmp_path / "sweep" / "ffn=moe"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,moe/load_cv/layer_00\n0,0.5\n10,0.25\n")
+    main(["moe", str(tmp_path / "sweep"), "--figure", "load_cv", "--out", str(tmp_path / "cv.png")])
+    assert (tmp_path / "cv.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no run under"):
+        main(["moe", str(tmp_path / "sweep"), "--out", str(tmp_path / "x.png")])
