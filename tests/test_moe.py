@@ -298,11 +298,12 @@ def test_a_resumed_run_with_bias_balancing_reproduces_the_uninterrupted_metrics(
 
 
 @pytest.mark.e2e
-def test_ddp_routing_figures_equal_one_process_on_the_same_global_batch(corpus, tmp_path) -> None:
-    """2 ranks of 4 sequences vs 1 process of 8 (rank r holds the global batch's rows 4r .. 4r + 3): the routing
-    figures, summed over the ranks before they are formed, are the one process's, at every step. (The balance loss
-    is left out of this objective: like Switch's, each rank's is its own batch's, a product of two means that the
-    averaged gradients do not make global; the z-loss, a mean, and the bias, from the summed load, are.)"""
+def test_ddp_and_fsdp2_routing_figures_equal_one_process_on_the_same_global_batch(corpus, tmp_path) -> None:
+    """2 ranks of 4 sequences (DDP, and FSDP2 with the experts sharded) vs 1 process of 8 (rank r holds the global
+    batch's rows 4r .. 4r + 3): the routing figures, summed over the ranks before they are formed, are the one
+    process's, at every step. (The balance loss is left out of this objective: like Switch's, each rank's is its own
+    batch's, a product of two means that the averaged gradients do not make global; the z-loss, a mean, and the bias,
+    from the summed load, are.)"""
     from tests.runs import ROOT, cli, tiny
 
     moe = [a for a in MOE if not a.startswith("ffn.balance_loss")]
@@ -316,12 +317,17 @@ def test_ddp_routing_figures_equal_one_process_on_the_same_global_batch(corpus, 
     res = cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer.devices=2", "trainer.strategy=ddp",
               f"hydra.run.dir={two}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    a, b = _rows(one), _rows(two)
+    sharded = tmp_path / "fsdp2"  # the experts sharded with their block (torch's fully_shard, gloo)
+    res = cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer=fsdp2", "trainer.devices=2",
+              f"hydra.run.dir={sharded}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = _rows(one)
     figs = [c for c in a[0] if c.startswith("moe/")]
     assert len(figs) == 2 * 6  # 2 layers x 6 figures
-    for step in range(0, 6, 5):
-        for c in figs:
-            assert float(b[step][c]) == pytest.approx(float(a[step][c]), rel=1e-4, abs=1e-6), (step, c)
+    for b in (_rows(two), _rows(sharded)):
+        for step in range(0, 6, 5):
+            for c in figs:
+                assert float(b[step][c]) == pytest.approx(float(a[step][c]), rel=1e-4, abs=1e-6), (step, c)
 
 
 def test_the_expert_load_heat_map_is_drawn_from_metrics(tmp_path) -> None:
