@@ -218,8 +218,7 @@ class MoE(nn.Module):
         N, E, k = flat.size(0), self.n_experts, self.top_k
         with torch.autocast(flat.device.type, enabled=False):  # the router in fp32 (ST-MoE: its softmax is sensitive)
             logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
-        use_bias = self.bias_update_rate > 0 or bool(self.expert_bias.any())
-        idx, w, p = route(logits, k, self.score, self.norm_topk, self.expert_bias if use_bias else None)
+        idx, w, p = route(logits, k, self.score, self.norm_topk, self.expert_bias)  # b = 0 chooses as s does
 
         chosen = idx.reshape(-1)  # (N·k,) the expert of each assignment, token-major
         counts = torch.bincount(chosen, minlength=E)  # (E,) before any drop: the router's load
