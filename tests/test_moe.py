@@ -344,3 +344,35 @@ def test_the_expert_load_heat_map_is_drawn_from_metrics(tmp_path) -> None:
     assert (tmp_path / "cv.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no run under"):
         main(["moe", str(tmp_path / "sweep"), "--out", str(tmp_path / "x.png")])
+
+
+def test_compare_shows_active_parameters_and_the_expert_load(tmp_path) -> None:
+    """`eval.py compare=` over dense and MoE runs: an n_active_params column (the rebuilt model's when the summary has
+    none) beside n_params, and plots/expert_load.png from the MoE runs' metrics."""
+    import csv
+    import json
+
+    from lmlab.compare import compare
+
+    sweep = tmp_path / "sweep"
+    expected = {}
+    for name, ffn in (("swiglu", {"name": "swiglu"}), ("moe", {"name": "moe", "n_experts": 4, "top_k": 1})):
+        cfg = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=64, n_head=4, ffn={**ffn, "hidden_mult": 4,
+                                                                                    "multiple_of": 64}))
+        with torch.device("meta"):
+            model = GPT(cfg)
+        expected[name] = (model.num_params(), model.num_params(active=True))
+        run = sweep / f"ffn={name}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({
+            "status": "completed", "steps": 20, "overrides": [f"ffn={name}"], "final_val_loss": 2.0,
+            "best_val_loss": 2.0, "n_params": expected[name][0], "model": cfg.to_dict()}))
+        (run / "metrics.csv").write_text("step,train/loss,moe/load_max_over_mean/layer_00\n0,3.0,2.0\n10,2.5,1.5\n")
+    compare(sweep)
+    with open(sweep / "compare.csv") as f:
+        rows = {r["ffn"]: r for r in csv.DictReader(f)}
+    for name, (total, active) in expected.items():
+        assert int(rows[name]["n_params"]) == total and int(rows[name]["n_active_params"]) == active
+    assert expected["swiglu"][0] == expected["swiglu"][1] and expected["moe"][1] < expected["moe"][0] / 2
+    assert "| n_params | n_active_params |" in (sweep / "compare.md").read_text()
+    assert (sweep / "plots" / "expert_load.png").stat().st_size > 0
