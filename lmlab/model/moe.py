@@ -111,6 +111,7 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+@torch.compiler.disable  # eager under torch.compile: dynamo traces neither grouped_mm on CPU nor the loop
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (M, in), rows sorted by expert (`counts` (E) rows each, `offs` their int32 ends); w (E, out, in) ->
     (M, out): each expert's rows times its own matrix transposed. F.grouped_mm wants rows of a multiple of 16 bytes
