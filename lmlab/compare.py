@@ -18,7 +18,7 @@ from typing import Any
 
 from lmlab import names
 from lmlab.data.tasks import TASKS
-from lmlab.plots import plot_curves, plot_init_profile, read_metrics
+from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
@@ -109,14 +109,15 @@ def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others
 def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     """The run's parameters (`n_params`, from its summary) and its FFNs' (`ffn_params`, all layers), so a sweep over
     `ffn` shows the variants' match. The FFNs are counted on the run's model rebuilt on the meta device; None when it
-    cannot be rebuilt or the rebuilt total differs (a run sized by an older rule)."""
+    cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the weights one
+    token uses (an MoE's chosen experts), the summary's or the rebuilt model's."""
     import torch
 
     from lmlab.config import GPTConfig
     from lmlab.memory import check_model_fits
     from lmlab.model.gpt import GPT
 
-    total, ffn = summary.get("n_params"), None
+    total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
     if isinstance(summary.get("model"), dict):
         try:
             cfg = GPTConfig(**summary["model"])
@@ -129,7 +130,8 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
             total = model.num_params()
             ffn = sum(p.numel() for m in model.modules() if getattr(m, "sublayer", None) == "ffn"
                       for p in m.parameters())
-    return {"n_params": total, "ffn_params": ffn}
+            active = model.num_params(active=True)
+    return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active)}
 
 
 def _sort_key(value: str) -> tuple:
@@ -154,7 +156,8 @@ def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequ
         row = {**dict(zip(keys, key)), "n": len(runs),
                "seeds": ",".join(sorted((str(r.get(SEED, "")) for r in runs), key=_sort_key)),
                "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items()),
-               "n_params": runs[0].get("n_params"), "ffn_params": runs[0].get("ffn_params")}
+               "n_params": runs[0].get("n_params"), "n_active_params": runs[0].get("n_active_params"),
+               "ffn_params": runs[0].get("ffn_params")}
         for fig in FIGURES:
             xs = [float(r[fig]) for r in runs if isinstance(r.get(fig), (int, float)) and math.isfinite(r[fig])]
             row[f"{fig}_mean"] = statistics.fmean(xs) if xs else None
@@ -205,8 +208,9 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
-    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", "ffn_params", "final_val_loss",
-            "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run",
+    routed = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
+    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *routed, "ffn_params",
+            "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run",
             *(["problem"] if any(row["problem"] for row in rows) else [])]
     md = write_table(rows, cols, sweep_dir / "compare")
 
@@ -219,7 +223,7 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
         grouped, group_values = variants(rows, values, variant_keys)
         if by_lr:
             mark_best_lr(grouped, group_values, [k for k in variant_keys if k != LR])
-        head = [*variant_keys, *by_lr, "n", "seeds", "status", "n_params", "ffn_params"]
+        head = [*variant_keys, *by_lr, "n", "seeds", "status", "n_params", *routed, "ffn_params"]
         md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
             grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
             md_cols=[*head, *FIGURES], md_cell=_mean_sd)
@@ -232,6 +236,10 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
     plot_curves(series, names.GRAD_NORM, plots / "grad_norm.png", log=True,
                 title="global gradient norm (before clipping)")
+    routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
+    if routed:  # an MoE's expert load by layer and step, one panel per run
+        plot_expert_load({name(r, varying): read_metrics(r / METRICS) for r in routed if (r / METRICS).exists()},
+                         plots / "expert_load.png")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")

@@ -72,7 +72,8 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
-        if z_loss:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
+        routed = self.model.routes  # an MoE's balancing losses join the objective: the LM loss is logged apart
+        if z_loss or routed:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
             objective, loss, z = self(x, y, z_loss=z_loss, parts=True)
         else:
             objective = loss = self(x, y)
@@ -84,6 +85,8 @@ class LitGPT(L.LightningModule):
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
             if z_loss:
                 self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
+            for part, value in self.model.aux_parts().items():  # summed over the MoE layers, before coefficients
+                self.log(names.TRAIN_AUX[part], value, sync_dist=True)
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
             self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
@@ -111,6 +114,10 @@ class LitGPT(L.LightningModule):
         norm = sum_over_shards(self.trainer, norm.square()).sqrt()  # the whole model's under FSDP
         self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts
         self._grad_norm = norm  # clipping reuses it
+        if self.model.routes:  # loss-free balancing: each MoE's bias moves by the step's load, summed over ranks
+            strategy = self.trainer.strategy
+            self.model.update_balancing(
+                (lambda t: strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None)
         if self.logs_now():
             self.log(names.GRAD_NORM, norm)
 

@@ -6,9 +6,10 @@ parameter norms, update ratios ‖Δθ‖/‖θ‖, residual-stream RMS after ea
 logit on a sampled batch, the loss above the unigram plateau, the gradient-norm profile at init
 (Xiong et al., 2020, Fig. 3), and the two figures of "incremental explosion" (Admin, Liu et al., 2020; DeepNet,
 Wang et al., 2022): how far one update moves the model's output, `update/output_change`, and how large each
-sublayer's output is against its input, `act/ratio/layer_XX/<sublayer>`. Under DDP the gradients are already
-all-reduced; under FSDP each rank holds a shard, so squared norms are summed across ranks: either way the logged
-figures are the global ones.
+sublayer's output is against its input, `act/ratio/layer_XX/<sublayer>`; for an MoE, each layer's expert load
+(max/mean, coefficient of variation), router entropy, dropped share and balancing losses, `moe/<figure>/layer_XX`.
+Under DDP the gradients are already all-reduced; under FSDP each rank holds a shard, so squared norms are summed
+across ranks: either way the logged figures are the global ones (the routing counts are summed over ranks too).
 """
 
 from __future__ import annotations
@@ -304,12 +305,29 @@ class StabilityMonitor(Callback):
             metrics.update({names.per_layer(names.ACT_RMS, i): v for i, v in enumerate(ms.sqrt().tolist())})
         if self._attn_in and self._due(step, self.attn_every):
             metrics.update(self._attention_stats(trainer, pl_module))
+        if self._due(step, self.every):
+            metrics.update(self._routing_figures(trainer, pl_module))
         if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
             metrics[names.LOSS_VS_UNIGRAM] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
         self._ratios_due, self._ratio = False, {}
         if metrics:
             log_at(trainer, metrics, step)
+
+    @torch.no_grad()
+    def _routing_figures(self, trainer, pl_module) -> dict[str, float]:
+        """Each MoE layer's `moe/<figure>/layer_XX` (lmlab.model.moe.figures) from its routing sums of this step's
+        forward, summed over ranks first: the global batch's load, entropy, drops and balancing losses."""
+        from lmlab.model.moe import figures
+
+        layers = [(i, m) for i, block in enumerate(pl_module.model.h) for name in block.sublayer_names
+                  if getattr(m := getattr(block, name), "stats", None) is not None]
+        if not layers:
+            return {}
+        sums = torch.stack([m.stats for _, m in layers]).to(trainer.strategy.root_device)  # (layers, 2E + 4)
+        sums = trainer.strategy.reduce(sums, reduce_op="sum") if trainer.world_size > 1 else sums
+        return {names.per_layer(f"{names.MOE}/{fig}", i): v for (i, m), row in zip(layers, sums.cpu())
+                for fig, v in figures(row, m.n_experts, m.top_k).items()}
 
     @torch.no_grad()
     def _attention_stats(self, trainer, pl_module) -> dict[str, float]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 TRAIN_LOSS = "train/loss"
 TRAIN_Z_LOSS = "train/z_loss"  # mean (log Z)² of the output logits, under optim.z_loss (the objective adds λ times it)
+# An MoE's balancing losses before their coefficients, summed over its layers (lmlab.model.moe; the objective adds them)
+TRAIN_AUX = {"balance": "train/moe_balance_loss", "router_z": "train/router_z_loss"}
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 TOKENS = "tokens"  # tokens trained on so far
@@ -18,6 +20,7 @@ TOKENS_PER_S, MFU, MAX_MEMORY = f"{PERF}tokens_per_s", f"{PERF}mfu", f"{PERF}max
 # Per-layer figures: <prefix>/layer_XX[/<sublayer>]
 PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "act/rms", "act/ratio"
 ATTN_ENTROPY, ATTN_MAX_LOGIT, ATTN_SINK_MASS = "attn/entropy", "attn/max_logit", "attn/sink_mass"
+MOE = "moe"  # moe/<figure>/layer_XX: load_max_over_mean, load_cv, router_entropy, dropped, balance_loss, ...
 ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
 
 

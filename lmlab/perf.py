@@ -18,7 +18,8 @@ from torch import nn
 
 from lmlab import names
 
-FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights, tied head once; "
+FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights a token uses, tied head "
+                 "once, an MoE's top_k experts of n_experts; "
                  "w = the block's attention width: 2*d for a transformer layer, s + e for a GAU)")
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, without sparsity), matched as whole words of
@@ -31,8 +32,10 @@ PEAK_BF16_FLOPS = (
 
 
 def matmul_params(model: nn.Module) -> int:
-    """N in 6·N: weights that take part in a matmul (Linear layers, the tied head once); lookups don't count."""
-    return sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}.values())
+    """N in 6·N: weights that take part in a matmul (Linear layers, the tied head once); lookups don't count. Of an
+    MoE's stacked experts only the share one token multiplies (`active_share` = top_k / n_experts): active FLOPs."""
+    return round(sum({id(m.weight): m.weight.numel() * getattr(m, "active_share", 1.0) for m in model.modules()
+                      if isinstance(m, nn.Linear)}.values()))
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""PNG plots from runs: loss and grad-norm curves, the gradient-norm profile at init. Matplotlib, Agg backend."""
+"""PNG plots from runs: loss and grad-norm curves, the gradient-norm profile at init, an MoE's expert load by layer
+and step. Matplotlib, Agg backend."""
 
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ def plot_probe(results: Mapping[str, Mapping[str, list[float]]], path: str | Pat
         ax.set_title(label)
     axes[0].set_yticks(range(len(names)), names, fontsize=7)
     fig.suptitle(title or "Position probe: input [0, ..., 0], targets [1, ..., n]")
+    return _save(fig, path)
+
+
+def plot_expert_load(runs: Mapping[str, Series], path: str | Path, figure: str = "load_max_over_mean",
+                     title: str = "") -> Path | None:
+    """An MoE's `moe/<figure>/layer_XX` (lmlab.model.moe.figures; by default each layer's busiest expert's load over
+    the mean, 1 = balanced) as a heat map of layer by step, one panel per run. None if no run logged it."""
+    prefix = f"moe/{figure}/"
+    panels = {name: {k[len(prefix):]: dict(v) for k, v in series.items() if k.startswith(prefix)}
+              for name, series in runs.items()}
+    panels = {name: layers for name, layers in panels.items() if layers}
+    if not panels:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.2 + 0.35 * sum(len(v) for v in panels.values())
+                                                       + 0.6 * len(panels)), squeeze=False)
+    top = max(v for layers in panels.values() for by_step in layers.values() for v in by_step.values())
+    for ax, (name, layers) in zip(axes[:, 0], panels.items()):
+        steps = sorted({s for by_step in layers.values() for s in by_step})
+        grid = [[layers[layer].get(s, math.nan) for s in steps] for layer in sorted(layers)]
+        im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=0, vmax=top,
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5))
+        ax.set_yticks(range(len(layers)), sorted(layers), fontsize=7)
+        ax.set_title(name, fontsize=8)
+        fig.colorbar(im, ax=ax, label=figure, fraction=0.04)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(title or f"expert load by layer and step: {figure}")
     return _save(fig, path)
 
 
@@ -172,6 +200,7 @@ def sweep_runs(sweep_dir: str | Path, needs: str = "metrics.csv") -> dict[str, P
 def main(argv: Sequence[str] | None = None) -> None:
     """python -m lmlab.plots curves <sweep> <metric> [--log] --out PNG: one line per run of the sweep for any metric of
     metrics.csv (e.g. update/output_change, act/ratio/layer_00/attn), beyond the three that compare draws.
+    python -m lmlab.plots moe <sweep or run> [--figure load_cv] --out PNG: an MoE's expert load by layer and step.
     python -m lmlab.plots lengths <sweep> [--column loss_beyond] --out PNG: each run's eval/eval.json (after eval.py
     run=<job> lengths=[...]) as one line of loss vs evaluated length, from its unscaled rows (rope_scaling none)."""
     import argparse
@@ -185,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     curves.add_argument("--log", action="store_true", help="log y axis")
     curves.add_argument("--title", default="")
     curves.add_argument("--out", required=True)
+    moe = sub.add_parser("moe", help="an MoE's expert load as a heat map of layer by step, one panel per run")
+    moe.add_argument("sweep")
+    moe.add_argument("--figure", default="load_max_over_mean",
+                     choices=["load_max_over_mean", "load_cv", "router_entropy", "dropped", "balance_loss",
+                              "router_z_loss"])
+    moe.add_argument("--out", required=True)
     lengths = sub.add_parser("lengths", help="eval.py's loss vs evaluated length, one line per run of a sweep")
     lengths.add_argument("sweep")
     lengths.add_argument("--column", default="loss", choices=["loss", "loss_inside", "loss_beyond", "ppl"])
@@ -195,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         runs = {name: read_metrics(d / "metrics.csv") for name, d in sweep_runs(args.sweep).items()}
         if plot_curves(runs, args.metric, args.out, log=args.log, title=args.title) is None:
             raise SystemExit(f"no run under {args.sweep} logged {args.metric} at two steps or more")
+    elif args.kind == "moe":
+        runs = {name: read_metrics(d / "metrics.csv") for name, d in sweep_runs(args.sweep).items()}
+        if plot_expert_load(runs, args.out, args.figure) is None:
+            raise SystemExit(f"no run under {args.sweep} logged moe/{args.figure}/layer_XX (ffn=moe runs do)")
     else:
         rows, trained = [], set()
         for name, d in sweep_runs(args.sweep, "eval/eval.json").items():

@@ -45,6 +45,7 @@ class RunSummary(TypedDict, total=False):
     world_size: int
     wall_time_s: float
     n_params: int
+    n_active_params: int  # the weights one token uses (an MoE's top_k experts of n_experts; n_params for a dense model)
     overrides: list[str]
     error: str | None
     model: dict[str, Any]  # the GPTConfig record (lmlab.config), derived sizes included
@@ -83,6 +84,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "world_size": int(trainer.world_size),
         "wall_time_s": wall_time,
         "n_params": lit.model.num_params(),
+        "n_active_params": lit.model.num_params(active=True),
         "overrides": overrides,
         **data.figures(),  # a task's own figures (data=position_probe); a corpus has none
         "error": error,

@@ -152,7 +152,7 @@ class Tracking:
 
     @classmethod
     def start(cls, cfg: Any, run_dir: RunDir, *, overrides: list[str], group: str | None, resume_step: int | None,
-              n_params: int) -> Tracking:
+              n_params: int, n_active_params: int | None = None) -> Tracking:
         """The loggers of `cfg.logger` after lmlab's MetricsCSV. `resume_step`: the step a resumed run continues
         from (None: a fresh start, which gets a new W&B run; a resume continues the one the directory names)."""
         from hydra.utils import instantiate
@@ -163,6 +163,7 @@ class Tracking:
 
         # What the run is: the whole resolved config, its overrides, its size and the code that ran it.
         config = {**OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides), "n_params": n_params,
+                  "n_active_params": n_params if n_active_params is None else n_active_params,
                   **code_version()}
         loggers, wandb_run = [MetricsCSV(run_dir.path, resume_step)], None
         for spec in (cfg.logger or {}).values():

@@ -123,6 +123,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
     tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),
+                              n_active_params=lit.model.num_params(active=True),
                               resume_step=resume_step if saved is not None else None)
     trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run.path), use_distributed_sampler=False,
                                      logger=tracking.loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])

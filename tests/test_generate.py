@@ -52,6 +52,8 @@ CASES |= {
     "mqa+logn_scaling": {"position": {"name": "rope"}, "train_len": 8,
                          "attention": {"name": "mqa", "logn_scaling": True}},
     "alibi+post": {"position": {"name": "alibi"}, "placement": {"name": "post"}},
+    "ffn=moe": {"position": {"name": "rope"}, "ffn": {"name": "moe", "n_experts": 4, "top_k": 2, "n_shared": 1,
+                                                      "capacity_factor": 1.0, "bias_update_rate": 0.01}},
     **{f"score={s}": {"position": {"name": "rope"}, "train_len": 8, "attention": {"name": "mha", "score": s}}
        for s in SCORES},
     **{f"block=gau+score={s}": {"position": {"name": "rope"}, "train_len": 8, "activation": {"name": "silu"},

@@ -8,6 +8,10 @@ elif sys.argv[1:2] == ["attention"]:  # python -m lmlab.bench attention ...: mas
     from lmlab.bench.attention import main
 
     main(sys.argv[2:])
+elif sys.argv[1:2] == ["moe"]:  # python -m lmlab.bench moe ...: ffn=moe vs the dense FFN at equal active FLOPs
+    from lmlab.bench.moe import main
+
+    main(sys.argv[2:])
 else:
     from lmlab.bench.cli import main
 

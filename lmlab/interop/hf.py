@@ -1,6 +1,6 @@
 """Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel` (and their
 relatives: Ministral for sliding windows, Gemma 2 for the double placement with softcaps, DeepSeek-V3 for
-attention=mla).
+attention=mla; and the MoE families built on Llama's layers).
 
 These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
@@ -12,6 +12,7 @@ These families are represented exactly, weight for weight:
   the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
 - GPT-NeoX-like (Pythia): placement=pre, norm=layer, the MLP, position=rope on the first rotary_pct of each head,
   MHA, blocks parallel (residual=parallel: its use_parallel_residual) or sequential; zero biases where lmlab has none;
+- Mixtral / Qwen2-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each has);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -29,6 +30,9 @@ import torch
 from lmlab import env
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
+from lmlab.interop.hf_moe import MOE_TYPES
+from lmlab.interop.hf_moe import invert as moe_invert
+from lmlab.interop.hf_moe import state as moe_state
 from lmlab.memory import check_model_fits
 from lmlab.model.gpt import GPT, validate
 from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
@@ -61,6 +65,8 @@ def _mla_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suff
 def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, torch.Tensor]:
     """Llama's names (and its relatives', whose attention differs: `attention` maps one layer's)."""
     sd, out = model.state_dict(), {}
+    fam = family(model.cfg)
+    routed = fam in MOE_TYPES  # Mixtral, Qwen2-MoE: Llama's layers with routed experts (lmlab.interop.hf_moe)
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
@@ -68,9 +74,13 @@ def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, tor
         out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
         for suffix in ("weight", "bias") if model.cfg.bias else ("weight",):
             out.update(attention(sd, p, q, block, suffix))
+            if routed:
+                continue
             gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
             out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
             out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
+        if routed:
+            out.update(moe_state(sd, p, q, block, fam))
     out["model.norm.weight"] = sd["ln_f.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"]
     return out
@@ -210,7 +220,7 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
         sd["ln_f.weight"] = state["model.norm.weight"] + 1
         sd["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         return sd
-    elif fam in ("llama", "ministral"):
+    elif fam in ("llama", "ministral", *MOE_TYPES):
         sd["wte.weight"] = state["model.embed_tokens.weight"]
         for i in range(model.cfg.n_layer):
             p, q = f"h.{i}.", f"model.layers.{i}."
@@ -220,6 +230,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
                 sd[p + f"attn.c_attn.{suffix}"] = torch.cat(
                     [state[q + f"self_attn.{x}_proj.{suffix}"] for x in "qkv"], dim=0)
                 sd[p + f"attn.c_proj.{suffix}"] = state[q + f"self_attn.o_proj.{suffix}"]
+                if fam in MOE_TYPES:
+                    sd.update(moe_invert(state, p, q, model.cfg, fam))
+                    continue
                 sd[p + f"mlp.c_fc.{suffix}"] = torch.cat(
                     [state[q + f"mlp.{x}_proj.{suffix}"] for x in ("gate", "up")], dim=0)
                 sd[p + f"mlp.c_proj.{suffix}"] = state[q + f"mlp.down_proj.{suffix}"]
@@ -252,7 +265,8 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
           "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-          "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+          "gpt_neox": transformers.GPTNeoXForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+          "qwen2_moe": transformers.Qwen2MoeForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
     state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state,
              "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)

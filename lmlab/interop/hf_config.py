@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.config import GPTConfig
+from lmlab.interop.hf_moe import MOE_TYPES, hf_moe_config, lmlab_ffn, moe_family
 
 # lmlab activation -> transformers ACT2FN name (exact same function), and back.
 _ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
@@ -88,19 +89,31 @@ def _check_llama(cfg: GPTConfig) -> str:
                           "one window size for every local layer")
         if cfg.bias:
             raise _refuse("model.bias", cfg.bias, "Ministral", "model.bias=false (its Linear layers have none)")
+    if cfg.ffn["name"] == "moe":  # Llama's attention with routed experts: Mixtral or Qwen2-MoE (lmlab.interop.hf_moe)
+        _check_llama_layers(cfg, "Mixtral or Qwen2-MoE", glu=False)
+        if windows:
+            raise _refuse("attention.window", cfg.attention.get("window"), "Mixtral or Qwen2-MoE",
+                          "attention.window=null")
+        _check_rope_scaling(cfg)
+        return moe_family(cfg, _glu_act(cfg))
     _check_llama_layers(cfg, "Llama")
+    _check_rope_scaling(cfg)
+    return "ministral" if windows else "llama"
+
+
+def _check_rope_scaling(cfg: GPTConfig) -> None:
     if cfg.rope_scaling["name"] not in _ROPE_TYPES:
         raise _refuse("rope_scaling", cfg.rope_scaling["name"], "Llama", f"one of {sorted(_ROPE_TYPES)}")
     if cfg.rope_scaling.get("ramp", "index") != "index":  # transformers' YaRN ramps in the pair index
         raise _refuse("rope_scaling.ramp", cfg.rope_scaling["ramp"], "Llama", "rope_scaling.ramp=index")
-    return "ministral" if windows else "llama"
 
 
-def _check_llama_layers(cfg: GPTConfig, fam: str) -> None:
-    """What Llama-like families share: RMSNorm with a gain, a GLU FFN, RoPE on every layer's whole rotated part."""
+def _check_llama_layers(cfg: GPTConfig, fam: str, glu: bool = True) -> None:
+    """What Llama-like families share: RMSNorm with a gain, a GLU FFN (`glu`: the MoE families check their experts
+    themselves), RoPE on every layer's whole rotated part."""
     if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
         raise _refuse("norm", cfg.norm["name"], fam, "norm=rms with a gain")
-    if _glu_act(cfg) is None:
+    if glu and _glu_act(cfg) is None:
         raise _refuse("ffn", cfg.ffn["name"], fam, "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
     if cfg.position.get("nope_layers"):
         raise _refuse("position.nope_layers", cfg.position["nope_layers"], fam, "position.nope_layers=null")
@@ -188,7 +201,8 @@ def _check_gpt2(cfg: GPTConfig) -> str:
 
 
 def _glu_act(cfg: GPTConfig) -> str | None:
-    name = cfg.ffn["name"]
+    """transformers' name of the GLU gate (an MoE's experts' gate), or None for an FFN that is no GLU it has."""
+    name = cfg.ffn.get("expert", "mlp") if cfg.ffn["name"] == "moe" else cfg.ffn["name"]
     gate = _GLU_GATES.get(name) or (cfg.activation["name"] if name == "glu" else None)
     return _ACTS.get(gate) if gate else None
 
@@ -263,7 +277,7 @@ def hf_config(cfg: GPTConfig) -> Any:
             sliding_window=next((w for w in windows if w is not None), cfg.max_seq_len),
             layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
             attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if fam in ("llama", "ministral"):
+    if fam in ("llama", "ministral", *MOE_TYPES):
         rope, max_pos = _rope_parameters(cfg)
         common = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
@@ -271,6 +285,8 @@ def hf_config(cfg: GPTConfig) -> Any:
             head_dim=cfg.head_dim, hidden_act=_glu_act(cfg), max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.norm.get("eps", 1e-6)), tie_word_embeddings=cfg.tie_embeddings,
             rope_parameters=rope, attention_dropout=0.0)
+        if fam in MOE_TYPES:
+            return hf_moe_config(cfg, fam, common)
         if fam == "llama":
             return transformers.LlamaConfig(**common, attention_bias=cfg.bias, mlp_bias=cfg.bias)
         windows = layer_windows(cfg)
@@ -293,7 +309,7 @@ def _exact_ffn(hidden: int) -> dict[str, Any]:
 def lmlab_config(hf: Any) -> GPTConfig:
     """The GPTConfig of a transformers LlamaConfig, MistralConfig, MinistralConfig or GPT2Config."""
     kind = hf.model_type
-    if kind in ("llama", "mistral", "ministral"):
+    if kind in ("llama", "mistral", "ministral", *MOE_TYPES):
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         if head_dim * hf.num_attention_heads != hf.hidden_size:
             raise NotRepresentable(f"head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
@@ -308,6 +324,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
             raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
         named = {gate: name for name, gate in _GLU_GATES.items()}
         ffn = {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)}
+        if kind in MOE_TYPES:  # routed experts of that GLU kind (lmlab.interop.hf_moe)
+            ffn = lmlab_ffn(hf, named.get(act, "glu"))
         rope, max_len, train_len = _rope_scaling_back(hf)
         return GPTConfig(
             vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
@@ -316,7 +334,7 @@ def lmlab_config(hf: Any) -> GPTConfig:
             norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "pre"},
             activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": rope.pop("theta")},
             rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
-                                          **_windows_back(hf, kind)},
+                                          **(_windows_back(hf, kind) if kind not in MOE_TYPES else {})},
             init={"name": "gpt2"},
         )
     if kind == "deepseek_v3":
@@ -341,8 +359,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
             position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
             init={"name": "gpt2"},
         )
-    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like, DeepSeek-V3-like (dense) and GPT-2-like "
-                           f"models")
+    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE), "
+                           f"Gemma 2, DeepSeek-V3-like (dense), GPT-NeoX and GPT-2-like models")
 
 
 def _neox_back(hf: Any) -> GPTConfig:

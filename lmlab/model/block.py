@@ -43,7 +43,8 @@ class Transformer:
     def n_params(self) -> int:
         """The attention option's weights (its `geometry`), the FFN's (its option's count)."""
         cfg = self.cfg
-        return self.attention.n_params + FFNS[cfg.ffn_spec["name"]].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        ffn, params = option_params("ffn", FFNS, cfg.ffn_spec)  # an MoE's count reads its own options
+        return self.attention.n_params + FFNS[ffn].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias, **params)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg

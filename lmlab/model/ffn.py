@@ -4,7 +4,9 @@ Contract: `FFN(dim, hidden, *, activation, bias)` maps (..., dim) -> (..., dim);
 config of the `activation` group. `n_params(dim, hidden, bias)` on each class is its parameter count, from
 which `matched_hidden` (applied once by `GPTConfig`) sizes every option to the MLP's parameter count: a GLU
 has three matrices instead of two, so its hidden size is about 2/3 of the MLP's (`hidden_ratio`), rounded to
-the coarsest multiple that keeps it within 1% of the MLP's parameters.
+the coarsest multiple that keeps it within 1% of the MLP's parameters. A routed option (`moe`, lmlab.model.moe) is
+not matched to the MLP: it says with `sized_as(spec)` which kind sizes each of its experts, and its `n_params` takes
+its own options.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from lmlab.model.activation import Activation
+from lmlab.model.moe import MoE
 
 
 class MLP(nn.Module):
@@ -87,7 +90,7 @@ class ReGLU(GLU):
     gate = "relu"
 
 
-FFNS = {"mlp": MLP, "glu": GLU, "swiglu": SwiGLU, "geglu": GeGLU, "reglu": ReGLU}
+FFNS = {"mlp": MLP, "glu": GLU, "swiglu": SwiGLU, "geglu": GeGLU, "reglu": ReGLU, "moe": MoE}  # moe: lmlab.model.moe
 
 
 def matched_hidden(ffn: type[nn.Module], dim: int, mlp_hidden: int, bias: bool, multiple_of: int) -> int:

@@ -59,7 +59,8 @@ class GPT(nn.Module):
                 z_loss: float = 0.0, parts: bool = False) -> Any:
         """idx (B, T) token ids -> logits (B, T, vocab) (softcapped under `logit_softcap`); given targets (B, T), the
         mean token cross-entropy instead (fp32; with `chunked_loss` the logits are never held whole), plus `z_loss` ·
-        mean(log Z)² when given; `parts=True`: (objective, cross-entropy, z-loss), the last two detached (lmlab.loss).
+        mean(log Z)² when given, plus in training the sublayers' auxiliary losses (an MoE's balancing terms, `aux`);
+        `parts=True`: (objective, cross-entropy, z-loss), the last two detached (lmlab.loss).
         With a `cache` (generation), the tokens continue the cached ones and their keys and values are added to
         it."""
         offset = 0
@@ -89,8 +90,41 @@ class GPT(nn.Module):
             logits = self.lm_head(h)
             return logits if cap is None else cap * torch.tanh(logits / cap)
         if self.cfg.chunked_loss:
-            return linear_cross_entropy(h, self.lm_head.weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
-        return cross_entropy(self.lm_head(h), targets, softcap=cap, z_loss=z_loss, parts=parts)
+            out = linear_cross_entropy(h, self.lm_head.weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
+        else:
+            out = cross_entropy(self.lm_head(h), targets, softcap=cap, z_loss=z_loss, parts=parts)
+        aux = [m.aux for m in self._routed if m.aux is not None] if self.training and torch.is_grad_enabled() else []
+        if aux:  # the sublayers' auxiliary losses (an MoE's balancing terms) join the objective, not the cross-entropy
+            total = torch.stack(aux).sum()
+            out = (out[0] + total, *out[1:]) if parts else out + total
+        return out
+
+    @property
+    def routes(self) -> bool:
+        """Whether any sublayer routes tokens (ffn=moe)."""
+        return bool(self._routed)
+
+    @property
+    def _routed(self) -> list[nn.Module]:
+        """The sublayers that route tokens (an MoE): they add auxiliary losses, keep routing statistics and a
+        balancing bias."""
+        return [m for block in self.h for name in block.sublayer_names
+                if hasattr(m := getattr(block, name), "update_bias")]
+
+    def aux_parts(self) -> dict[str, torch.Tensor]:
+        """The last training forward's auxiliary losses before their coefficients, summed over the layers (detached):
+        what the loggers show apart from the LM loss. Empty for a model without them."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self._routed:
+            for name, value in m.aux_parts.items():
+                out[name] = out[name] + value if name in out else value
+        return out
+
+    def update_balancing(self, reduce: Any = None) -> None:
+        """After an optimizer step: each routing sublayer's loss-free balancing bias moves by its load since the last
+        step (`reduce` sums a tensor over ranks under DDP/FSDP, so every rank moves alike)."""
+        for m in self._routed:
+            m.update_bias(reduce)
 
     def documents(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
         """Every position's document number (B, offset + T) when the model has an end-of-document token (`cfg.eod_id`,
@@ -105,8 +139,11 @@ class GPT(nn.Module):
             doc = cache.doc
         return doc
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
+    def num_params(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """The weights; `active`: those one token uses (an MoE's unchosen experts left out)."""
         n = sum(p.numel() for p in self.parameters())
+        if active:
+            n -= sum(m.inactive_params() for m in self._routed)
         return n - self.wte.weight.numel() if exclude_embeddings else n
 
 

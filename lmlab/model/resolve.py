@@ -72,12 +72,15 @@ def _kv_heads(cfg: GPTConfig) -> int:
 
 def _ffn_hidden(cfg: GPTConfig) -> int:
     """The FFN's hidden size: the MLP's is hidden_mult · d_model rounded to multiple_of; every option is sized to the
-    MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it."""
+    MLP's parameter count within 1% (lmlab.model.ffn.matched_hidden), unless ffn.hidden sets it; an MoE's experts each
+    as a dense FFN of their kind would be (`sized_as`)."""
     check_values("ffn.", cfg.ffn, FFN_SIZES)  # hidden_mult=0 would otherwise round up to one multiple_of
-    ffn_name, _ = option_params("ffn", FFNS, cfg.ffn_spec)
+    ffn_name, params = option_params("ffn", FFNS, cfg.ffn_spec)
     multiple_of = cfg.ffn.get("multiple_of", 64)
     mlp_hidden = max(multiple_of, multiple_of * round(cfg.ffn.get("hidden_mult", 4) * cfg.d_model / multiple_of))
-    return cfg.ffn.get("hidden") or matched_hidden(FFNS[ffn_name], cfg.d_model, mlp_hidden, cfg.bias, multiple_of)
+    ffn = FFNS[ffn_name]
+    sized = ffn.sized_as(params) if hasattr(ffn, "sized_as") else ffn  # an MoE: each expert as a dense FFN of its kind
+    return cfg.ffn.get("hidden") or matched_hidden(sized, cfg.d_model, mlp_hidden, cfg.bias, multiple_of)
 
 
 def _fill(cfg: GPTConfig, name: str, value: Any) -> None:

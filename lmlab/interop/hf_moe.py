@@ -1,0 +1,127 @@
+"""The MoE half of the transformers interop (lmlab.interop.hf, hf_config): which `ffn=moe` configurations transformers
+represents exactly, and their configs and weights both ways.
+
+- Mixtral (`MixtralForCausalLM`): softmax routing, the top-k weights normalised, no shared experts;
+- Qwen2-MoE (`Qwen2MoeForCausalLM`): softmax routing, normalised or not (`norm_topk_prob`), one shared FFN of
+  `shared_expert_intermediate_size` = n_shared · expert hidden gated by sigmoid(w·x) (`ffn.shared_gate=true`), every
+  layer sparse, no biases (q/k/v biases off: `qkv_bias=false`).
+Both: Llama's attention and norms (lmlab.interop.hf_config's Llama checks), GLU experts whose gate transformers has
+(`hidden_act`), dropless (no capacity), no loss-free bias (transformers routes without one). Anything else is refused
+naming the key: sigmoid routing with a bias is DeepSeek-V3's, whose transformers model also needs MLA attention.
+Qwen3-MoE's layers have q/k norms and no shared expert; not written here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmlab.config import GPTConfig
+
+MOE_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+
+
+def _refuse(key: str, value: Any, family: str, accepted: str) -> Exception:
+    from lmlab.interop.hf_config import _refuse as refuse
+
+    return refuse(key, value, family, accepted)
+
+
+def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
+    """'mixtral' or 'qwen2_moe' for an ffn=moe config that passed the Llama checks, or NotRepresentable by key.
+    `gate_act`: transformers' name of the experts' gate activation (None: they are not a GLU it has)."""
+    f = cfg.ffn
+    fam = "Mixtral or Qwen2-MoE"
+    if gate_act is None:
+        raise _refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
+    if cfg.bias:
+        raise _refuse("model.bias", cfg.bias, fam, "model.bias=false")
+    for key, plain in (("score", "softmax"), ("capacity_factor", None), ("bias_update_rate", 0.0)):
+        if f.get(key, plain) != plain:
+            raise _refuse(f"ffn.{key}", f[key], fam, f"ffn.{key}={'null' if plain is None else plain}")
+    if not f.get("n_shared", 0):
+        if not f.get("norm_topk", True):
+            raise _refuse("ffn.norm_topk", False, "Mixtral", "ffn.norm_topk=true (or shared experts: Qwen2-MoE)")
+        return "mixtral"
+    if not f.get("shared_gate", False):
+        raise _refuse("ffn.n_shared", f["n_shared"], "Qwen2-MoE", "ffn.shared_gate=true with shared experts "
+                      "(ungated shared experts are DeepSeek's, whose transformers model needs MLA attention), or "
+                      "ffn.n_shared=0 (Mixtral)")
+    return "qwen2_moe"
+
+
+def hf_moe_config(cfg: GPTConfig, fam: str, common: dict[str, Any]) -> Any:
+    import transformers
+
+    f = cfg.ffn
+    routed = dict(num_experts_per_tok=f.get("top_k", 2), router_aux_loss_coef=float(f.get("balance_loss", 0.0)),
+                  bos_token_id=None, eos_token_id=None)
+    if fam == "mixtral":
+        return transformers.MixtralConfig(**common, **routed, num_local_experts=f.get("n_experts", 8),
+                                          sliding_window=None, router_jitter_noise=0.0)
+    common = {k: v for k, v in common.items() if k != "head_dim"}  # Qwen2-MoE's heads split hidden_size
+    return transformers.Qwen2MoeConfig(
+        **common, **routed, num_experts=f.get("n_experts", 8), moe_intermediate_size=cfg.ffn_hidden,
+        shared_expert_intermediate_size=f["n_shared"] * cfg.ffn_hidden, norm_topk_prob=bool(f.get("norm_topk", True)),
+        decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=False, use_sliding_window=False)
+
+
+def lmlab_ffn(hf: Any, expert: str) -> dict[str, Any]:
+    """The ffn group of a MixtralConfig / Qwen2MoeConfig (`expert`: the lmlab GLU kind of its hidden_act)."""
+    kind = hf.model_type
+    if kind == "mixtral":
+        if getattr(hf, "sliding_window", None) is not None:
+            raise _not(f"sliding_window={hf.sliding_window}: lmlab's MoE export and import use full attention")
+        return {"name": "moe", "expert": expert, "hidden": hf.intermediate_size, "n_experts": hf.num_local_experts,
+                "top_k": hf.num_experts_per_tok, "n_shared": 0, "norm_topk": True}
+    if getattr(hf, "qkv_bias", False):
+        raise _not("qkv_bias=True: lmlab has one model.bias for every Linear (Qwen2-MoE's o_proj and experts have "
+                   "none)")
+    if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+        raise _not(f"mlp_only_layers={hf.mlp_only_layers} decoder_sparse_step={hf.decoder_sparse_step}: lmlab's "
+                   f"layers are all the same FFN kind")
+    if getattr(hf, "use_sliding_window", False):
+        raise _not("use_sliding_window=True: not read for Qwen2-MoE")
+    shared, h = hf.shared_expert_intermediate_size, hf.moe_intermediate_size
+    if shared % h or not shared:
+        raise _not(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={h}: "
+                   f"lmlab's shared experts are n_shared experts' size")
+    return {"name": "moe", "expert": expert, "hidden": h, "n_experts": hf.num_experts, "top_k": hf.num_experts_per_tok,
+            "n_shared": shared // h, "shared_gate": True, "norm_topk": bool(hf.norm_topk_prob)}
+
+
+def _not(message: str) -> Exception:
+    from lmlab.interop.hf_config import NotRepresentable
+
+    return NotRepresentable(message)
+
+
+def state(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, fam: str) -> dict[str, torch.Tensor]:
+    """One layer's MoE weights in transformers' names (p: lmlab's prefix h.<i>., q: model.layers.<i>.)."""
+    moe, out = block.mlp, {}
+    E = moe.n_experts
+    out[q + "mlp.gate.weight"] = sd[p + "mlp.router.weight"]
+    out[q + "mlp.experts.gate_up_proj"] = sd[p + "mlp.c_fc.weight"].view(E, -1, moe.c_fc.in_features)
+    out[q + "mlp.experts.down_proj"] = sd[p + "mlp.c_proj.weight"].view(E, -1, moe.c_proj.in_features)
+    if fam == "qwen2_moe":
+        gate, up = sd[p + "mlp.shared.c_fc.weight"].chunk(2, dim=0)
+        out[q + "mlp.shared_expert.gate_proj.weight"], out[q + "mlp.shared_expert.up_proj.weight"] = gate, up
+        out[q + "mlp.shared_expert.down_proj.weight"] = sd[p + "mlp.shared.c_proj.weight"]
+        out[q + "mlp.shared_expert_gate.weight"] = sd[p + "mlp.shared_gate.weight"]
+    return out
+
+
+def invert(state: dict[str, torch.Tensor], p: str, q: str, cfg: GPTConfig, fam: str) -> dict[str, torch.Tensor]:
+    """`state` inverted: transformers' MoE weights of one layer in lmlab's names (the balancing bias at zero)."""
+    sd = {p + "mlp.router.weight": state[q + "mlp.gate.weight"]}
+    gate_up, down = state[q + "mlp.experts.gate_up_proj"], state[q + "mlp.experts.down_proj"]
+    sd[p + "mlp.c_fc.weight"] = gate_up.reshape(-1, gate_up.size(-1))
+    sd[p + "mlp.c_proj.weight"] = down.reshape(-1, down.size(-1))
+    sd[p + "mlp.expert_bias"] = torch.zeros(gate_up.size(0))
+    if fam == "qwen2_moe":
+        sd[p + "mlp.shared.c_fc.weight"] = torch.cat([state[q + f"mlp.shared_expert.{x}_proj.weight"]
+                                                      for x in ("gate", "up")], dim=0)
+        sd[p + "mlp.shared.c_proj.weight"] = state[q + "mlp.shared_expert.down_proj.weight"]
+        sd[p + "mlp.shared_gate.weight"] = state[q + "mlp.shared_expert_gate.weight"]
+    return sd

@@ -1,0 +1,110 @@
+"""transformers interop for ffn=moe: Mixtral (softmax top-k, normalised, no shared experts) and Qwen2-MoE (a gated
+shared expert, normalised or not) give the same logits both ways (fp32, tight tolerance), and every configuration
+transformers cannot represent is refused naming its key. (Cached generation of ffn=moe: tests/test_generate.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from lmlab.config import GPTConfig  # noqa: E402
+from lmlab.interop.hf import NotRepresentable, family, from_hf, to_hf  # noqa: E402
+from lmlab.model.gpt import GPT, validate  # noqa: E402
+
+V = 61
+COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=32, rms_norm_eps=1e-5, attention_dropout=0.0, tie_word_embeddings=False,
+              num_experts_per_tok=2, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+CASES = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, intermediate_size=24, num_local_experts=4)),
+    "mixtral_gelu_top1": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**COMMON, "hidden_act": "gelu", "num_experts_per_tok": 1}, intermediate_size=16, num_local_experts=3)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=24, num_experts=4,
+        norm_topk_prob=False, qkv_bias=False)),
+    "qwen2_moe_norm": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **{**COMMON, "tie_word_embeddings": True}, intermediate_size=24, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, num_experts=6, norm_topk_prob=True, qkv_bias=False)),
+}
+
+
+def _hf(case: str):
+    torch.manual_seed(1)
+    model = CASES[case]().eval()
+    with torch.no_grad():  # sharp routers and norms away from 1: a wrong mapping would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _logits(model, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(idx)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_from_hf_and_back_give_the_same_logits(case: str) -> None:
+    hf = _hf(case)
+    ours = from_hf(hf)
+    assert family(ours.cfg) == case.split("_gelu")[0].removesuffix("_norm")
+    assert ours.cfg.ffn["name"] == "moe"
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
+    expected = _logits(hf, idx)
+    torch.testing.assert_close(_logits(ours, idx), expected, rtol=1e-5, atol=1e-5)
+    back = to_hf(ours)
+    assert type(back) is type(hf)
+    torch.testing.assert_close(_logits(back, idx), expected, rtol=1e-5, atol=1e-5)
+
+
+def _moe_cfg(**ffn) -> GPTConfig:
+    return validate(GPTConfig(vocab_size=V, n_layer=2, d_model=32, n_head=4, norm={"name": "rms"},
+                              ffn={"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2, "hidden": 16,
+                                   **ffn}))
+
+
+def test_an_lmlab_moe_exports_with_its_family() -> None:
+    for ffn, fam in (({}, "mixtral"), ({"n_shared": 2, "shared_gate": True}, "qwen2_moe"),
+                     ({"n_shared": 1, "shared_gate": True, "norm_topk": False}, "qwen2_moe")):
+        torch.manual_seed(0)
+        model = GPT(_moe_cfg(**ffn)).eval()
+        hf = to_hf(model)
+        assert family(model.cfg) == fam
+        idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(_logits(hf, idx), _logits(model, idx), rtol=1e-5, atol=1e-5)
+    assert hf.config.shared_expert_intermediate_size == 16 and hf.config.norm_topk_prob is False
+
+
+@pytest.mark.parametrize(("ffn", "message"), [
+    ({"n_shared": 1}, r"ffn\.n_shared=1 has no Qwen2-MoE form .*ffn\.shared_gate=true"),
+    ({"score": "sigmoid"}, r"ffn\.score='sigmoid' has no Mixtral or Qwen2-MoE form"),
+    ({"capacity_factor": 1.25}, r"ffn\.capacity_factor=1\.25 has no"),
+    ({"bias_update_rate": 0.001}, r"ffn\.bias_update_rate=0\.001 has no"),
+    ({"norm_topk": False}, r"ffn\.norm_topk=False has no Mixtral form"),
+    ({"expert": "mlp"}, r"ffn\.expert='mlp' has no Mixtral or Qwen2-MoE form"),
+])
+def test_what_transformers_cannot_represent_is_refused_by_key(ffn: dict, message: str) -> None:
+    with pytest.raises(NotRepresentable, match=message):
+        to_hf(GPT(_moe_cfg(**ffn)))
+
+
+def test_imports_lmlab_cannot_represent_are_refused() -> None:
+    from lmlab.interop.hf import lmlab_config
+
+    qwen = dict(**COMMON, intermediate_size=24, moe_intermediate_size=12, num_experts=4)
+    for cfg, message in ((transformers.Qwen2MoeConfig(**qwen, shared_expert_intermediate_size=24), r"qkv_bias=True"),
+                         (transformers.Qwen2MoeConfig(**qwen, shared_expert_intermediate_size=18, qkv_bias=False),
+                          r"shared_expert_intermediate_size=18 is not a multiple"),
+                         (transformers.MixtralConfig(**COMMON, intermediate_size=24, sliding_window=8),
+                          r"sliding_window=8")):
+        with pytest.raises(NotRepresentable, match=message):
+            lmlab_config(cfg)
