@@ -39,7 +39,8 @@ class LAMB(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.float()
+                dtype = torch.promote_types(p.dtype, torch.float32)  # fp32 at least (bf16 weights), fp64 kept
+                g = p.grad.to(dtype)
                 st = self.state[p]
                 if not st:
                     st.update(step=torch.zeros(()), exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))
@@ -49,7 +50,7 @@ class LAMB(torch.optim.Optimizer):
                 st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
                 m_hat = st["exp_avg"] / (1 - b1 ** t)
                 v_hat = st["exp_avg_sq"] / (1 - b2 ** t)
-                r = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p.float()
-                ratio = self.trust_ratio(p.float(), r, group["max_trust_norm"])
+                r = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p.to(dtype)
+                ratio = self.trust_ratio(p.to(dtype), r, group["max_trust_norm"])
                 p.sub_((r * (group["lr"] * ratio)).to(p.dtype))
         return loss

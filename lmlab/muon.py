@@ -46,7 +46,8 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm = 1
     for _ in range(steps):
         A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA², in torch's order (bf16 rounds each op)
+        x = torch.addmm(x, B, x, beta=a)  # aX + BX
     return x.T if tall else x
 
 

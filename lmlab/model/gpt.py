@@ -44,6 +44,7 @@ class GPT(nn.Module):
         block = type(self.h[0])
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.is_readout = True  # the output layer: lmlab.optim's `readout` role (AdamW under Muon, µP)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix for reading and writing tokens (Press & Wolf, 2017)
         self.reset_parameters()
