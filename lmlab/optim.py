@@ -315,13 +315,18 @@ def optimizer_spec(optim: dict) -> dict:
     return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
 
 
-def validate_optim(optim: dict, schedule: dict, strategy: str | None = None) -> None:
+def validate_optim(optim: dict, schedule: dict, strategy: str | None = None, param: dict | None = None) -> None:
     """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature);
     an option that cannot run on sharded parameters (its `shards` reason) is refused under FSDP2 (`strategy`, the
-    trainer strategy's class name)."""
+    trainer strategy's class name); a parametrisation with per-role learning rates (µP) takes the optimizers whose
+    update is Adam-like (`mup` on the option)."""
     check_values("optim.", optim, OPTIM_LOOP_KEYS)
     name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     option_params("schedule", SCHEDULES, schedule)
     reason = getattr(OPTIMIZERS[name], "shards", None)
     if reason and strategy == "FSDP2Strategy":
         raise ValueError(f"optim={name} with trainer=fsdp2: {reason}")
+    if param is not None and param.get("name", "sp") != "sp" and not getattr(OPTIMIZERS[name], "mup", False):
+        takes = sorted(k for k, fn in OPTIMIZERS.items() if getattr(fn, "mup", False))
+        raise ValueError(f"param={param['name']} with optim={name}: µP's learning rates (hidden lr·base_width/d_model) "
+                         f"are those of Adam-like, entrywise-normalised updates; choose optim among {takes}")

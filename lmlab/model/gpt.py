@@ -20,6 +20,7 @@ from lmlab.model.cache import KVCache
 from lmlab.model.init import INITS
 from lmlab.model.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
+from lmlab.model.param import PARAMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
@@ -41,6 +42,8 @@ class GPT(nn.Module):
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
+        self.param = build("param", PARAMS, cfg.param, cfg)  # how scales follow the width (sp: as built)
+        self.param.scale_attention(self)
         block = type(self.h[0])
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -51,6 +54,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
+        self.param.rescale_init(self)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
                 z_loss: float = 0.0, parts: bool = False) -> Any:
@@ -76,6 +80,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += idx.size(1)
         h = self.ln_f(x)
+        if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
+            h = h * self.param.output_mult
         cap = self.cfg.logit_softcap
         if targets is None:
             logits = self.lm_head(h)
