@@ -42,6 +42,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False) -> None:
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if cfg.placement["name"] != "pre":
         raise _refuse("placement", cfg.placement["name"], fam, "placement=pre")
+    if cfg.param.get("name", "sp") != "sp":  # µP's attention scale and logit multiplier have no config field
+        raise _refuse("param", cfg.param["name"], fam, "param=sp")
     attn = cfg.attention
     if cfg.attention["name"] not in ("mha", "gqa", "mqa"):
         raise _refuse("attention", cfg.attention["name"], fam, "attention=mha|gqa|mqa")
