@@ -96,9 +96,9 @@ def optim_table(sweep: str | Path, target: float | None = None, out: Path | None
         reached = [steps_to(series.get(names.VAL_LOSS, []), target) for _, series in runs]
         tokens_per_step = _cfg(summary, "data.batch_size") * _cfg(summary, "model.max_seq_len")
         hit = [r for r in reached if r is not None]
-        steps = f"{statistics.mean(hit):.0f}" + ("" if len(hit) == len(reached) else f" ({len(hit)}/{len(reached)})")
-        lines.append(f"| {name} | {_cfg(summary, 'optim.lr'):g} | {_mean_sd(finals[name])} | "
-                     f"{steps if hit else 'not reached'} | "
+        steps = "not reached" if not hit else f"{statistics.mean(hit):.0f}" + (
+            "" if len(hit) == len(reached) else f" ({len(hit)}/{len(reached)} seeds)")
+        lines.append(f"| {name} | {_cfg(summary, 'optim.lr'):g} | {_mean_sd(finals[name])} | {steps} | "
                      f"{f'{statistics.mean(hit) * tokens_per_step / 1e3:.0f}k' if hit else '—'} | "
                      f"{state_bytes_per_param(summary):.2f} |")
         for i, (_, series) in enumerate(runs):
