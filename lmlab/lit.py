@@ -99,7 +99,10 @@ class LitGPT(L.LightningModule):
                 self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
-            self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
+            groups = self.trainer.optimizers[0].param_groups
+            if self.model.param.per_role:  # µP: the hidden group's lr is optim.lr·base/d; log optim.lr's schedule
+                groups = [g for g in groups if g.get("role") == "rest"] or groups
+            self.log("lr", torch.tensor(groups[0]["lr"], dtype=torch.float64))
             self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
         return objective
 
