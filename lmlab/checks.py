@@ -39,7 +39,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
 
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
     gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
-    validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule))
+    validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
+                   gcfg.param)
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
 
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
-               "residual")
+               "residual", "param")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
@@ -60,6 +60,7 @@ class GPTConfig:
     attention: dict = field(default_factory=lambda: {"name": "mha"})
     init: dict = field(default_factory=lambda: {"name": "gpt2"})
     residual: dict = field(default_factory=lambda: {"standard": {}})  # option name -> its keys (lmlab.model.residual)
+    param: dict = field(default_factory=lambda: {"name": "sp"})  # the parametrisation (lmlab.model.param): sp, mup
     # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
     head_dim: int | None = None  # d_model / n_head
     kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)

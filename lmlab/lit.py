@@ -27,9 +27,22 @@ from lmlab.registry import build, option_params
 
 # Read here, not by the optimizer constructor; typed like an option's own keys (grad_clip 0 or null: off).
 def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int) -> dict:
-    """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form."""
-    optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), param_groups(model, optim.get("weight_decay", 0.0)))
+    """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form.
+
+    The groups are split by role when the optimizer asks for it (Muon) or the parametrisation sets per-role learning
+    rates (µP: `model.param.lr_mult(role)`, applied to the group's lr before the schedule reads it). An optimizer
+    that is `warmup_only` (schedule-free) runs the constant schedule with the schedule group's warmup_steps."""
+    opt_name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    param = getattr(model, "param", None)
+    by_role = getattr(OPTIMIZERS[opt_name], "roles", False) or bool(param is not None and param.per_role)
+    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role)
+    optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
+    if param is not None and param.per_role:
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * param.lr_mult(g["role"])
     name, params = option_params("schedule", SCHEDULES, schedule)
+    if getattr(optimizer, "warmup_only", False):
+        name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}
     fn = SCHEDULES[name]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -89,7 +102,10 @@ class LitGPT(L.LightningModule):
                 self.log(names.TRAIN_AUX[part], value, sync_dist=True)
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
-            self.log("lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"], dtype=torch.float64))
+            groups = self.trainer.optimizers[0].param_groups
+            if self.model.param.per_role:  # µP: the hidden group's lr is optim.lr·base/d; log optim.lr's schedule
+                groups = [g for g in groups if g.get("role") == "rest"] or groups
+            self.log("lr", torch.tensor(groups[0]["lr"], dtype=torch.float64))
             self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
         return objective
 
@@ -106,6 +122,24 @@ class LitGPT(L.LightningModule):
         if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:
             self.log(names.VAL_PPL, math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
             self.val_history.append((self.global_step, float(loss)))
+
+    # --- optimizers with train/eval modes (schedule-free: lmlab.schedule_free): evaluate x, train at y ---------
+
+    def _modal_optimizer(self):
+        opts = self._trainer.optimizers if self._trainer is not None else []
+        return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
+
+    def on_validation_start(self) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.eval()  # after the callbacks' on_validation_start, before any batch
+
+    def on_validation_end(self) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.train()  # after the callbacks' on_validation_end: ModelCheckpoint has written the eval weights
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).
@@ -165,6 +199,15 @@ class LitGPT(L.LightningModule):
             loop["_batches_that_stepped"] = self.global_step - 1
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict()}
+        opt = self._modal_optimizer()
+        if opt is not None and opt.training and "state_dict" in checkpoint:
+            # Written while training: the weights are the evaluation weights x (what eval.py, init_from and generation
+            # read), the training weights y beside them, exactly, for a resume.
+            x = opt.eval_weights()
+            weights = checkpoint["state_dict"]
+            checkpoint["lmlab"]["train_weights"] = {k: v for k, v in weights.items() if v.data_ptr() in x}
+            checkpoint["state_dict"] = {k: x[v.data_ptr()].clone() if v.data_ptr() in x else v
+                                        for k, v in weights.items()}
 
     def _val_due(self, progress: dict) -> bool:
         """Whether Lightning's batch-based validation check fires after the last finished batch (its rule)."""
@@ -176,6 +219,8 @@ class LitGPT(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("lmlab", {})
+        if state.get("train_weights") and "state_dict" in checkpoint:  # Lightning loads the weights after this hook
+            checkpoint["state_dict"] = {**checkpoint["state_dict"], **state["train_weights"]}
         self.tokens_seen = state.get("tokens_seen", 0)
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
         self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))

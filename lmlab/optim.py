@@ -3,6 +3,9 @@
 Optimizer contract: `opt(param_groups, *, <own params>) -> torch.optim.Optimizer`; `param_groups` puts
 weight decay only on matrices that are not embeddings (no decay on norms, biases, embeddings), the split
 GPT-2/nanoGPT use. `grad_clip` in the `optim` config is read by the training loop, not the optimizer.
+An option says on itself what else it needs: `roles = True` (its groups split by role: `hidden` matrices, the
+`readout`, the rest; Muon), `mup = True` (an Adam-like, entrywise-normalised update, for which µP's per-group learning
+rates are defined: `param=mup` takes only these), `shards = False` with a reason (refused under trainer=fsdp2).
 Schedule contract: `sched(step, max_steps, *, warmup_steps, <own params>) -> lr multiplier`; every schedule
 warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stability studies).
 """
@@ -16,22 +19,44 @@ from typing import Annotated, Literal
 import torch
 from torch import nn
 
-from lmlab.registry import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, Range, check_values, option_params
+from lmlab.cautious import CautiousAdamW
+from lmlab.lamb import LAMB
+from lmlab.muon import MuonAdamW
+from lmlab.registry import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    check_values,
+    option_params,
+)
 
 Betas = Annotated[tuple[float, float], Range(ge=0, lt=1)]  # moving-average coefficients, each in [0, 1)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay 2-D weights of Linear layers; never norms, biases or embedding tables (tied heads included)."""
+def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False) -> list[dict]:
+    """Decay 2-D weights of Linear layers; never norms, biases or embedding tables (tied heads included).
+
+    by_role: three groups, each with its `role`: `hidden` (the decayed matrices but the readout: every Linear weight
+    inside the blocks), `readout` (a Linear marked `is_readout`, the untied LM head) and `rest` (embeddings, gains,
+    biases); empty groups are left out. The default two groups are the optimizer state's layout of every earlier run."""
     no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    readout = {id(m.weight) for m in model.modules() if getattr(m, "is_readout", False)} - no_decay
     decay, rest = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
         (decay if p.dim() >= 2 and id(p) not in no_decay else rest).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    if not by_role:
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": [p for p in decay if id(p) not in readout], "weight_decay": weight_decay, "role": "hidden"},
+              {"params": [p for p in decay if id(p) in readout], "weight_decay": weight_decay, "role": "readout"},
+              {"params": rest, "weight_decay": 0.0, "role": "rest"}]
+    return [g for g in groups if g["params"]]
 
 
 def adamw(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas = (0.9, 0.95), eps: PositiveFloat = 1e-8,
-          fused: bool | None = None, independent_wd: bool = False) -> torch.optim.Optimizer:
+          fused: bool | None = None, independent_wd: bool = False, cautious_wd: bool = False) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter, 2019), decoupled weight decay.
 
     independent_wd=false is torch's AdamW: each step shrinks the decay group by lr_t·wd (lr_t = lr · schedule), so
@@ -42,6 +67,8 @@ def adamw(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas = (0
     fused=None (auto) takes torch's fused kernel when every parameter is a float tensor on CPU or CUDA: the same
     update in one pass per tensor, ~3x faster than torch's default loop on CPU (measured: 17 vs 51 ms for 12M
     parameters, one thread); fused=false keeps torch's default implementation.
+
+    cautious_wd=true decays an entry only where the update and the parameter agree in sign (lmlab.cautious).
     """
     groups = list(groups)
     if independent_wd:  # torch multiplies by lr_t = lr·s_t: divide by the base lr once, leaving s_t·wd
@@ -49,7 +76,13 @@ def adamw(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas = (0
     if fused is None:
         params = [p for g in groups for p in g["params"]]
         fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
+    if cautious_wd:
+        groups = [{**g, "cautious": True} for g in groups]
+    kind = CautiousAdamW if cautious_wd else torch.optim.AdamW
+    return kind(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
+
+
+adamw.mup = True
 
 
 def sgd(groups: Iterable[dict], *, lr: PositiveFloat = 0.1, momentum: NonNegativeFloat = 0.9, nesterov: bool = False
@@ -80,6 +113,56 @@ class Lion(torch.optim.Optimizer):
 
 def lion(groups: Iterable[dict], *, lr: PositiveFloat = 1e-4, betas: Betas = (0.9, 0.99)) -> Lion:
     return Lion(groups, lr=lr, betas=betas)
+
+
+lion.mup = True  # a sign update: entrywise like Adam's
+
+
+def muon(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, adam_lr: PositiveFloat = 3e-3,
+         momentum: Annotated[float, Range(ge=0, lt=1)] = 0.95, nesterov: bool = True, ns_steps: PositiveInt = 5,
+         adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw", betas: Betas = (0.9, 0.95),
+         eps: PositiveFloat = 1e-8, cautious_wd: bool = False, momentum_warmup_steps: NonNegativeInt = 0,
+         momentum_start: Annotated[float, Range(ge=0, lt=1)] = 0.85, fused: bool | None = None) -> MuonAdamW:
+    """Muon for the hidden matrices at `lr` (scaled by `adjust_lr_fn`), AdamW (betas, eps) for the rest at `adam_lr`
+    (lmlab.muon); weight decay on the hidden matrices and an untied head, as for AdamW."""
+    return MuonAdamW(groups, lr=lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                     adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, cautious_wd=cautious_wd,
+                     momentum_warmup_steps=momentum_warmup_steps, momentum_start=momentum_start, fused=fused)
+
+
+muon.roles = True
+muon.shards = ("Newton–Schulz orthogonalises whole matrices, and FSDP2 holds row shards of each; use trainer=ddp "
+               "(every rank holds the whole matrices)")
+
+
+def lamb(groups: Iterable[dict], *, lr: PositiveFloat = 1e-2, betas: Betas = (0.9, 0.999), eps: PositiveFloat = 1e-6,
+         max_trust_norm: PositiveFloat | None = None) -> LAMB:
+    """LAMB (lmlab.lamb): Adam's direction plus decay, rescaled per tensor by the trust ratio ‖θ‖/‖r‖."""
+    return LAMB(groups, lr=lr, betas=betas, eps=eps, max_trust_norm=max_trust_norm)
+
+
+lamb.trust_ratio = True  # the decay is inside the trust ratio: a zero-gradient step gives θ·(1 − lr), not θ·(1 − lr·wd)
+
+
+def schedulefree(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, betas: Betas = (0.9, 0.95),
+                 eps: PositiveFloat = 1e-8, r: NonNegativeFloat = 0.0, weight_lr_power: NonNegativeFloat = 2.0,
+                 foreach: bool | None = None) -> torch.optim.Optimizer:
+    """Schedule-free AdamW (lmlab.schedule_free), returned in train mode; `r` and `weight_lr_power` weigh the
+    average (polynomial in the step, and lr_max^power during warm-up)."""
+    from lmlab.schedule_free import ScheduleFreeAdamW
+
+    groups = list(groups)
+    if foreach is None:
+        foreach = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
+    opt = ScheduleFreeAdamW(groups, lr=lr, betas=tuple(betas), eps=eps, warmup_steps=0, r=r,
+                            weight_lr_power=weight_lr_power, foreach=foreach)
+    opt.train()
+    return opt
+
+
+schedulefree.mup = True
+schedulefree.shards = ("its checkpoints hold the evaluation weights x computed from the whole state dict, which "
+                       "trainer=fsdp2 writes sharded; use trainer=ddp")
 
 
 AmosSlots = Literal["row", "tensor", "element"]
@@ -216,7 +299,8 @@ def inverse_sqrt(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0)
     return math.sqrt(warmup_steps / step) if warmup_steps else 1 / math.sqrt(step + 1)
 
 
-OPTIMIZERS = {"adamw": adamw, "sgd": sgd, "lion": lion, "amos": amos, "adafactor": adafactor}
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd, "lion": lion, "amos": amos, "adafactor": adafactor, "muon": muon,
+              "lamb": lamb, "schedulefree": schedulefree}
 SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": wsd, "inverse_sqrt": inverse_sqrt}
 
 
@@ -231,8 +315,18 @@ def optimizer_spec(optim: dict) -> dict:
     return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
 
 
-def validate_optim(optim: dict, schedule: dict) -> None:
-    """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature)."""
+def validate_optim(optim: dict, schedule: dict, strategy: str | None = None, param: dict | None = None) -> None:
+    """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature);
+    an option that cannot run on sharded parameters (its `shards` reason) is refused under FSDP2 (`strategy`, the
+    trainer strategy's class name); a parametrisation with per-role learning rates (µP) takes the optimizers whose
+    update is Adam-like (`mup` on the option)."""
     check_values("optim.", optim, OPTIM_LOOP_KEYS)
-    option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     option_params("schedule", SCHEDULES, schedule)
+    reason = getattr(OPTIMIZERS[name], "shards", None)
+    if reason and strategy == "FSDP2Strategy":
+        raise ValueError(f"optim={name} with trainer=fsdp2: {reason}")
+    if param is not None and param.get("name", "sp") != "sp" and not getattr(OPTIMIZERS[name], "mup", False):
+        takes = sorted(k for k, fn in OPTIMIZERS.items() if getattr(fn, "mup", False))
+        raise ValueError(f"param={param['name']} with optim={name}: µP's learning rates (hidden lr·base_width/d_model) "
+                         f"are those of Adam-like, entrywise-normalised updates; choose optim among {takes}")

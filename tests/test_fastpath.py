@@ -299,11 +299,12 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
         assert math.isclose(b["matmul_gflops"], 6 * n * 2 * 16 / b["seconds"]["matmul"] / 1e9)
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adafactor", "amos"])
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "amos", "lamb", "lion", "schedulefree", "muon"])
 def test_bench_optimizer_state_bytes(optim: str) -> None:
     """The bench's optimizer-state figure after one step: AdamW = 2 fp32 moments per parameter + a 4-byte step per
-    tensor; Adafactor's factored second moment and Amos's step, v and b (one per matrix row, one per vector) are a
-    small fraction of that."""
+    tensor (LAMB the same); Lion one moment; schedule-free z and v (no step tensor); Muon one momentum buffer on the
+    hidden matrices and AdamW's on the rest; Adafactor's factored second moment and Amos's step, v and b (one per
+    matrix row, one per vector) are a small fraction of that."""
     from omegaconf import OmegaConf
 
     from lmlab.bench.timing import Contestant
@@ -325,8 +326,16 @@ def test_bench_optimizer_state_bytes(optim: str) -> None:
     assert c.optimizer_state_bytes() == 0  # no state before the first step
     c.train_step((torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))))
     got = c.optimizer_state_bytes()
-    if optim == "adamw":
+    hidden = [m.weight for block in model.h for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    rest = [p for p in params if all(p is not h for h in hidden)]
+    if optim in ("adamw", "lamb"):
         assert got == 8 * n + 4 * len(params)
+    elif optim == "lion":
+        assert got == 4 * n
+    elif optim == "schedulefree":
+        assert got == 8 * n
+    elif optim == "muon":
+        assert got == 4 * sum(h.numel() for h in hidden) + 8 * sum(p.numel() for p in rest) + 4 * len(rest)
     elif optim == "amos":
         assert got == 4 * sum(1 + 2 * (p.numel() // p.shape[-1] if p.dim() >= 2 else 1) for p in params)
         assert got < 0.1 * 8 * n

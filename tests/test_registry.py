@@ -16,6 +16,7 @@ from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS
 from lmlab.model.init import INITS
 from lmlab.model.norm import NORMS
+from lmlab.model.param import PARAMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
@@ -32,6 +33,7 @@ GROUPS = {
     "position": POSITIONS,
     "attention": ATTENTIONS,
     "init": INITS,
+    "param": PARAMS,
     "optim": OPTIMIZERS,
     "schedule": SCHEDULES,
 }

@@ -51,6 +51,7 @@ def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device:
         x, y = batch
         return F.cross_entropy(peer_fwd(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
 
+    peer.get_output_embeddings().is_readout = True  # its head is a readout, as lmlab's (AdamW under optim=muon)
     peer_optimizer = configure_optimization(peer, optim, schedule, horizon)  # what LitGPT builds, for the peer
     contestants = [ours, Contestant(f"hf {type(peer).__name__}", peer, peer_loss, peer_optimizer,
                                     optim.get("grad_clip", 0.0), autocast)]

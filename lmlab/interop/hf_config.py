@@ -54,6 +54,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("residual", extra[0], fam, f"residual={'|'.join(('standard', *residual))}")
     if cfg.placement["name"] != placement:
         raise _refuse("placement", cfg.placement["name"], fam, f"placement={placement}")
+    if cfg.param.get("name", "sp") != "sp":  # µP's attention scale and logit multiplier have no config field
+        raise _refuse("param", cfg.param["name"], fam, "param=sp")
     attn = cfg.attention
     if cfg.attention["name"] not in attentions:
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")

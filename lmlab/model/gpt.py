@@ -20,6 +20,7 @@ from lmlab.model.cache import KVCache
 from lmlab.model.init import INITS
 from lmlab.model.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
+from lmlab.model.param import PARAMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import Connections
@@ -45,15 +46,19 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
         self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)
         self.residual.attach(self)
+        self.param = build("param", PARAMS, cfg.param, cfg)  # how scales follow the width (sp: as built)
+        self.param.scale_attention(self)
         block = type(self.h[0])
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.is_readout = True  # the output layer: lmlab.optim's `readout` role (AdamW under Muon, µP)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix for reading and writing tokens (Press & Wolf, 2017)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
+        self.param.rescale_init(self)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
                 z_loss: float = 0.0, parts: bool = False) -> Any:
@@ -85,6 +90,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += idx.size(1)
         h = self.ln_f(x)
+        if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
+            h = h * self.param.output_mult
         cap = self.cfg.logit_softcap
         if targets is None:
             logits = self.lm_head(h)

@@ -1,0 +1,106 @@
+"""Muon (Jordan et al., 2024, "Muon: an optimizer for hidden layers"): orthogonalised momentum for the hidden matrices,
+AdamW for everything else, in one optimizer object (the form Lightning, the LR schedule and checkpoints expect).
+
+Per hidden matrix W (m × n), with g its gradient (torch.optim.Muon's step, which this runs):
+
+    B ← μ·B + (1 − μ)·g;   U = (1 − μ)·g + μ·B  (nesterov) or B;   O = NS₅(U) ≈ U·(UᵀU)^(−½)
+    W ← W·(1 − lr·wd) − lr·s(m, n)·O
+
+NS₅ is five steps of the quintic Newton–Schulz iteration X ← aX + (bA + cA²)X, A = XXᵀ, from X = U/‖U‖_F, in bf16,
+coefficients (a, b, c) = (3.4445, −4.775, 2.0315) (`newton_schulz`); it pushes U's singular values towards 1 without
+an SVD. s(m, n) is the learning-rate scale convention (`adjust_lr_fn`): `match_rms_adamw` (default here, Moonlight,
+Liu et al. 2025) s = 0.2·√max(m, n), which gives the update the RMS of AdamW's (≈ 0.2), so `lr` and `weight_decay` are
+on AdamW's scale; `original` (Keller Jordan's) s = √max(1, m/n), for which lr ≈ 0.02 is typical.
+
+Which tensors: the `hidden` role of `lmlab.optim.param_groups` (every 2-D weight of a Linear inside the blocks:
+attention, FFN, GAU, gates, experts' matrices when they are Linear weights); embeddings, the LM head (`is_readout`),
+norm gains and biases go to AdamW at `adam_lr` (Muon is defined for hidden layers only: the head and embeddings are
+not "hidden" maps between two wide spaces). Groups without a role (library use) go to Muon when every tensor is 2-D.
+
+Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
+Under FSDP2 each rank holds row shards of W, and NS needs the whole matrix: lmlab refuses optim=muon with trainer=fsdp2
+(lmlab.optim.validate_optim) rather than gather every matrix on every rank. DDP needs nothing: each rank holds the
+whole matrices and the all-reduced gradients, and NS is deterministic, so every rank takes the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lmlab.cautious import cautious_step
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """The quintic Newton–Schulz iteration on a 2-D matrix, as torch.optim.Muon computes it (bf16; a tall matrix is
+    transposed so that A = XXᵀ is the small Gram matrix)."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm = 1
+    for _ in range(steps):
+        A = x @ x.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA², in torch's order (bf16 rounds each op)
+        x = torch.addmm(x, B, x, beta=a)  # aX + BX
+    return x.T if tall else x
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer over two kinds of groups (`kind`: "muon" or "adamw"); each kind is stepped by torch's own
+    optimizer, which shares this object's param groups and state, so `state_dict()`/`load_state_dict()` are torch's:
+    one state per parameter, every group's hyper-parameters (and the momentum warm-up's step count) in its dict."""
+
+    def __init__(self, groups: Iterable[dict], *, lr: float, adam_lr: float, momentum: float, nesterov: bool,
+                 ns_steps: int, adjust_lr_fn: str, betas: tuple[float, float], eps: float, cautious_wd: bool,
+                 momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None) -> None:
+        from lmlab.optim import adamw
+
+        muon_groups, adam_groups = [], []
+        for g in groups:
+            params = list(g["params"])
+            if not params:
+                continue
+            role = g.get("role", "hidden" if all(p.dim() == 2 for p in params) else "other")
+            (muon_groups if role == "hidden" else adam_groups).append({**g, "params": params, "cautious": cautious_wd})
+        children = []
+        if muon_groups:
+            children.append(torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov,
+                                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
+            for g in children[-1].param_groups:
+                g.update(kind="muon", momentum_target=momentum, momentum_start=momentum_start,
+                         momentum_warmup_steps=momentum_warmup_steps, muon_step=0)
+        if adam_groups:
+            children.append(adamw(adam_groups, lr=adam_lr, betas=betas, eps=eps, fused=fused))
+            for g in children[-1].param_groups:
+                g["kind"] = "adamw"
+        self._children = {g["kind"]: child for child in children for g in child.param_groups}
+        super().__init__([g for child in children for g in child.param_groups], {})
+        self._link()
+
+    def _link(self) -> None:
+        """Let each kind's optimizer see this object's groups and state (again after load_state_dict replaced them)."""
+        for kind, child in self._children.items():
+            child.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            child.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = torch.enable_grad()(closure)() if closure is not None else None
+        for g in self.param_groups:
+            if g["kind"] == "muon":  # the momentum warm-up: μ_t from momentum_start to momentum over the steps
+                w = g["momentum_warmup_steps"]
+                frac = min(1.0, g["muon_step"] / w) if w else 1.0
+                g["momentum"] = g["momentum_start"] + frac * (g["momentum_target"] - g["momentum_start"])
+                g["muon_step"] += 1
+        cautious_step(self, lambda: [child.step() for child in self._children.values()])
+        return loss
