@@ -1,0 +1,57 @@
+"""compare's significance section: each variant against a baseline variant over the seeds they share.
+
+compare_significance.{md,csv}: one row per variant other than the baseline, with the paired differences of
+`FIGURE` (variant − baseline: negative is better), their 95% t interval, the p-value, Holm's over the sweep's
+variants, whether the difference stands out of the seed noise at α = 0.05, and the seeds a paired test would need to
+resolve the observed difference at the observed spread (lmlab.significance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmlab.significance import holm, paired, seeds_needed, verdict
+from lmlab.tables import write_table
+
+FIGURE = "best_val_loss"
+COLS = ("variant", "baseline", "n", "diff_mean", "diff_sd", "ci95_low", "ci95_high", "p", "p_holm",
+        "distinguishable", "seeds_needed")
+
+
+def variant_name(row: dict[str, Any], keys: Sequence[str]) -> str:
+    return ",".join(f"{k}={row.get(k, '')}" for k in keys)
+
+
+def pick_baseline(names: Sequence[str], baseline: str | None) -> str:
+    """The baseline variant: the one named (every `key=value` of `baseline` must be in its name), else the first."""
+    if baseline is None:
+        return names[0]
+    want = set(str(baseline).split(","))
+    matches = [n for n in names if want <= set(n.split(","))]
+    if len(matches) != 1:
+        raise ValueError(f"baseline={baseline!r} must name exactly one variant; the variants are {list(names)}"
+                         + (f" ({len(matches)} match)" if matches else ""))
+    return matches[0]
+
+
+def significance(rows: Sequence[dict[str, Any]], keys: Sequence[str], stem: Path,
+                 baseline: str | None = None, figure: str = FIGURE) -> tuple[list[dict[str, Any]], str]:
+    """The significance rows of per-run `rows` (each with its `keys`, `seed` and `figure`); writes stem.{md,csv}."""
+    per_seed: dict[str, dict[str, float]] = {}
+    for row in rows:
+        value = row.get(figure)
+        per_seed.setdefault(variant_name(row, keys), {})
+        if isinstance(value, (int, float)) and math.isfinite(value) and row.get("status") == "completed":
+            per_seed[variant_name(row, keys)][str(row.get("seed"))] = float(value)
+    names = list(per_seed)
+    base = pick_baseline(names, baseline)
+    tests = {n: paired(per_seed[base], per_seed[n]) for n in names if n != base}
+    adjusted = dict(zip(tests, holm([t.p for t in tests.values()])))
+    out = [{"variant": n, "baseline": base, "n": t.n, "diff_mean": t.mean, "diff_sd": t.sd, "ci95_low": t.low,
+            "ci95_high": t.high, "p": t.p, "p_holm": adjusted[n], "distinguishable": verdict(t.n, adjusted[n]),
+            "seeds_needed": seeds_needed(t.mean, t.sd)} for n, t in tests.items()]
+    md = write_table(out, COLS, stem) if out else ""
+    return out, md
