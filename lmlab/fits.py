@@ -5,9 +5,9 @@ cross.
 The fit is least squares on the losses. α is found first on a grid (for a fixed α the model is linear in E and A,
 solved exactly), then E, A and α are refined together by scipy.optimize.curve_fit from the best grid point, with C
 rescaled by its geometric mean so the three parameters are of order one. The intervals are the 95% t intervals from
-curve_fit's covariance (n − 3 degrees of freedom; A's by the delta method on log A, which α moves): with 4 points that is one degree of freedom, and the intervals say
-how little four points pin down. Fewer points than parameters are refused; with exactly 3 the curve passes through
-them and has no interval.
+curve_fit's covariance (n − 3 degrees of freedom; A's by the delta method on log A, which α moves): with 4
+points that is one degree of freedom, and the intervals say how little four points pin down. Fewer points than
+parameters are refused; with exactly 3 the curve passes through them and has no interval.
 
 Compute-equivalent multiplier at compute C: the baseline reaches L_b(C) there; the variant reaches that loss with
 C_v = (A_v / (L_b(C) − E_v))^(1/α_v), and the multiplier is C_v / C (0.8: the variant needs 0.8× the compute; inf:
