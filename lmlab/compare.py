@@ -24,6 +24,7 @@ from typing import Any
 from lmlab import names
 from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
+from lmlab.ladder import compute_spent, ladder_section, size_keys
 from lmlab.plots import plot_curves, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
@@ -244,8 +245,10 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
         md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
             grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
             md_cols=[*head, *FIGURES], md_cell=_mean_sd)
-        if len(grouped) > 1:
-            _, sig = significance(rows, variant_keys, sweep_dir / "compare_significance", baseline)
+        sizes = size_keys(variant_keys)
+        if len(grouped) > 1 and len(variant_keys) > len(sizes):
+            _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
+                                  baseline, within=sizes)
             md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
     series: dict[str, list] = {}
     for r in runs:  # the seeds of a variant share its name: plotted as their mean with a ± sd band
@@ -259,6 +262,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
+                         variant_keys, sweep_dir, baseline)
     for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
         md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

@@ -37,21 +37,28 @@ def pick_baseline(names: Sequence[str], baseline: str | None) -> str:
     return matches[0]
 
 
-def significance(rows: Sequence[dict[str, Any]], keys: Sequence[str], stem: Path,
-                 baseline: str | None = None, figure: str = FIGURE) -> tuple[list[dict[str, Any]], str]:
-    """The significance rows of per-run `rows` (each with its `keys`, `seed` and `figure`); writes stem.{md,csv}."""
-    per_seed: dict[str, dict[str, float]] = {}
+def significance(rows: Sequence[dict[str, Any]], keys: Sequence[str], stem: Path, baseline: str | None = None,
+                 figure: str = FIGURE, within: Sequence[str] = ()) -> tuple[list[dict[str, Any]], str]:
+    """The significance rows of per-run `rows` (each with its `keys`, `seed` and `figure`); writes stem.{md,csv}.
+    `within`: keys whose values are compared apart (a ladder's sizes: each variant against the baseline at the same
+    size); Holm's correction runs over every test of the section."""
+    groups: dict[str, dict[str, dict[str, float]]] = {}
     for row in rows:
+        at = variant_name(row, within)
+        per_seed = groups.setdefault(at, {}).setdefault(variant_name(row, keys), {})
         value = row.get(figure)
-        per_seed.setdefault(variant_name(row, keys), {})
         if isinstance(value, (int, float)) and math.isfinite(value) and row.get("status") == "completed":
-            per_seed[variant_name(row, keys)][str(row.get("seed"))] = float(value)
-    names = list(per_seed)
-    base = pick_baseline(names, baseline)
-    tests = {n: paired(per_seed[base], per_seed[n]) for n in names if n != base}
+            per_seed[str(row.get("seed"))] = float(value)
+    tests = {}
+    for at, per_seed in groups.items():
+        base = pick_baseline(list(per_seed), baseline)
+        for name in per_seed:
+            if name != base:
+                tests[(at, name, base)] = paired(per_seed[base], per_seed[name])
     adjusted = dict(zip(tests, holm([t.p for t in tests.values()])))
-    out = [{"variant": n, "baseline": base, "n": t.n, "diff_mean": t.mean, "diff_sd": t.sd, "ci95_low": t.low,
-            "ci95_high": t.high, "p": t.p, "p_holm": adjusted[n], "distinguishable": verdict(t.n, adjusted[n]),
-            "seeds_needed": seeds_needed(t.mean, t.sd)} for n, t in tests.items()]
+    out = [{"variant": ",".join(filter(None, (name, at))), "baseline": base, "n": t.n, "diff_mean": t.mean,
+            "diff_sd": t.sd, "ci95_low": t.low, "ci95_high": t.high, "p": t.p, "p_holm": adjusted[key],
+            "distinguishable": verdict(t.n, adjusted[key]), "seeds_needed": seeds_needed(t.mean, t.sd)}
+           for key, t in tests.items() for at, name, base in [key]]
     md = write_table(out, COLS, stem) if out else ""
     return out, md

@@ -40,6 +40,21 @@ class PowerLaw:
     E_ci: tuple[float, float] | None = None
     A_ci: tuple[float, float] | None = None
     alpha_ci: tuple[float, float] | None = None
+    scale: float = 1.0  # the fit ran on C / scale
+    cov: tuple[tuple[float, ...], ...] | None = None  # covariance of (E, A·scale^(−α), α) at that scale
+
+    def band(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The fit's 95% confidence band at the computes `c` (delta method on the parameters' covariance; None
+        without one)."""
+        if self.cov is None or self.n <= N_PARAMS:
+            return None
+        x, a_scaled = np.asarray(c, dtype=float) / self.scale, self.A * self.scale ** -self.alpha
+        xa = np.power(x, -self.alpha)
+        grad = np.stack([np.ones_like(x), xa, -a_scaled * xa * np.log(x)])  # dL/dE, dL/dA', dL/dα
+        var = np.einsum("in,ij,jn->n", grad, np.array(self.cov), grad)
+        half = stats.t.ppf(0.975, self.n - N_PARAMS) * np.sqrt(np.clip(var, 0, None))
+        mid = self.loss(np.asarray(c, dtype=float))
+        return mid - half, mid + half
 
     def loss(self, c: float | np.ndarray) -> float | np.ndarray:
         return self.E + self.A * np.power(c, -self.alpha)
@@ -94,7 +109,8 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
         half = t * math.sqrt(max(float(var), 0.0))
         log_a = math.log(a * unit)
         a_ci = (math.exp(log_a - half), math.exp(log_a + half))
-    return PowerLaw(E=e, A=a * unit, alpha=alpha, n=len(pts), rmse=rmse, E_ci=e_ci, A_ci=a_ci, alpha_ci=alpha_ci)
+    return PowerLaw(E=e, A=a * unit, alpha=alpha, n=len(pts), rmse=rmse, E_ci=e_ci, A_ci=a_ci, alpha_ci=alpha_ci,
+                    scale=scale, cov=None if e_ci is None else tuple(map(tuple, np.asarray(cov).tolist())))
 
 
 def compute_multiplier(variant: PowerLaw, baseline: PowerLaw, compute: float) -> float:

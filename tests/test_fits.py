@@ -61,3 +61,58 @@ def test_crossover_on_synthetic_fits() -> None:
     assert lower_floor.loss(root / 10) > base.loss(root / 10) and lower_floor.loss(root * 10) < base.loss(root * 10)
     parallel = PowerLaw(E=2.0, A=40.0, alpha=0.3, n=5, rmse=0.0)
     assert crossover(parallel, base, 1e6, 1e12) == []
+
+
+def test_the_band_holds_the_true_curve_and_narrows_inside_the_points() -> None:
+    rng = np.random.default_rng(1)
+    c = np.logspace(10, 16, 8)
+    fit = fit_power_law(c, 1.5 + 30.0 * c ** -0.25 + rng.normal(0, 0.003, c.size))
+    low, high = fit.band(c)
+    true = 1.5 + 30.0 * c ** -0.25
+    assert np.all(low < fit.loss(c)) and np.all(fit.loss(c) < high)
+    assert np.mean((low < true) & (true < high)) >= 0.75
+    far_low, far_high = fit.band(np.array([1e7]))  # extrapolating three decades down: wider than anywhere inside
+    assert (far_high - far_low)[0] > np.max(high - low)
+    assert fit_power_law(C[:3], 2.0 + 50.0 * C[:3] ** -0.3).band(C) is None
+
+
+def _ladder_run(sweep, overrides, compute, loss):
+    import json
+
+    run = sweep / ",".join(overrides)
+    run.mkdir(parents=True)
+    run.joinpath("summary.json").write_text(json.dumps({
+        "status": "completed", "steps": 10, "tokens": 100, "overrides": overrides, "final_val_loss": loss,
+        "best_val_loss": loss, "budget_spent": {"flops": compute, "tokens": 100}}))
+
+
+def test_compare_fits_a_ladder_per_variant(tmp_path) -> None:
+    import csv
+
+    from lmlab.compare import compare
+
+    sweep = tmp_path / "ladder"
+    sizes = {"32": 1e12, "64": 1e13, "96": 1e14, "128": 1e15, "160": 1e16}
+    # swiglu = mlp at 0.8x the compute: A_v = A_b·0.8^α; reglu has two sizes only
+    laws = {"mlp": (2.0, 50.0, 0.3), "swiglu": (2.0, 50.0 * 0.8 ** 0.3, 0.3)}
+    for ffn, (e, a, alpha) in laws.items():
+        for d, c in sizes.items():
+            for seed, noise in (("1", 0.0), ("2", 1e-4)):
+                _ladder_run(sweep, [f"ffn={ffn}", f"model.d_model={d}", f"seed={seed}"], c,
+                            e + a * c ** -alpha + noise)
+    for d in ("32", "64"):
+        _ladder_run(sweep, ["ffn=reglu", f"model.d_model={d}", "seed=1"], sizes[d], 3.0)
+    _, md = compare(sweep, baseline="ffn=mlp")
+    with open(sweep / "compare_ladder.csv") as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert float(rows["ffn=mlp"]["alpha"]) == pytest.approx(0.3, rel=0.01)
+    assert float(rows["ffn=mlp"]["E"]) == pytest.approx(2.0, rel=0.01)
+    assert float(rows["ffn=swiglu"]["multiplier_at_max_C"]) == pytest.approx(0.8, rel=0.02)
+    assert rows["ffn=swiglu"]["crossover_C"] == "none"
+    assert "needs at least 3 points" in rows["ffn=reglu"]["problem"] and rows["ffn=reglu"]["E"] == ""
+    assert (sweep / "plots" / "loss_vs_compute.png").stat().st_size > 5000
+    assert "Scaling fits" in md
+    with open(sweep / "compare_significance.csv") as f:  # seeds paired within each size, against mlp at that size
+        sig = {r["variant"]: r for r in csv.DictReader(f)}
+    assert "ffn=swiglu,model.d_model=64" in sig and sig["ffn=swiglu,model.d_model=64"]["baseline"] == "ffn=mlp"
+    assert float(sig["ffn=swiglu,model.d_model=64"]["diff_mean"]) < 0  # the better variant: lower loss
