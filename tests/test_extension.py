@@ -39,7 +39,7 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
         assert rows[(4 * L, name)]["loss_beyond"] != rows[(4 * L, base)]["loss_beyond"], name  # 20 steps: close
     assert len({r["windows"] for r in result["rows"] if r["length"] == 4 * L}) == 1  # same windows for all
     plain = rows[(4 * L, "none")]
-    for name in ("dynamic_ntk", "dynamic_yarn"):  # s = max(1, n/L): positions < L are exactly the plain model
+    for name in ("dynamic_linear", "dynamic_ntk", "dynamic_yarn"):  # s = max(1, n/L): positions < L are the plain model
         assert rows[(4 * L, name)]["loss_inside"] == pytest.approx(plain["loss_inside"], abs=1e-9), name
         assert rows[(4 * L, name)]["loss_beyond"] != pytest.approx(plain["loss_beyond"], abs=1e-6), name
     # PI squeezes every position, the trained ones included; at the trained length every method is the plain model
