@@ -47,6 +47,13 @@ def chosen(cfg: DictConfig) -> tuple[str, float] | None:
     return kind, float(value)
 
 
+def equal_flops_width(n_layer: int, ref_layers: int, ref_width: int, multiple: int = 8) -> int:
+    """The width at which `n_layer` layers hold the matmul weights (12·L·d², so about the FLOPs per token) of
+    `ref_layers` layers of `ref_width`: d = ref_width·√(ref_layers / n_layer), rounded to `multiple` (a head-count
+    multiple). The resolver `${lmlab.equal_flops_width:${model.n_layer},4,128}` of experiment=depth_width."""
+    return max(multiple, round(ref_width * math.sqrt(ref_layers / n_layer) / multiple) * multiple)
+
+
 def world_size(cfg: DictConfig) -> int:
     """Processes that each train a batch per step: trainer.devices × trainer.num_nodes (devices=auto: the GPUs, or
     1 on a CPU)."""

@@ -93,3 +93,15 @@ def test_a_run_trains_to_its_token_budget(corpus: Path, tmp_path: Path) -> None:
     assert summary["budget_spent"]["flops"] == summary["tokens"] * summary["flops_per_token"]
     saved = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
     assert saved.trainer.max_steps == 11  # the effective config: the schedule was stretched to the budget's steps
+
+
+def test_depth_width_keeps_the_matmul_weights_of_its_reference() -> None:
+    from lmlab.budget import equal_flops_width
+
+    assert [equal_flops_width(n, 4, 128) for n in (1, 2, 4, 8, 16)] == [256, 184, 128, 88, 64]
+    for n_layer in (1, 2, 4, 8, 16):
+        cfg = compose(["experiment=depth_width", f"model.n_layer={n_layer}"])
+        d = cfg.model.d_model
+        assert d == equal_flops_width(n_layer, 4, 128) and d % cfg.model.n_head == 0
+        assert abs(12 * n_layer * d * d / (12 * 4 * 128 * 128) - 1) < 0.06  # within 6% of the reference's weights
+        assert cfg.budget.flops == 5e12
