@@ -119,6 +119,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
     task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
+    if OmegaConf.select(cfg, "jacobian.every_n_steps", default=0):  # per-block Jacobian norms (lmlab.jacobian)
+        from lmlab.jacobian import JacobianNorms
+
+        task = [*task, JacobianNorms(cfg.jacobian.every_n_steps, cfg.jacobian.get("probes", 4))]
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
