@@ -25,12 +25,20 @@ def variant_name(row: dict[str, Any], keys: Sequence[str]) -> str:
     return ",".join(f"{k}={row.get(k, '')}" for k in keys)
 
 
-def pick_baseline(names: Sequence[str], baseline: str | None) -> str:
-    """The baseline variant: the one named (every `key=value` of `baseline` must be in its name), else the first."""
+def pick_baseline(names: Sequence[str], baseline: str | Sequence[str] | None) -> str:
+    """The baseline variant: the one `baseline` names, else the first. Each of its comma-separated items is a value
+    (`mlp`: what the command line can say, `baseline=mlp`) or a `key=value` pair (`ffn=mlp`, from Python or quoted
+    on the command line); every item must be in the variant's name."""
     if baseline is None:
         return names[0]
-    want = set(str(baseline).split(","))
-    matches = [n for n in names if want <= set(n.split(","))]
+    items = baseline.split(",") if isinstance(baseline, str) else [str(b) for b in baseline]
+    want = {i.strip() for i in items if i.strip()}
+
+    def has(name: str) -> bool:
+        pairs = set(name.split(","))
+        return want <= pairs | {p.split("=", 1)[-1] for p in pairs}
+
+    matches = [n for n in names if has(n)]
     if len(matches) != 1:
         raise ValueError(f"baseline={baseline!r} must name exactly one variant; the variants are {list(names)}"
                          + (f" ({len(matches)} match)" if matches else ""))

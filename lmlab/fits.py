@@ -2,7 +2,9 @@
 with the irreducible loss E), the compute-equivalent multiplier of a variant against a baseline, and where two fits
 cross.
 
-The fit is least squares on the losses. α is found first on a grid (for a fixed α the model is linear in E and A,
+The fit is least squares on the losses with 0 ≤ E ≤ min(L), A ≥ 0, 0 < α ≤ 3 (a loss has a non-negative floor; a
+ladder spanning a few decades is otherwise fitted as well by E → −∞, α → 0, a log-linear law). α is found first on a
+grid (for a fixed α the model is linear in E and A,
 solved exactly), then E, A and α are refined together by scipy.optimize.curve_fit from the best grid point, with C
 rescaled by its geometric mean so the three parameters are of order one. The intervals are the 95% t intervals from
 curve_fit's covariance (n − 3 degrees of freedom; A's by the delta method on log A, which α moves): with 4
@@ -65,10 +67,15 @@ class PowerLaw:
 
 
 def _linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
-    """E, A and the squared error of y ≈ E + A·x (least squares)."""
+    """E, A and the squared error of y ≈ E + A·x (least squares) with 0 ≤ E ≤ min(y) and A ≥ 0: a loss has a
+    non-negative floor below every point (clamped to the bound, then A refit, where the free solution leaves it)."""
     design = np.stack([np.ones_like(x), x], axis=1)
     (e, a), *_ = np.linalg.lstsq(design, y, rcond=None)
-    return float(e), float(a), float(np.sum((design @ np.array([e, a]) - y) ** 2))
+    if not 0 <= e <= y.min():
+        e = float(np.clip(e, 0.0, y.min()))
+        a = float(np.dot(x, y - e) / np.dot(x, x))
+    a = max(float(a), 0.0)
+    return float(e), a, float(np.sum((e + a * x - y) ** 2))
 
 
 def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
@@ -82,7 +89,8 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
     x = c / scale
     best = min(((*_linear(x ** -a, y), a) for a in ALPHAS), key=lambda t: t[2])
     e0, a0, _, alpha0 = best
-    p0 = [e0, max(a0, 1e-9), alpha0]
+    low, high = [0.0, 0.0, ALPHAS[0] / 10], [float(y.min()), np.inf, 3.0]  # E a floor under every point, α > 0
+    p0 = [min(max(e0, 0.0), high[0] * (1 - 1e-9)), max(a0, 1e-9), alpha0]
 
     def model(xs, e, a, alpha):
         return e + a * np.power(xs, -alpha)
@@ -90,7 +98,7 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
     try:
         with warnings.catch_warnings():  # 3 points: no covariance, which the intervals' None says
             warnings.simplefilter("ignore", optimize.OptimizeWarning)
-            params, cov = optimize.curve_fit(model, x, y, p0=p0, maxfev=20000)
+            params, cov = optimize.curve_fit(model, x, y, p0=p0, bounds=(low, high), maxfev=20000)
     except (RuntimeError, optimize.OptimizeWarning):
         params, cov = np.array(p0), None
     e, a, alpha = (float(v) for v in params)
@@ -108,7 +116,7 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
         var = cov[1, 1] / a ** 2 + ls ** 2 * cov[2, 2] + 2 * ls * cov[1, 2] / a
         half = t * math.sqrt(max(float(var), 0.0))
         log_a = math.log(a * unit)
-        a_ci = (math.exp(log_a - half), math.exp(log_a + half))
+        a_ci = tuple(math.exp(v) if v < 709 else math.inf for v in (log_a - half, log_a + half))  # 4 points: wide
     return PowerLaw(E=e, A=a * unit, alpha=alpha, n=len(pts), rmse=rmse, E_ci=e_ci, A_ci=a_ci, alpha_ci=alpha_ci,
                     scale=scale, cov=None if e_ci is None else tuple(map(tuple, np.asarray(cov).tolist())))
 

@@ -116,3 +116,11 @@ def test_compare_fits_a_ladder_per_variant(tmp_path) -> None:
         sig = {r["variant"]: r for r in csv.DictReader(f)}
     assert "ffn=swiglu,model.d_model=64" in sig and sig["ffn=swiglu,model.d_model=64"]["baseline"] == "ffn=mlp"
     assert float(sig["ffn=swiglu,model.d_model=64"]["diff_mean"]) < 0  # the better variant: lower loss
+
+
+def test_a_fit_through_few_scattered_points_has_wide_but_finite_numbers() -> None:
+    """Four rungs that barely follow the law (a real tiny ladder): the fit still returns, its A interval may be
+    unbounded above (inf, not an overflow)."""
+    c = [3.5e11, 1.8e12, 5.6e12, 2.9e13]
+    fit = fit_power_law(c, [2.69, 2.36, 2.03, 2.05])
+    assert math.isfinite(fit.E) and fit.A_ci is not None and fit.A_ci[0] <= fit.A <= fit.A_ci[1]

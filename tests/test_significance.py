@@ -108,3 +108,14 @@ def test_compare_tests_each_variant_against_the_baseline(tmp_path: Path) -> None
     assert float(row["time_to_target_s"]) == pytest.approx(10.0 * 19 / 20)
     with pytest.raises(ValueError, match="baseline='ffn=moe' must name exactly one variant"):
         compare(sweep, baseline="ffn=moe")
+
+
+def test_the_baseline_is_named_by_value_or_by_key() -> None:
+    from lmlab.compare_stats import pick_baseline
+
+    names = ["ffn=mlp,norm=rms", "ffn=swiglu,norm=rms", "ffn=mlp,norm=layer"]
+    assert pick_baseline(names, None) == names[0]
+    assert pick_baseline(names, "mlp,layer") == pick_baseline(names, "ffn=mlp,norm=layer") == names[2]
+    assert pick_baseline(names, ["swiglu"]) == names[1]  # a Hydra list
+    with pytest.raises(ValueError, match=r"baseline='mlp' must name exactly one variant.*\(2 match\)"):
+        pick_baseline(names, "mlp")
