@@ -46,6 +46,11 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
     assert abs(rows[(4 * L, "linear")]["loss_inside"] - plain["loss_inside"]) > 1e-6
     for name in ROPE_SCALINGS:
         assert rows[(L, name)]["loss"] == pytest.approx(rows[(L, "none")]["loss"], abs=1e-6), name
+    # attention entropy (the note's reason for YaRN's temperature): more keys spread it; YaRN is ntk_by_parts with
+    # the temperature √(1/t) = 0.1·ln(s) + 1 on top, which scales the logits up and pulls the entropy back
+    assert rows[(4 * L, "none")]["attn_entropy"] > rows[(L, "none")]["attn_entropy"]
+    assert rows[(4 * L, "yarn")]["attn_entropy"] < rows[(4 * L, "ntk_by_parts")]["attn_entropy"]
+    assert rows[(L, "yarn")]["attn_entropy"] == pytest.approx(rows[(L, "none")]["attn_entropy"], abs=1e-6)
     for f in ("eval.md", "eval.csv", "eval.json", "plots/length_extension.png"):
         assert (rope_run / "eval" / f).exists(), f
     per_position = json.loads((rope_run / "eval" / "eval.json").read_text())["per_position"]
