@@ -20,7 +20,8 @@ from typing import Annotated, Any
 
 from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
 
-ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init")
+ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
+               "residual")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
@@ -47,6 +48,7 @@ class GPTConfig:
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
     logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
+    embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
     eod_id: int | None = None  # the end-of-document token (data.eod's id) the documents are found by (doc masks)
     block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})
@@ -57,6 +59,7 @@ class GPTConfig:
     rope_scaling: dict = field(default_factory=lambda: {"name": "none"})
     attention: dict = field(default_factory=lambda: {"name": "mha"})
     init: dict = field(default_factory=lambda: {"name": "gpt2"})
+    residual: dict = field(default_factory=lambda: {"standard": {}})  # option name -> its keys (lmlab.model.residual)
     # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
     head_dim: int | None = None  # d_model / n_head
     kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)

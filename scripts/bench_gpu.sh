@@ -14,6 +14,8 @@
 #   llama, llama-compiled   the llama-like model vs LlamaForCausalLM at the same sizes
 #   scale     train.py model=gpt2_124m data=bpe50k, bf16, compiled, with trainer=gpu and then trainer=fsdp2 on one
 #             GPU; tokens/s and MFU against PEAK from the runs' perf/ metrics (the scale-out issue's check)
+#   attention one attention layer at T = 1024, 4096 and 16384: full causal (SDPA), a window of 256 and document masks
+#             (FlexAttention, compiled), MLA: tokens/s and peak memory (python -m lmlab.bench attention --device cuda)
 # STAGES picks them (default "smoke eager chunked train"); DEADLINE=<seconds> caps the whole script.
 # Usage, from the repository root on a machine with CUDA (offline: the corpus already in $LMLAB_CACHE):
 #   OUT=bench-gpu bash scripts/bench_gpu.sh
@@ -89,3 +91,6 @@ want llama && stage llama-124m-eager 150 --config llama --batch 32 --set "${GPT2
     --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
 want llama-compiled && stage llama-124m-compiled 300 --config llama --batch 32 --set "${GPT2_124M[@]}" \
     --repeats 5 --block-s 0.5 --loop-repeats 0 --no-fp32-baseline --compile
+want attention && { echo "=== bench attention ($(date +%T))" | tee -a "$OUT/log.txt"
+    timeout 300 $PY -m lmlab.bench attention --device cuda --lengths 1024 4096 16384 --window 256 --steps 5 \
+        --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/log.txt"; }

@@ -86,6 +86,7 @@ RECIPE_AXES = {
     "llama": ("rms", True, "pre", "swiglu", "rope", "gqa", "transformer", None, False, False),
     "roformer_v2": ("rms", False, "post", "mlp", "rope", "mha", "transformer", None, False, True),
     "gau_alpha": ("rms", False, "post", "mlp", "rope", "mha", "gau", "softmax_plus", False, True),
+    "speedrun": ("rms", False, "pre", "mlp", "rope", "mha", "transformer", None, False, False),
 }
 
 
@@ -107,6 +108,10 @@ def test_every_recipe_sets_its_axes_and_builds(recipe: str) -> None:
     assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear)) != cfg.model.bias
     if recipe == "gau_alpha":
         assert model.cfg.activation["name"] == "silu"
+    if recipe == "speedrun":  # the stream the speedrun's: scalars, embedding shortcut, skips, value embeddings
+        assert list(model.cfg.residual) == ["scaled", "x0", "unet", "value_embed"]
+        assert model.cfg.activation["name"] == "relu2" and model.cfg.attention["qk_norm"]
+        assert model.cfg.logit_softcap == 15.0 and model.ln_e is not None
     if not cfg.norm.affine:  # no gain on any norm
         assert not [n for n, _ in model.named_parameters() if ".ln_" in n or n.startswith("ln_f")]
 

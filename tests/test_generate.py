@@ -80,6 +80,16 @@ CASES |= {
     "diff+rope": {"position": {"name": "rope"}, "attention": {"name": "diff"}},
     "diff+window+softcap": {"position": {"name": "rope"}, "attention": {"name": "diff", "window": 5, "softcap": 3.0}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},
+    # residual connections: the first layer's values mixed in before caching, skips and re-injections per step
+    "value_residual+window+gqa": {"position": {"name": "rope"}, "n_kv_head": 2, "residual": {"value_residual": {}},
+                                  "attention": {"name": "gqa", "window": 5}},
+    "value_embed+mqa": {"position": {"name": "rope"}, "attention": {"name": "mqa"},
+                        "residual": {"value_embed": {"tables": 1}, "value_residual": {}}},
+    "unet+x0+scaled": {"position": {"name": "rope"}, "n_layer": 4,
+                       "residual": {"scaled": {"stream": True}, "unet": {"gate_init": 0.7}, "x0": {"init": 0.3}}},
+    "parallel+alibi": {"position": {"name": "alibi"}, "residual": {"parallel": {}}},
+    "hyper+window": {"position": {"name": "rope"}, "attention": {"name": "mha", "window": 4},
+                     "residual": {"hyper": {"streams": 3}}},
     # MLA: the cache holds the latents, up-projected at every step
     "mla+rope": {"position": {"name": "rope"}, "attention": {"name": "mla", "kv_lora_rank": 16}},
     "mla+q_lora+window+yarn": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": "yarn"},

@@ -143,6 +143,11 @@ LMLAB_CASES = {
     "gemma2_tied_temperature": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"},
                                     placement={"name": "double"}, position={"name": "rope"},
                                     attention={"name": "mha", "temperature": 1.5}),
+    # GPT-NeoX / Pythia: LayerNorm, an MLP, partial RoPE; parallel blocks (its default) or sequential
+    "neox_parallel": dict(norm={"name": "layer"}, position={"name": "rope", "rotary_pct": 0.25}, bias=True,
+                          residual={"parallel": {}}, tie_embeddings=False),
+    "neox_sequential_no_bias": dict(norm={"name": "layer", "bias": False}, position={"name": "rope", "theta": 5e4},
+                                    activation={"name": "gelu_tanh"}),
     # multi-head latent attention: transformers' DeepSeek-V3 with every layer dense
     "deepseek_mla": dict(norm={"name": "rms", "eps": 1e-6}, ffn={"name": "swiglu"}, position={"name": "rope"},
                          attention={"name": "mla", "kv_lora_rank": 12}, tie_embeddings=False),
@@ -174,6 +179,7 @@ def test_to_hf_gives_the_same_logits_and_round_trips(case: str) -> None:
     assert back.cfg.ffn_hidden == ours.cfg.ffn_hidden and back.cfg.kv_heads == ours.cfg.kv_heads
     assert back.cfg.norm["eps"] == ours.cfg.norm.get("eps", back.cfg.norm["eps"])
     assert back.cfg.logit_softcap == ours.cfg.logit_softcap
+    assert ("parallel" in back.cfg.residual) == ("parallel" in ours.cfg.residual)
     for key in ("softcap", "temperature", "window", "pattern", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                 "qk_nope_head_dim", "v_head_dim"):
         assert back.cfg.attention.get(key) == ours.cfg.attention.get(key), key
@@ -224,6 +230,29 @@ def test_from_hf_gemma2_gives_the_same_logits(tied: bool) -> None:
     torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_from_hf_gpt_neox_gives_the_same_logits(parallel: bool) -> None:
+    """A Pythia-like GPT-NeoX: a quarter of each head rotated, parallel attention and MLP (or not), biases."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=ORIGINAL, use_parallel_residual=parallel, rotary_pct=0.5, rotary_emb_base=10000,
+        attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(7)
+    hf = transformers.GPTNeoXForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.3, 0.3)
+            elif name.endswith("bias"):
+                p.uniform_(-0.3, 0.3)  # every bias where it belongs: a head's q, k, v rows are interleaved
+            elif p.dim() == 2 and "embed" not in name:
+                p.normal_(0, 0.2)
+    ours = from_hf(hf)
+    assert ("parallel" in ours.cfg.residual) == parallel and ours.cfg.position["rotary_pct"] == 0.5
+    idx = _tokens(ORIGINAL)
+    torch.testing.assert_close(_logits(ours, idx), _logits(hf, idx), rtol=1e-5, atol=1e-5)
+
+
 def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
     config = transformers.DeepseekV3Config(**LLAMA, first_k_dense_replace=1, kv_lora_rank=12, q_lora_rank=None)
     with pytest.raises(NotRepresentable, match="first_k_dense_replace=1 < num_hidden_layers=2"):
@@ -253,6 +282,9 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "max_seq_len": 32,
       "train_len": 16, "rope_scaling": {"name": "yarn"}, "attention": {"name": "mla"}}, "rope_scaling='yarn'"),
     ({"attention": {"name": "mla"}}, "position='learned'"),  # MLA's decoupled part is rotated
+    ({"residual": {"value_residual": {}}}, "residual='value_residual'"),
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "n_layer": 2, "residual": {"standard": {}, "unet": {}}}, "residual='unet'"),
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
       "attention": {"name": "mha", "temperature": 1.1}}, "attention.temperature=1.1"),  # an integer in Gemma 2
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},

@@ -169,3 +169,18 @@ def test_the_benchs_cache_table_is_what_the_caches_hold() -> None:
     assert all(r["bytes_per_token"] == 4 * r["cache_width"] for r in rows.values())  # fp32
     assert rows["mla (kv_lora_rank 64)"]["bytes_per_token"] < rows["mqa"]["bytes_per_token"] < rows["mha"][
         "bytes_per_token"]
+
+
+@pytest.mark.e2e
+def test_the_attention_bench_runs_every_kind(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "attention.json"
+    res = subprocess.run([sys.executable, "-m", "lmlab.bench", "attention", "--lengths", "64", "--steps", "1",
+                          "--window", "16", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["full", "window", "docs", "mla"]
+    assert all(r["tokens_per_s"] > 0 and r["device"] == "cpu" for r in rows)

@@ -20,6 +20,7 @@ from lmlab.model.gpt import GPT, validate
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.residual import RESIDUALS
 from lmlab.model.resolve import resolve
 from lmlab.model.score import SCORES
 
@@ -33,6 +34,13 @@ COMBOS = (
     + [{"activation": {"name": a}} for a in sorted(ACTIVATIONS)]
     + [{"attention": {"name": a}, "n_kv_head": 2 if a == "gqa" else None} for a in sorted(ATTENTIONS)]
     + [{"attention": {"name": "mha", "score": s}} for s in sorted(SCORES)]
+    # value_embed: one table for 2 layers; hyper's dynamic scales see no gradient at step 0 (its W start at zero)
+    + [{"residual": {r: {"value_embed": {"tables": 1}, "hyper": {"dynamic": False}}.get(r, {})}}
+       for r in sorted(RESIDUALS)]
+    + [{"residual": {"hyper": {"streams": 3, "dynamic": False}}, "block": {"name": "gau"}}]
+    + [{"residual": {"scaled": {"stream": True}, "value_residual": {}, "unet": {}, "x0": {}}},
+       {"residual": {"parallel": {}, "scaled": {"per_channel": True}}, "placement": {"name": "double"}},
+       {"residual": {"scaled": {"branch_init": 0.5}, "unet": {}}, "block": {"name": "gau"}}]
     + [{"block": {"name": b}, "placement": {"name": p}} for b in sorted(BLOCKS) for p in sorted(PLACEMENTS)]
     + [{"block": {"name": "gau", "s": 16, "score": s}, "position": {"name": p}} for s in sorted(SCORES)
        for p in ("rope", "alibi")]
@@ -40,8 +48,8 @@ COMBOS = (
 
 
 def _id(combo: dict) -> str:
-    return "-".join(f"{k}={v['name']}" if isinstance(v, dict) else f"{k}={v}" for k, v in combo.items()
-                    if v is not None)
+    return "-".join(f"{k}={v.get('name', '+'.join(v))}" if isinstance(v, dict) else f"{k}={v}"
+                    for k, v in combo.items() if v is not None)
 
 
 def _model(combo: dict) -> GPT:

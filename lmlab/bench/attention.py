@@ -3,10 +3,12 @@
     python -m lmlab.bench attention --lengths 1024 4096 --window 256 --json docs/cpu/attention.json
 
 Each case is one attention layer (d_model 256, 4 heads, batch 1) trained for a few forward + backward steps in a
-fresh process: full causal attention (SDPA's causal kernel) and a sliding window of `--window` keys (lmlab's banded
-path: SDPA block by block, never a (T, T) matrix). Reported: tokens/s of forward + backward, and the peak RSS
-(sampled every millisecond from /proc) the process grew by over the weights and the input: the attention's working
-memory, forward and backward.
+fresh process: full causal attention (SDPA's causal kernel), a sliding window of `--window` keys (on the CPU lmlab's
+banded path: SDPA block by block, never a (T, T) matrix; on a GPU FlexAttention), documents of ~T/8 tokens masked
+(`doc_mask`: a (T, T) boolean mask on the CPU, FlexAttention's block mask on a GPU) and MLA (full causal). Reported:
+tokens/s of forward + backward, and the peak memory the process grew by over the weights and the input (the RSS
+sampled every millisecond from /proc on the CPU, the allocator's peak on a GPU): the attention's working memory,
+forward and backward. `--device cuda` runs in bf16.
 
 Then the KV cache each attention option keeps, measured: one layer of each at the same width (d_model 256, 4 heads of
 64) reads 256 tokens into a KVCache, whose tensors' bytes per token (fp32; half that in bf16) are reported beside
@@ -27,17 +29,27 @@ from typing import Any
 _CASE = r"""
 import json, sys, threading, time, torch
 from lmlab.config import GPTConfig
-from lmlab.model.attention import MHA
+from lmlab.model.attention import ATTENTIONS
+from lmlab.model.mask import documents
 from lmlab.model.position import POSITIONS
-T, window, steps = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2])), int(sys.argv[3])
-torch.set_num_threads(1)
-cfg = GPTConfig(vocab_size=16, n_layer=1, d_model=256, n_head=4, max_seq_len=T, attention={"name": "mha"})
 from lmlab.model.resolve import resolve
-cfg = resolve(cfg)
-attn = MHA(cfg, 0, window=window)
-pos = POSITIONS["rope"](256, 64, 4, T, T, {"name": "none"})
-x = torch.randn(1, T, 256, requires_grad=True)
+from lmlab.registry import build
+T, kind, window, steps, device = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(1)
+spec = {"full": {"name": "mha"}, "window": {"name": "mha", "window": window},
+        "docs": {"name": "mha", "doc_mask": True}, "mla": {"name": "mla"}}[kind]
+cfg = resolve(GPTConfig(vocab_size=16, n_layer=1, d_model=256, n_head=4, max_seq_len=T, attention=spec, eod_id=0))
+attn = build("attention", ATTENTIONS, cfg.attention, cfg).to(device)
+pos = POSITIONS["rope"](256, cfg.attn_head_dim, 4, T, T, {"name": "none"}).to(device)
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+x = torch.randn(1, T, 256, device=device, dtype=dtype, requires_grad=True)
+attn = attn.to(dtype)
+# documents of 1..T/4 tokens (mean T/8): an end-of-document token at random places
+tokens = torch.where(torch.rand(1, T, generator=torch.Generator().manual_seed(0)) < 8 / T, 0, 1).to(device)
+doc = documents(tokens, 0) if kind == "docs" else None
 def rss():
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 peak, done = [0], threading.Event()
@@ -45,29 +57,39 @@ def sample():
     while not done.is_set():
         peak[0] = max(peak[0], rss())
         time.sleep(0.001)
-base = rss()  # the weights and the input, before any step
+def step():
+    attn(x, pos, doc=doc).float().sum().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+step()  # warm-up (a compiled kernel: its compilation)
+if device == "cuda":
+    torch.cuda.reset_peak_memory_stats()
+base = torch.cuda.memory_allocated() if device == "cuda" else rss()  # the weights and the input, before a step
 threading.Thread(target=sample, daemon=True).start()
-attn(x, pos).sum().backward()  # warm-up
 start = time.perf_counter()
 for _ in range(steps):
-    attn(x, pos).sum().backward()
+    step()
 seconds = time.perf_counter() - start
 done.set()
+peak[0] = max(peak[0], rss())
 print(json.dumps({"tokens_per_s": steps * T / seconds, "step_s": seconds / steps,
                   "peak_growth_mb": (peak[0] - base) / 2**20}))
 """
 
+KINDS = ("full", "window", "docs", "mla")
 
-def run_case(T: int, window: int | None, steps: int) -> dict[str, Any]:
-    """One case in a fresh process (its own peak RSS), one thread."""
+
+def run_case(T: int, kind: str, window: int, steps: int, device: str = "cpu") -> dict[str, Any]:
+    """One case in a fresh process (its own peak memory), one thread."""
     import os
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", _CASE, str(T), str(window or "none"), str(steps)], env=env,
+    res = subprocess.run([sys.executable, "-c", _CASE, str(T), kind, str(window), str(steps), device], env=env,
                          capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
-        raise RuntimeError(f"attention bench case T={T} window={window} failed: {res.stderr[-2000:]}")
-    return {"T": T, "window": window, **json.loads(res.stdout.strip().splitlines()[-1])}
+        raise RuntimeError(f"attention bench case T={T} {kind} failed: {res.stderr[-2000:]}")
+    return {"T": T, "kind": kind, "window": window if kind == "window" else None, "device": device,
+            **json.loads(res.stdout.strip().splitlines()[-1])}
 
 
 CACHE_CASES = {"mha": {"name": "mha"}, "gqa (2 kv heads)": {"name": "gqa"}, "mqa": {"name": "mqa"},
@@ -99,14 +121,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="sequence lengths T")
     p.add_argument("--window", type=int, default=256, help="the sliding window's keys W")
     p.add_argument("--steps", type=int, default=3, help="timed forward + backward steps per case")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="full causal (SDPA), a sliding window, document masks (documents of ~T/8), MLA (full causal)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: bf16, FlexAttention for the masked paths")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     rows = []
     for T in args.lengths:
-        for window in (None, args.window):
-            row = run_case(T, window, args.steps)
+        for kind in args.kinds:
+            row = run_case(T, kind, args.window, args.steps, args.device)
             rows.append(row)
-            name = "full causal" if window is None else f"window {window}"
+            name = f"window {args.window}" if kind == "window" else {"full": "full causal", "docs": "documents",
+                                                                     "mla": "mla"}[kind]
             print(f"T={T:>6}  {name:<12} {row['tokens_per_s']:>10,.0f} tok/s  {row['step_s'] * 1e3:>8.1f} ms/step  "
                   f"peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
     cache = cache_rows()

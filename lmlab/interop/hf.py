@@ -10,6 +10,8 @@ These families are represented exactly, weight for weight:
 - Gemma 2-like: Llama's layers under placement=double (its four norms per layer), the attention-logit and final-logit
   softcaps, local/global layers of one window, a temperature as query_pre_attn_scalar; exported untied (Gemma scales
   the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
+- GPT-NeoX-like (Pythia): placement=pre, norm=layer, the MLP, position=rope on the first rotary_pct of each head,
+  MHA, blocks parallel (residual=parallel: its use_parallel_residual) or sequential; zero biases where lmlab has none;
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -39,25 +41,10 @@ def _split_rows(w: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
     return list(w.split(list(sizes), dim=0))
 
 
-def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
-    sd, out = model.state_dict(), {}
-    out["model.embed_tokens.weight"] = sd["wte.weight"]
-    for i, block in enumerate(model.h):
-        p, q = f"h.{i}.", f"model.layers.{i}."
-        out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
-        out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
-        sizes = block.attn.c_attn.fused
-        for suffix in ("weight", "bias") if model.cfg.bias else ("weight",):
-            qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], sizes)
-            out[q + f"self_attn.q_proj.{suffix}"], out[q + f"self_attn.k_proj.{suffix}"] = qw, kw
-            out[q + f"self_attn.v_proj.{suffix}"] = vw
-            out[q + f"self_attn.o_proj.{suffix}"] = sd[p + f"attn.c_proj.{suffix}"]
-            gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
-            out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
-            out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
-    out["model.norm.weight"] = sd["ln_f.weight"]
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    return out
+def _llama_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
+    qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], block.attn.c_attn.fused)
+    return {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
+            q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
 
 
 # lmlab's MLA weights and DeepSeek-V3's (transformers), one to one; the MLP and the norms are Llama's.
@@ -66,22 +53,31 @@ _MLA_NAMES = {"q_proj.weight": "q_proj.weight", "q_a.weight": "q_a_proj.weight",
               "kv_a_norm": "kv_a_layernorm.weight", "kv_b.weight": "kv_b_proj.weight", "c_proj.weight": "o_proj.weight"}
 
 
-def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
+def _mla_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
+    return {q + "self_attn." + theirs: sd[p + "attn." + ours] for ours, theirs in _MLA_NAMES.items()
+            if p + "attn." + ours in sd}
+
+
+def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, torch.Tensor]:
+    """Llama's names (and its relatives', whose attention differs: `attention` maps one layer's)."""
     sd, out = model.state_dict(), {}
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
         out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
         out[q + "post_attention_layernorm.weight"] = sd[p + "ln_2.weight"]
-        for ours, theirs in _MLA_NAMES.items():
-            if p + "attn." + ours in sd:
-                out[q + "self_attn." + theirs] = sd[p + "attn." + ours]
-        gate, up = _split_rows(sd[p + "mlp.c_fc.weight"], block.mlp.c_fc.fused)
-        out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up
-        out[q + "mlp.down_proj.weight"] = sd[p + "mlp.c_proj.weight"]
+        for suffix in ("weight", "bias") if model.cfg.bias else ("weight",):
+            out.update(attention(sd, p, q, block, suffix))
+            gate, up = _split_rows(sd[p + f"mlp.c_fc.{suffix}"], block.mlp.c_fc.fused)
+            out[q + f"mlp.gate_proj.{suffix}"], out[q + f"mlp.up_proj.{suffix}"] = gate, up
+            out[q + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
     out["model.norm.weight"] = sd["ln_f.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"]
     return out
+
+
+def _deepseek_state(model: GPT) -> dict[str, torch.Tensor]:
+    return _llama_state(model, _mla_attention)
 
 
 # lmlab's double placement and Gemma 2's four norms per layer; Gemma's RMSNorm multiplies by 1 + w.
@@ -100,6 +96,37 @@ def _gemma2_state(model: GPT) -> dict[str, torch.Tensor]:
             out.pop(f"model.layers.{i}.{theirs}.weight", None)
             out[f"model.layers.{i}.{theirs}.weight"] = sd[f"h.{i}.{ours}.weight"] - 1
     out["model.norm.weight"] = sd["ln_f.weight"] - 1
+    return out
+
+
+def _neox_state(model: GPT) -> dict[str, torch.Tensor]:
+    """GPT-NeoX's names; its fused QKV holds each head's [q; k; v] rows together (lmlab's: all q, all k, all v); its
+    MLP, attention and norms always have biases (zeros where lmlab has none)."""
+    sd, out, cfg = model.state_dict(), {}, model.cfg
+    nh, hs, d = cfg.n_head, cfg.head_dim, cfg.d_model
+
+    def bias_of(name: str, n: int) -> torch.Tensor:
+        return sd.get(name, torch.zeros(n, dtype=sd["wte.weight"].dtype))
+
+    out["gpt_neox.embed_in.weight"] = sd["wte.weight"]
+    for i in range(cfg.n_layer):
+        p, q = f"h.{i}.", f"gpt_neox.layers.{i}."
+        for ours, theirs in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            out[q + f"{theirs}.weight"], out[q + f"{theirs}.bias"] = sd[p + f"{ours}.weight"], bias_of(
+                p + f"{ours}.bias", d)
+        w = sd[p + "attn.c_attn.weight"].view(3, nh, hs, d).transpose(0, 1)  # (nh, [q k v], hs, d)
+        out[q + "attention.query_key_value.weight"] = w.reshape(3 * d, d)
+        out[q + "attention.query_key_value.bias"] = bias_of(p + "attn.c_attn.bias", 3 * d).view(3, nh, hs).transpose(
+            0, 1).reshape(3 * d)
+        out[q + "attention.dense.weight"] = sd[p + "attn.c_proj.weight"]
+        out[q + "attention.dense.bias"] = bias_of(p + "attn.c_proj.bias", d)
+        for ours, theirs in (("c_fc", "dense_h_to_4h"), ("c_proj", "dense_4h_to_h")):
+            w = sd[p + f"mlp.{ours}.weight"]
+            out[q + f"mlp.{theirs}.weight"], out[q + f"mlp.{theirs}.bias"] = w, bias_of(p + f"mlp.{ours}.bias",
+                                                                                        w.size(0))
+    out["gpt_neox.final_layer_norm.weight"] = sd["ln_f.weight"]
+    out["gpt_neox.final_layer_norm.bias"] = bias_of("ln_f.bias", d)
+    out["lm_head.weight"] = sd["lm_head.weight"]
     return out
 
 
@@ -156,6 +183,24 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
             sd[p + "mlp.c_fc.weight"] = torch.cat([state[q + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
             sd[p + "mlp.c_proj.weight"] = state[q + "mlp.down_proj.weight"]
         sd["ln_f.weight"] = state["model.norm.weight"]
+    elif fam == "gpt_neox":
+        nh, hs, d = model.cfg.n_head, model.cfg.head_dim, model.cfg.d_model
+        sd["wte.weight"] = state["gpt_neox.embed_in.weight"]
+        for i in range(model.cfg.n_layer):
+            p, q = f"h.{i}.", f"gpt_neox.layers.{i}."
+            for ours, theirs in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+                sd[p + f"{ours}.weight"], sd[p + f"{ours}.bias"] = (state[q + f"{theirs}.weight"],
+                                                                     state[q + f"{theirs}.bias"])
+            qkv = state[q + "attention.query_key_value.weight"].view(nh, 3, hs, d).transpose(0, 1)
+            sd[p + "attn.c_attn.weight"] = qkv.reshape(3 * d, d)
+            sd[p + "attn.c_attn.bias"] = state[q + "attention.query_key_value.bias"].view(nh, 3, hs).transpose(
+                0, 1).reshape(3 * d)
+            for ours, theirs in (("attn.c_proj", "attention.dense"), ("mlp.c_fc", "mlp.dense_h_to_4h"),
+                                 ("mlp.c_proj", "mlp.dense_4h_to_h")):
+                sd[p + f"{ours}.weight"], sd[p + f"{ours}.bias"] = (state[q + f"{theirs}.weight"],
+                                                                     state[q + f"{theirs}.bias"])
+        sd["ln_f.weight"] = state["gpt_neox.final_layer_norm.weight"]
+        sd["ln_f.bias"] = state["gpt_neox.final_layer_norm.bias"]
     elif fam == "gemma2":
         sd = _invert(state, model, "llama")  # the projections; the norms and the embeddings below
         sd["wte.weight"] = state["model.embed_tokens.weight"] * model.cfg.d_model ** 0.5
@@ -207,8 +252,9 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
           "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
-    state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
+          "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+    state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state,
+             "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -320,7 +366,7 @@ def adopt(cfg: Any, arch: GPTConfig) -> None:
         if arch.position["name"] == "learned":
             cfg.model.max_seq_len = arch.max_seq_len
         cfg.model.train_len = arch.train_len
-        for group in ("block", "norm", "placement", "activation", "ffn", "position", "attention", "init"):
+        for group in ("block", "norm", "placement", "activation", "ffn", "position", "attention", "init", "residual"):
             cfg[group] = OmegaConf.create(dict(getattr(arch, group)))
         if cfg.rope_scaling.name == "none":
             cfg.rope_scaling = OmegaConf.create(dict(arch.rope_scaling))

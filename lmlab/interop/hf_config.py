@@ -30,13 +30,15 @@ def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentab
 def family(cfg: GPTConfig) -> str:
     """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
     say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense layers), 'gemma2' (the
-    double placement with softcaps and local/global layers) or 'gpt2', or NotRepresentable naming the first axis that
-    fits none."""
+    double placement with softcaps and local/global layers), 'gpt_neox' (LayerNorm, an MLP and partial RoPE, the
+    blocks parallel or not) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
     if cfg.attention.get("name") == "mla":
         return _check_deepseek(cfg)
     if cfg.placement["name"] == "double":
         return _check_gemma2(cfg)
+    if "parallel" in cfg.residual or (pos == "rope" and cfg.norm["name"] == "layer" and cfg.ffn["name"] == "mlp"):
+        return _check_neox(cfg)
     if pos == "rope":
         return _check_llama(cfg)
     if pos == "learned":
@@ -45,14 +47,18 @@ def family(cfg: GPTConfig) -> str:
 
 
 def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa"),
-                  placement: str = "pre", softcaps: bool = False) -> None:
+                  placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = ()) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
+    if extra := [name for name in cfg.residual if name not in (*residual, "standard")]:
+        raise _refuse("residual", extra[0], fam, f"residual={'|'.join(('standard', *residual))}")
     if cfg.placement["name"] != placement:
         raise _refuse("placement", cfg.placement["name"], fam, f"placement={placement}")
     attn = cfg.attention
     if cfg.attention["name"] not in attentions:
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")
+    if cfg.embed_norm:
+        raise _refuse("model.embed_norm", True, fam, "model.embed_norm=false")
     if cfg.logit_softcap is not None and not softcaps:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
@@ -146,6 +152,29 @@ def _query_pre_attn_scalar(cfg: GPTConfig) -> int:
     return round(cfg.head_dim * float(cfg.attention.get("temperature", 1.0)) ** 2)
 
 
+def _check_neox(cfg: GPTConfig) -> str:
+    """GPT-NeoX (and Pythia): pre-LayerNorm blocks, parallel (`use_parallel_residual`, its default) or sequential, an
+    MLP, RoPE on the first `rotary_pct` of each head, MHA. Its MLP and norms always have biases: a model without them
+    is written with zero biases (the same function)."""
+    fam = "GPT-NeoX"
+    if cfg.position["name"] != "rope":
+        raise _refuse("position", cfg.position["name"], fam, "position=rope")
+    _check_common(cfg, fam, residual=("parallel",))
+    if cfg.norm["name"] != "layer" or not cfg.norm.get("affine", True):
+        raise _refuse("norm", cfg.norm["name"], fam, "norm=layer with a gain")
+    if cfg.ffn["name"] != "mlp":
+        raise _refuse("ffn", cfg.ffn["name"], fam, "ffn=mlp")
+    if cfg.activation["name"] not in _ACTS:
+        raise _refuse("activation", cfg.activation["name"], fam, f"one of {sorted(_ACTS)}")
+    if cfg.kv_heads != cfg.n_head:
+        raise _refuse("attention", cfg.attention["name"], fam, "attention=mha")
+    if cfg.position.get("nope_layers"):
+        raise _refuse("position.nope_layers", cfg.position["nope_layers"], fam, "position.nope_layers=null")
+    if cfg.rope_scaling["name"] != "none":
+        raise _refuse("rope_scaling", cfg.rope_scaling["name"], fam, "rope_scaling=none")
+    return "gpt_neox"
+
+
 def _check_gpt2(cfg: GPTConfig) -> str:
     _check_common(cfg, "GPT-2")
     if cfg.norm["name"] != "layer" or not cfg.norm.get("affine", True):
@@ -213,6 +242,15 @@ def hf_config(cfg: GPTConfig) -> Any:
             max_position_embeddings=max_pos, rms_norm_eps=float(cfg.norm.get("eps", 1e-6)),
             tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope, rope_interleave=False,
             attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None)
+    if fam == "gpt_neox":
+        rope, max_pos = _rope_parameters(cfg)
+        return transformers.GPTNeoXConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, hidden_act=_ACTS[cfg.activation["name"]],
+            max_position_embeddings=max_pos, layer_norm_eps=float(cfg.norm.get("eps", 1e-5)),
+            tie_word_embeddings=cfg.tie_embeddings, use_parallel_residual="parallel" in cfg.residual,
+            rope_parameters={**rope, "partial_rotary_factor": float(cfg.position.get("rotary_pct", 1.0))},
+            attention_bias=True, attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=None, eos_token_id=None)
     if fam == "gemma2":
         rope, max_pos = _rope_parameters(cfg)
         windows = layer_windows(cfg)
@@ -286,6 +324,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
         return _deepseek_back(hf)
     if kind == "gemma2":
         return _gemma2_back(hf)
+    if kind == "gpt_neox":
+        return _neox_back(hf)
     if kind == "gpt2":
         act = _ACTS_BACK.get(hf.activation_function)
         if act is None:
@@ -306,30 +346,59 @@ def lmlab_config(hf: Any) -> GPTConfig:
                            f"models")
 
 
+def _neox_back(hf: Any) -> GPTConfig:
+    """A GPT-NeoX / Pythia config: LayerNorm with biases, the MLP, partial RoPE, parallel blocks when
+    use_parallel_residual."""
+    act = _ACTS_BACK.get(hf.hidden_act)
+    if act is None:
+        raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's are {sorted(_ACTS_BACK)}")
+    p = dict(hf.rope_parameters or {})
+    if p.get("rope_type", "default") != "default":
+        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports GPT-NeoX with its default RoPE")
+    return GPTConfig(
+        vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
+        n_head=hf.num_attention_heads, max_seq_len=hf.max_position_embeddings, bias=True,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        norm={"name": "layer", "eps": float(hf.layer_norm_eps), "affine": True, "bias": True},
+        placement={"name": "pre"}, activation={"name": act}, ffn={"name": "mlp", **_exact_ffn(hf.intermediate_size)},
+        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0)),
+                  "rotary_pct": float(p.get("partial_rotary_factor", 1.0))},
+        rope_scaling={"name": "none"}, attention={"name": "mha"},
+        residual={"parallel": {}} if hf.use_parallel_residual else {"standard": {}}, init={"name": "gpt2"})
+
+
+def _unbiased_glu_back(hf: Any, fam: str, act_key: str) -> tuple[str, dict[str, Any], float]:
+    """(activation, ffn spec, RoPE theta) of a Llama-like family whose MLP has no biases and whose RoPE is the default
+    one (Gemma 2, DeepSeek-V3), or NotRepresentable naming the field."""
+    if hf.attention_bias:
+        raise NotRepresentable(f"attention_bias=true: lmlab has one model.bias for every Linear, and {fam}'s MLP has "
+                               f"none")
+    act = _ACTS_BACK.get(getattr(hf, act_key))
+    if act is None:
+        raise NotRepresentable(f"{act_key}={getattr(hf, act_key)!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
+    p = dict(hf.rope_parameters or {})
+    if p.get("rope_type", "default") != "default":
+        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports {fam} with its default RoPE (its "
+                               f"scalings are not mapped)")
+    named = {gate: name for name, gate in _GLU_GATES.items()}
+    return act, {"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)}, float(p.get("rope_theta",
+                                                                                                10000.0))
+
+
 def _gemma2_back(hf: Any) -> GPTConfig:
     """A Gemma 2 config: the double placement, its softcaps and windows; untied in lmlab (its embeddings are scaled
     by sqrt(d_model) on the way in, not on the way out)."""
-    if hf.attention_bias:
-        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and Gemma 2's MLP has "
-                               "none")
-    act = _ACTS_BACK.get(hf.hidden_activation)
-    if act is None:
-        raise NotRepresentable(f"hidden_activation={hf.hidden_activation!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
-    p = dict(hf.rope_parameters or {})
-    if p.get("rope_type", "default") != "default":
-        raise NotRepresentable(f"rope_type={p['rope_type']!r}: lmlab imports Gemma 2 with its default RoPE")
+    act, ffn, theta = _unbiased_glu_back(hf, "Gemma 2", "hidden_activation")
     if hf.head_dim * hf.num_attention_heads != hf.hidden_size:
         raise NotRepresentable(f"head_dim={hf.head_dim} x num_attention_heads={hf.num_attention_heads} != "
                                f"hidden_size={hf.hidden_size}: lmlab's heads split d_model")
-    named = {gate: name for name, gate in _GLU_GATES.items()}
     temperature = (hf.query_pre_attn_scalar / hf.head_dim) ** 0.5
     return GPTConfig(
         vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
         n_head=hf.num_attention_heads, n_kv_head=hf.num_key_value_heads, max_seq_len=hf.max_position_embeddings,
         bias=False, tie_embeddings=False, logit_softcap=hf.final_logit_softcapping,
         norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "double"},
-        activation={"name": act}, ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
-        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": theta}, rope_scaling={"name": "none"},
         attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
                    "softcap": hf.attn_logit_softcapping, "temperature": temperature, **_windows_back(hf, "gemma2")},
         init={"name": "gpt2"})
@@ -341,25 +410,14 @@ def _deepseek_back(hf: Any) -> GPTConfig:
         raise NotRepresentable(f"first_k_dense_replace={hf.first_k_dense_replace} < num_hidden_layers="
                                f"{hf.num_hidden_layers}: the later layers are mixtures of experts, which lmlab's "
                                f"DeepSeek-V3 import does not map")
-    if hf.attention_bias:
-        raise NotRepresentable("attention_bias=true: lmlab has one model.bias for every Linear, and DeepSeek-V3's "
-                               "MLP has none")
-    act = _ACTS_BACK.get(hf.hidden_act)
-    if act is None:
-        raise NotRepresentable(f"hidden_act={hf.hidden_act!r}: lmlab's gates are {sorted(_ACTS_BACK)}")
-    p = dict(hf.rope_parameters or {})
-    if p.get("rope_type", "default") != "default":
-        raise NotRepresentable(f"rope_type={p['rope_type']!r}: DeepSeek-V3's scalings scale the softmax (mscale); "
-                               f"lmlab imports its default RoPE")
-    named = {gate: name for name, gate in _GLU_GATES.items()}
+    act, ffn, theta = _unbiased_glu_back(hf, "DeepSeek-V3", "hidden_act")
     return GPTConfig(
         vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
         n_head=hf.num_attention_heads, max_seq_len=hf.max_position_embeddings, bias=False,
         tie_embeddings=bool(hf.tie_word_embeddings), norm={"name": "rms", "eps": float(hf.rms_norm_eps),
                                                            "affine": True},
-        placement={"name": "pre"}, activation={"name": act},
-        ffn={"name": named.get(act, "glu"), **_exact_ffn(hf.intermediate_size)},
-        position={"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}, rope_scaling={"name": "none"},
+        placement={"name": "pre"}, activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": theta},
+        rope_scaling={"name": "none"},
         attention={"name": "mla", "kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank,
                    "qk_rope_head_dim": hf.qk_rope_head_dim, "qk_nope_head_dim": hf.qk_nope_head_dim,
                    "v_head_dim": hf.v_head_dim},

@@ -86,6 +86,7 @@ class MHA(nn.Module):
                              "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.doc_mask = doc_mask
         self.layer = layer
+        self.value_mixes = nn.ModuleList()  # v -> v mixed with other values (residual=value_residual, value_embed)
         self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
@@ -129,12 +130,13 @@ class MHA(nn.Module):
         return Geometry(heads=nh, head_dim=hd, cache_width=2 * kv * hd, attn_width=2 * nh * hd, n_params=n)
 
     def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None,
-            cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cache: LayerCache | None = None, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project and position-encode tokens at positions offset..offset+T-1; q (B, nh, T, hs), k and v (B, nkv, S,
         hs): these T tokens' keys and values, after the cached ones when a `cache` is given (S = what it holds, a
         windowed layer's last W - 1, plus T). `doc` (B, offset + T): every position's document number when the model
         has an end-of-document token (the position scheme's, under per_document; the keys counted, under doc_mask),
-        else None."""
+        else None. `mix=False`: the values without the residual options' mixes (which read the model's forward: the
+        monitor's `probs` runs outside it and reads no values)."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -144,6 +146,8 @@ class MHA(nn.Module):
             q = F.rms_norm(q, (self.head_dim,), self.q_norm)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm)
         q, k = pos.rotate(q, k, offset, doc, self.layer)
+        for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
+            v = value_mix(v)
         if cache is not None:
             k, v = cache.append(k, v)
         return self.scale_queries(q, offset, doc), k, v
@@ -184,7 +188,7 @@ class MHA(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
         head (B, nh), computed explicitly (for monitoring)."""
-        q, k, _ = self.qkv(x, pos, 0, doc)
+        q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
         weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
                                            (doc, doc) if self.doc_mask else None, self.sink)
@@ -274,7 +278,7 @@ class DiffAttention(MHA):
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The differential maps A = A₁ − λA₂ (B, nh/2, T, T) and the max logit of either map (B, nh/2)."""
-        q, k, _ = self.qkv(x, pos, 0, doc)
+        q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
         docs = (doc, doc) if self.doc_mask else None
         a1, l1 = explicit_weights(q[:, 0::2], k[:, 0::2], self.score, self.scale, pos, 0, self.window, self.softcap,
                                   docs)
@@ -371,7 +375,7 @@ class MLA(MHA):
         return torch.cat((q_nope, q_rope), dim=-1), c, k_rope
 
     def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None,
-            cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cache: LayerCache | None = None, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, c, k_rope = self.latents(x, pos, offset, doc)
         if cache is not None:
             c, k_rope = cache.append(c, k_rope)  # the latents only: (B, 1, S, rank), (B, 1, S, rope)

@@ -22,6 +22,7 @@ from lmlab.model.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.residual import Connections
 from lmlab.model.resolve import resolve
 from lmlab.registry import build, option_params
 
@@ -40,7 +41,10 @@ class GPT(nn.Module):
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
         self.drop = nn.Dropout(cfg.dropout)
+        self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
+        self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)
+        self.residual.attach(self)
         block = type(self.h[0])
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -64,14 +68,19 @@ class GPT(nn.Module):
             offset = cache.length
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
         x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
+        if self.ln_e is not None:
+            x = self.ln_e(x)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()
+        self.residual.start(x, idx)
         for i, block in enumerate(self.h):
+            x = self.residual.before(i, x)
             # Checkpointing keeps only each block's input and reruns the block in backward (same RNG state, so
             # dropout draws the same mask): L saved inputs instead of every block's intermediates.
             if recompute:
                 x = checkpoint(block, x, self.pos, None, doc, use_reentrant=False)
             else:
                 x = block(x, self.pos, None if cache is None else cache.layers[i], doc)
+            x = self.residual.after(i, x)
         if cache is not None:
             cache.length += idx.size(1)
         h = self.ln_f(x)

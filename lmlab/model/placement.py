@@ -1,7 +1,10 @@
 """Where the norms sit around each sublayer (the residual wiring).
 
-Contract: a `Block(cfg, layer_idx)` subclass with its own `sublayer(x, f, j)`: how sublayer j (1-based, `f` already
-bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual stream. The
+Contract: a `Block(cfg, layer_idx)` subclass with its own `branch(x, f, j)` (what sublayer j adds to the stream: x +
+branch; `additive`) or, for a placement that normalises the sum, its own `sublayer(x, f, j)`: how sublayer j (1-based,
+`f` already bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual
+stream. The residual options (lmlab.model.residual) may scale each branch (`branch_scale`), sum the branches of one
+input (`parallel`) or connect each to n copies of the stream (`hyper`). The
 `block` group supplies the sublayers (attention + FFN, or one GAU); `Block.forward(x, pos, cache=None)` applies the
 placement to each in turn, so every placement works with every block. Each placement says on itself whether the
 model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init applies to its value/output
@@ -32,6 +35,8 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 class Block(nn.Module):
     final_norm = True  # the residual stream is unnormalised at the top: norm it before the head
     post_norms = False  # a second norm on each sublayer's output (double placement)
+    additive = True  # sublayer(x, f, j) = x + branch(x, f, j): the stream plus a branch (not a norm of the sum)
+    parallel = False  # every sublayer reads the block's input; their branches are summed (residual=parallel)
 
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -45,6 +50,10 @@ class Block(nn.Module):
             for j in range(1, len(sublayers) + 1):
                 setattr(self, f"ln_{j}_post", build("norm", NORMS, cfg.norm, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
+        # (j, branch) -> the branch scaled: set by residual=scaled at build time (a submodule then; an instance
+        # attribute, not a class one, which would shadow the registered module)
+        self.branch_scale: nn.Module | None = None
+        self.hyper: nn.ModuleList | None = None  # each sublayer's hyper-connection (residual=hyper): x is n streams
 
     @staticmethod
     def init_gain(n_layer: int) -> float:
@@ -52,15 +61,37 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
+        out = x
         for j, name in enumerate(self.sublayer_names, 1):
             module = getattr(self, name)
             mixes = getattr(module, "mixes_tokens", False)
             f = partial(module, pos=pos, cache=cache, doc=doc) if mixes else module
-            x = self.sublayer(x, f, j)
-        return x
+            if self.hyper is not None:  # x: the n copies of the stream (B, T, n, d)
+                x = out = self.hyper[j - 1](x, partial(self._hyper_branch, f, j))
+            elif self.parallel:  # each branch from the block's input, summed
+                out = out + self.scaled(j, self.branch(x, f, j))
+            elif self.additive:
+                x = out = x + self.scaled(j, self.branch(x, f, j))
+            else:  # the placement normalises the sum: a branch scale goes inside, on F(x)
+                x = out = self.sublayer(x, f if self.branch_scale is None else partial(self._scaled_f, f, j), j)
+        return out
+
+    def scaled(self, j: int, y: torch.Tensor) -> torch.Tensor:
+        return y if self.branch_scale is None else self.branch_scale(j, y)
+
+    def _hyper_branch(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.scaled(j, self.branch(h, f, j))
+
+    def _scaled_f(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.branch_scale(j, f(h))
+
+    def branch(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        """What sublayer j adds to the stream (the additive placements)."""
+        raise NotImplementedError
 
     def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Sublayer j wired into the stream: x + branch for the additive placements, their own rule otherwise."""
+        return x + self.branch(x, f, j)
 
     def norm(self, j: int, post: bool = False) -> nn.Module:
         return getattr(self, f"ln_{j}_post" if post else f"ln_{j}")
@@ -69,14 +100,15 @@ class Block(nn.Module):
 class PreNorm(Block):
     """Pre-LN (Xiong et al., 2020; GPT-2): x + F(N(x)). Gradients reach every layer through the identity path."""
 
-    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
-        return x + self.drop(f(self.norm(j)(x)))
+    def branch(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return self.drop(f(self.norm(j)(x)))
 
 
 class PostNorm(Block):
     """Post-LN (Vaswani et al., 2017): N(x + F(x)). Large last-layer gradients at init; needs warmup."""
 
     final_norm = False
+    additive = False
 
     def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
         return self.norm(j)(x + self.drop(f(x)))
@@ -87,16 +119,16 @@ class DoubleNorm(Block):
 
     post_norms = True
 
-    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
-        return x + self.drop(self.norm(j, post=True)(f(self.norm(j)(x))))
+    def branch(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return self.drop(self.norm(j, post=True)(f(self.norm(j)(x))))
 
 
 class PostNormNonResidual(Block):
     """Post-norm on the branch only: x + N(F(x)) (the 'non-residual post-norm' of the source notes; Swin v2's
     res-post-norm). The identity path stays unnormalised, so the stream grows and a final norm is needed."""
 
-    def sublayer(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
-        return x + self.drop(self.norm(j)(f(x)))
+    def branch(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        return self.drop(self.norm(j)(f(x)))
 
 
 class DeepNorm(Block):
@@ -104,6 +136,7 @@ class DeepNorm(Block):
     weights initialised with gain β = (8L)^(-1/4) — the decoder-only constants (L = number of layers)."""
 
     final_norm = False
+    additive = False
 
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)

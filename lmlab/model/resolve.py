@@ -7,7 +7,8 @@ attention geometry the position scheme is built for and what its KV cache holds.
 never holds `null` for a number the model used). A record that already carries derived sizes (one saved after
 December 2026) is checked against them: they are the model its weights belong to.
 
-`n_params_estimate(cfg)` counts the weights from the sizes alone, for the size bounds (`lmlab.memory`).
+`n_params_estimate(cfg)` counts the weights from the sizes alone (the residual options' tables included), for the
+size bounds (`lmlab.memory`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.position import POSITIONS
+from lmlab.model.residual import RESIDUALS, residual_params, residual_specs
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.registry import build, check_values, option_defaults, option_params
 
@@ -36,6 +38,8 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
         cfg.attention = {**option_defaults(ATTENTIONS[attn_name]), **cfg.attention}
     pos_name, _ = option_params("position", POSITIONS, cfg.position)
     cfg.position = {**option_defaults(POSITIONS[pos_name]), **cfg.position}
+    cfg.residual = {name: {**option_defaults(RESIDUALS[name]), **params}
+                    for name, params in residual_specs(cfg.residual)}
     derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
@@ -88,4 +92,5 @@ def n_params_estimate(cfg: GPTConfig) -> int:
     """Weights from the sizes alone: the blocks' (each kind's `n_params`) and the embeddings' (norms, gains and
     position tables aside: a lower bound within 1% of the built model's count)."""
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
-    return kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+            + residual_params(cfg))

@@ -1,0 +1,81 @@
+"""`residual=value_embed`: extra token-embedding tables added to the attention values of chosen layers (the GPT-2
+speedrun's value embeddings): v_l ← λ_l·v_l + μ_l·E_t(idx) with table t of width n_kv_head·head_dim, λ and μ learned
+per layer (init 0.5 each, the speedrun's). `tables` tables are shared the speedrun's way, U-net-like: layer i and layer
+L − tables + i use table i (the first and the last `tables` layers; a layer in both reads the same table once);
+`layers` names the layers instead (table i for the i-th listed). Each table adds vocab·n_kv_head·head_dim weights,
+counted in `n_params`. Needs attention whose values are computed per token before they are cached (refused for
+attention=mla and block=gau)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmlab.registry import PositiveInt
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
+
+
+class _Tokens:
+    """This forward's token ids, shared by the layers' mixes (not a module)."""
+
+    idx: torch.Tensor | None = None
+
+
+class ValueEmbedMix(nn.Module):
+    def __init__(self, table: nn.Embedding, tokens: _Tokens) -> None:
+        super().__init__()
+        self.table = [table]  # the owner's table, not registered twice
+        self.tokens = tokens
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:  # v (B, nkv, T, hs)
+        B, nkv, T, hs = v.shape
+        ve = self.table[0](self.tokens.idx).view(B, T, nkv, hs).transpose(1, 2).to(v.dtype)
+        lam = self.lambdas.to(v.dtype)
+        return lam[0] * v + lam[1] * ve
+
+
+class ValueEmbed(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, tables: PositiveInt = 3, layers: list[int] | None = None) -> None:
+        super().__init__()
+        if cfg.block.get("name", "transformer") != "transformer":
+            raise ValueError(f"residual=value_embed adds to attention values: it needs block=transformer (got "
+                             f"block={cfg.block['name']!r})")
+        if cfg.attention.get("name") == "mla":
+            raise ValueError("residual=value_embed with attention=mla: MLA caches a latent, not values; use "
+                             "attention=mha|gqa|mqa|diff")
+        self.layer_tables = self.assignment(cfg.n_layer, tables, layers)
+        n_tables = max(self.layer_tables.values()) + 1
+        self.tables = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_dim) for _ in range(n_tables))
+        self.tokens = _Tokens()
+
+    @staticmethod
+    def assignment(n_layer: int, tables: int, layers: list[int] | None) -> dict[int, int]:
+        """layer -> the table it reads."""
+        if layers is not None:
+            if bad := [i for i in layers if not 0 <= i < n_layer]:
+                raise ValueError(f"residual.layers has {bad}, not layers of the model (0 .. {n_layer - 1})")
+            return {i: t for t, i in enumerate(layers)}
+        if tables > n_layer:
+            raise ValueError(f"residual.tables={tables} is more than model.n_layer={n_layer}: each table serves the "
+                             f"first and the last `tables` layers")
+        out = {n_layer - tables + t: t for t in range(tables)}
+        out.update({t: t for t in range(tables)})
+        return out
+
+    @classmethod
+    def n_params(cls, cfg: GPTConfig, *, tables: int = 3, layers: list[int] | None = None) -> int:
+        n_tables = len(layers) if layers is not None else tables
+        return n_tables * cfg.vocab_size * cfg.kv_heads * cfg.head_dim + 2 * len(
+            cls.assignment(cfg.n_layer, tables, layers))
+
+    def attach(self, model: nn.Module) -> None:
+        for i, t in sorted(self.layer_tables.items()):
+            model.h[i].attn.value_mixes.append(ValueEmbedMix(self.tables[t], self.tokens))
+
+    def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
+        self.tokens.idx = idx
