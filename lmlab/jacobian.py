@@ -27,16 +27,22 @@ from lmlab.tracking import log_at
 JAC_NORM = "jac/norm"
 
 
-def block_inputs(model: nn.Module, idx: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """x_0 .. x_L: each block's input (the last: the final block's output), and the documents the blocks are given."""
-    with torch.no_grad():
-        doc = model.documents(idx)
-        x = model.pos.embed(model.wte(idx), 0, doc)
-        xs = [x]
-        for block in model.h:
-            x = block(x, model.pos, None, doc)
-            xs.append(x)
-    return xs, doc
+def block_inputs(model: nn.Module, idx: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
+    """Each block's input x_l and the other arguments the model's own forward gives it (position hooks, cache,
+    documents), read by forward pre-hooks during one forward: whatever the residual options do around the blocks."""
+    seen: list[tuple[torch.Tensor, tuple, dict]] = []
+
+    def keep(module, args, kwargs):
+        seen.append((args[0].detach(), args[1:], kwargs))
+
+    hooks = [block.register_forward_pre_hook(keep, with_kwargs=True) for block in model.h]
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def block_jacobian_norms(model: nn.Module, idx: torch.Tensor, probes: int = 4, seed: int = 0) -> list[float]:
@@ -44,13 +50,13 @@ def block_jacobian_norms(model: nn.Module, idx: torch.Tensor, probes: int = 4, s
     was_training = model.training
     model.eval()
     try:
-        xs, doc = block_inputs(model, idx)
+        inputs = block_inputs(model, idx)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         out = []
-        for block, x in zip(model.h, xs):
+        for block, (x, rest, kwargs) in zip(model.h, inputs):
             x = x.detach().requires_grad_(True)
             with torch.enable_grad():
-                y = block(x, model.pos, None, doc)
+                y = block(x, *rest, **kwargs)
                 total = 0.0
                 for i in range(probes):
                     u = torch.randn(y.shape, generator=gen, dtype=y.dtype).to(y.device)

@@ -23,10 +23,9 @@ def _model(placement: str, n_layer: int = 3) -> GPT:
 def test_the_estimate_matches_autograds_full_jacobian(placement: str) -> None:
     model = _model(placement).eval()
     idx = torch.randint(0, 20, (1, 4))
-    xs, doc = block_inputs(model, idx)
     exact = []
-    for block, x in zip(model.h, xs):
-        J = torch.autograd.functional.jacobian(lambda h, b=block: b(h, model.pos, None, doc), x)  # (1,4,8,1,4,8)
+    for block, (x, rest, kwargs) in zip(model.h, block_inputs(model, idx)):
+        J = torch.autograd.functional.jacobian(lambda h, b=block: b(h, *rest, **kwargs), x)  # (1,4,8,1,4,8)
         exact.append(J.reshape(x.numel(), x.numel()).norm().item() / math.sqrt(x.numel()))
     estimate = block_jacobian_norms(model, idx, probes=800)
     assert estimate == pytest.approx(exact, rel=0.08)  # the estimate's relative sd: ~1/√(2·800·n/‖J‖ spread)
