@@ -90,11 +90,18 @@ def _slurm_by_accelerator(accelerator: object, on_gpu: object, on_cpu: object) -
                      f"node); set hydra.launcher.gpus_per_node, cpus_per_task and mem_gb yourself for another one")
 
 
+def _equal_flops_width(n_layer: int, ref_layers: int, ref_width: int, multiple: int = 8) -> int:
+    from lmlab.budget import equal_flops_width
+
+    return equal_flops_width(int(n_layer), int(ref_layers), int(ref_width), int(multiple))
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
     for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url), ("lmlab.study_seed", _study_seed),
-                     ("lmlab.slurm_count", _slurm_count), ("lmlab.slurm_by_accelerator", _slurm_by_accelerator)):
+                     ("lmlab.slurm_count", _slurm_count), ("lmlab.slurm_by_accelerator", _slurm_by_accelerator),
+                     ("lmlab.equal_flops_width", _equal_flops_width)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

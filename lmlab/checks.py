@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lmlab import budget
 from lmlab.cli import override_key
 from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
@@ -50,6 +51,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
+    budget.chosen(cfg)  # budget.*: one at most, > 0
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():

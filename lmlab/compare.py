@@ -6,6 +6,11 @@ and the mean and sample sd (n − 1) of each figure over its seeds, and the curv
 with a ± sd band. When `optim.lr` varies, `best_lr` marks with * the row of each group of rows that share the other
 overrides (an architecture) with the lowest objective: best val loss, +inf for a diverged, collapsed or unfinished run
 (lmlab.summary.objective), over the mean of the seeds in the variants table.
+
+Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the highest best val loss of the
+sweep, which every run reached; lmlab.targets) are columns of both tables. With seeds, compare_significance.{md,csv}
+tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
+(lmlab.compare_stats). A ladder (runs that differ by model size) gets its scaling fits (lmlab.ladder).
 """
 
 from __future__ import annotations
@@ -17,14 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
+from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
+from lmlab.ladder import compute_spent, ladder_section, size_keys
 from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
+from lmlab.targets import TARGET_FIGURES, default_target, to_target
 
 SEED, LR = "seed", "optim.lr"
-FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s")  # over seeds
+FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s",
+           *TARGET_FIGURES)  # over seeds (a figure to target: over the seeds that reached it)
 
 
 def find_runs(sweep_dir: Path) -> list[Path]:
@@ -107,17 +116,20 @@ def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others
 
 
 def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
-    """The run's parameters (`n_params`, from its summary) and its FFNs' (`ffn_params`, all layers), so a sweep over
-    `ffn` shows the variants' match. The FFNs are counted on the run's model rebuilt on the meta device; None when it
-    cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the weights one
-    token uses (an MoE's chosen experts), the summary's or the rebuilt model's."""
+    """The run's parameters (`n_params`, from its summary), its FFNs' (`ffn_params`, all layers), so a sweep over
+    `ffn` shows the variants' match, and its train FLOPs per token (`flops_per_token`: the summary's, else
+    lmlab.perf's count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device; None
+    when it cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the
+    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's."""
     import torch
 
     from lmlab.config import GPTConfig
     from lmlab.memory import check_model_fits
     from lmlab.model.gpt import GPT
+    from lmlab.perf import flops_per_token
 
     total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
+    flops = summary.get("flops_per_token")
     if isinstance(summary.get("model"), dict):
         try:
             cfg = GPTConfig(**summary["model"])
@@ -131,7 +143,9 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
             ffn = sum(p.numel() for m in model.modules() if getattr(m, "sublayer", None) == "ffn"
                       for p in m.parameters())
             active = model.num_params(active=True)
-    return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active)}
+            flops = flops or flops_per_token(model, cfg.max_seq_len)["train"]
+    return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active),
+            "flops_per_token": flops}
 
 
 def _sort_key(value: str) -> tuple:
@@ -174,9 +188,12 @@ def _mean_sd(row: dict[str, Any], col: str) -> str:
     return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
 
 
-def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
+def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | None = None
+            ) -> tuple[list[dict[str, Any]], str]:
     """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
-    seed varies, compare_variants.{md,csv}. Returns the rows and the markdown of the tables."""
+    seed varies, compare_variants.{md,csv} and compare_significance.{md,csv} (against `baseline`, a `key=value[,...]`
+    naming one variant). `target`: the val loss the *_to_target columns count to (None: the sweep's highest best val
+    loss). Returns the rows and the markdown of the tables."""
     sweep_dir = Path(sweep_dir)
     runs = find_runs(sweep_dir)
     if not runs:
@@ -204,15 +221,22 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
             "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
         })
+    target = default_target([row["best_val_loss"] for row in rows]) if target is None else float(target)
+    for r, row in zip(runs, rows):
+        series = read_metrics(r / METRICS) if (r / METRICS).exists() and target is not None else {}
+        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if series
+                   else dict.fromkeys(TARGET_FIGURES))
     values = [objective(s) for s in summaries.values()]
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
     routed = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
     cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *routed, "ffn_params",
-            "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "run",
+            "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
+            *TARGET_FIGURES, "run",
             *(["problem"] if any(row["problem"] for row in rows) else [])]
-    md = write_table(rows, cols, sweep_dir / "compare")
+    md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + write_table(
+        rows, cols, sweep_dir / "compare")
 
     variant_keys = [k for k in varying if k != SEED]
 
@@ -227,6 +251,11 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
         md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
             grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
             md_cols=[*head, *FIGURES], md_cell=_mean_sd)
+        sizes = size_keys(variant_keys)
+        if len(grouped) > 1 and len(variant_keys) > len(sizes):
+            _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
+                                  baseline, within=sizes)
+            md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
     series: dict[str, list] = {}
     for r in runs:  # the seeds of a variant share its name: plotted as their mean with a ± sd band
         if (r / METRICS).exists():
@@ -243,6 +272,8 @@ def compare(sweep_dir: str | Path) -> tuple[list[dict[str, Any]], str]:
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
+                         variant_keys, sweep_dir, baseline)
     for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
         md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmlab.attn_entropy import attention_entropy
 from lmlab.config import GPTConfig
 from lmlab.data.tasks import module_class
 from lmlab.memory import check_attention_fits
@@ -27,7 +28,9 @@ from lmlab.registry import PositiveInt, check_values, option_params, option_type
 from lmlab.rundir import RunDir, atomic_write, dumps, load_model, load_run  # noqa: F401  (load_model: public here)
 from lmlab.tables import write_table
 
-COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond"]  # of each row
+COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond",
+           "attn_entropy"]  # of each row (attn_entropy: lmlab.attn_entropy, on the first ENTROPY_WINDOWS windows)
+ENTROPY_WINDOWS = 4
 
 
 class RunRefused(ValueError):
@@ -191,6 +194,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
                 "loss": float(per_pos.mean()), "ppl": math.exp(min(float(per_pos.mean()), 50)),
                 "loss_inside": float(inside.mean()),
                 "loss_beyond": float(beyond.mean()) if beyond.numel() else None,
+                "attn_entropy": attention_entropy(model, windows[:ENTROPY_WINDOWS]),
             })
             curves.setdefault(s, {})[length] = per_pos.tolist()
     result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows,

@@ -292,11 +292,13 @@ def wsd(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0, decay_fr
 
 
 def inverse_sqrt(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0) -> float:
-    """Linear warmup, then lr·√(warmup/step) (Vaswani et al., 2017): 1 at the end of warmup, ½ at 4× warmup, and no
-    end point (it keeps falling past max_steps). With warmup 0 it is lr/√(step + 1): the full rate at step 0."""
+    """Vaswani et al. (2017) exactly, normalised to 1 at its peak: min(n/W, √(W/n)) with n = step + 1 the 1-based
+    step number the paper counts (lmlab's step is 0-based): linear warmup to 1 at n = W, then √(W/n) — √(W/(W+1)) one
+    step after the peak, ½ at n = 4W — and no end point (it keeps falling past max_steps). With warmup 0 it is
+    1/√n: the full rate at the first step."""
     if (w := _warmup(step, warmup_steps)) is not None:
         return w
-    return math.sqrt(warmup_steps / step) if warmup_steps else 1 / math.sqrt(step + 1)
+    return math.sqrt(max(warmup_steps, 1) / (step + 1))
 
 
 OPTIMIZERS = {"adamw": adamw, "sgd": sgd, "lion": lion, "amos": amos, "adafactor": adafactor, "muon": muon,

@@ -17,6 +17,7 @@ from typing import Any
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
+from lmlab import budget
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
 from lmlab.data import build_datamodule
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
@@ -37,6 +38,7 @@ class RunPlan:
     resume_step: int
     previous: dict[str, Any] | None  # the summary a resume continues
     ended: bool  # a resume of a run that has ended: nothing to do, every file stays as it is
+    budget: dict[str, Any] | None = None  # budget.*: what it is and the steps it gave (lmlab.budget; None: max_steps)
 
 
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan:
@@ -50,6 +52,7 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan
     data.prepare_data()
     data.setup("fit")
     model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
+    spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
     saved, resume_step, previous, ended = None, 0, None, False
     if ckpt is not None:
@@ -66,7 +69,7 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan
             "completed" if resume_step >= cfg.trainer.max_steps else None)
         ended = bool(status) and (previous or {}).get("status") in FINISHED
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
-                   previous=previous, ended=ended)
+                   previous=previous, ended=ended, budget=spend)
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).

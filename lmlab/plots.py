@@ -8,6 +8,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 Series = Mapping[str, list[tuple[int, float]]]  # one run's metrics.csv: {metric: [(step, value), ...]}
 
@@ -248,3 +249,32 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def plot_loss_vs_compute(points: Mapping[str, Sequence[tuple[float, float]]], fits: Mapping[str, Any],
+                         path: str | Path) -> Path | None:
+    """A ladder: each variant's (compute, loss) points, its fit L(C) = E + A·C^(−α) as a line over the points'
+    range (dashed a decade past it) and the fit's 95% band (lmlab.fits.PowerLaw.band). None without points."""
+    if not any(points.values()):
+        return None
+    import numpy as np
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in points.items():
+        cs, ls = [c for c, _ in pts], [v for _, v in pts]
+        (dots,) = ax.plot(cs, ls, "o", markersize=4)
+        fit = fits.get(name)
+        if fit is None:
+            dots.set_label(f"{name} (no fit)")
+            continue
+        inside = np.logspace(math.log10(min(cs)), math.log10(max(cs)), 100)
+        beyond = np.logspace(math.log10(max(cs)), math.log10(max(cs)) + 1, 30)
+        label = f"{name}: {fit.E:.3g} + {fit.A:.3g}·C^-{fit.alpha:.3g}"
+        ax.plot(inside, fit.loss(inside), color=dots.get_color(), linewidth=1, label=label)
+        ax.plot(beyond, fit.loss(beyond), color=dots.get_color(), linewidth=1, linestyle="--")
+        both = np.concatenate([inside, beyond])
+        if (band := fit.band(both)) is not None:
+            ax.fill_between(both, *band, color=dots.get_color(), alpha=0.15, linewidth=0)
+    ax.set_xscale("log")
+    return _finish(fig, ax, path, "training compute C (FLOPs)", "final val loss", "loss vs compute (fit, 95% band)")

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab import env, names
+from lmlab import budget, env, names
 from lmlab.checks import check_config, check_launch, strategy_name  # noqa: F401  (importable here, as before)
 from lmlab.cli import continue_command
 from lmlab.env import is_rank_zero
@@ -119,6 +119,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
     task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
+    if OmegaConf.select(cfg, "jacobian.every_n_steps", default=0):  # per-block Jacobian norms (lmlab.jacobian)
+        from lmlab.jacobian import JacobianNorms
+
+        task = [*task, JacobianNorms(cfg.jacobian.every_n_steps, cfg.jacobian.get("probes", 4))]
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
@@ -161,6 +165,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                             tokens_at_start=tokens_at_start, overrides=overrides,
                             config=OmegaConf.to_container(cfg, resolve=True), error=error)
         summary["signal"] = stop.signum or None
+        summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous)
         tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run

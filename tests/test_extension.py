@@ -39,13 +39,18 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
         assert rows[(4 * L, name)]["loss_beyond"] != rows[(4 * L, base)]["loss_beyond"], name  # 20 steps: close
     assert len({r["windows"] for r in result["rows"] if r["length"] == 4 * L}) == 1  # same windows for all
     plain = rows[(4 * L, "none")]
-    for name in ("dynamic_ntk", "dynamic_yarn"):  # s = max(1, n/L): positions < L are exactly the plain model
+    for name in ("dynamic_linear", "dynamic_ntk", "dynamic_yarn"):  # s = max(1, n/L): positions < L are the plain model
         assert rows[(4 * L, name)]["loss_inside"] == pytest.approx(plain["loss_inside"], abs=1e-9), name
         assert rows[(4 * L, name)]["loss_beyond"] != pytest.approx(plain["loss_beyond"], abs=1e-6), name
     # PI squeezes every position, the trained ones included; at the trained length every method is the plain model
     assert abs(rows[(4 * L, "linear")]["loss_inside"] - plain["loss_inside"]) > 1e-6
     for name in ROPE_SCALINGS:
         assert rows[(L, name)]["loss"] == pytest.approx(rows[(L, "none")]["loss"], abs=1e-6), name
+    # attention entropy (the note's reason for YaRN's temperature): more keys spread it; YaRN is ntk_by_parts with
+    # the temperature √(1/t) = 0.1·ln(s) + 1 on top, which scales the logits up and pulls the entropy back
+    assert rows[(4 * L, "none")]["attn_entropy"] > rows[(L, "none")]["attn_entropy"]
+    assert rows[(4 * L, "yarn")]["attn_entropy"] < rows[(4 * L, "ntk_by_parts")]["attn_entropy"]
+    assert rows[(L, "yarn")]["attn_entropy"] == pytest.approx(rows[(L, "none")]["attn_entropy"], abs=1e-6)
     for f in ("eval.md", "eval.csv", "eval.json", "plots/length_extension.png"):
         assert (rope_run / "eval" / f).exists(), f
     per_position = json.loads((rope_run / "eval" / "eval.json").read_text())["per_position"]

@@ -127,3 +127,36 @@ def test_the_groups_a_gau_does_not_read_are_recorded_as_unused_not_validated() -
     with pytest.raises(ValueError, match="attention=gqa needs model.n_kv_head"):
         resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, **bad))
     assert resolve(GPTConfig(vocab_size=50, n_head=4)).unused == []
+
+
+def _gau_out_over_in(score: str, qk_init: str) -> list[float]:
+    """‖GAU(x)‖ / ‖x‖ of every layer at init (post placement, Xavier: gau_depth's setting) on random tokens."""
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, d_model=64, n_head=4, max_seq_len=64, vocab_size=100, position={"name": "rope"},
+                    block={"name": "gau", "score": score, "qk_init": qk_init}, placement={"name": "post"},
+                    init={"name": "xavier"})
+    model, ratios = GPT(cfg).eval(), []
+    for mod in model.modules():
+        if getattr(mod, "sublayer", None) == "gau":
+            mod.register_forward_hook(lambda m, inp, out: ratios.append((out.norm() / inp[0].norm()).item()))
+    with torch.no_grad():
+        model(torch.randint(0, 100, (4, 64)))
+    return ratios
+
+
+def test_flash_qk_init_makes_gau_tiny_at_init_with_relu2_only() -> None:
+    """The source note: GAU(x) is ~two orders of magnitude smaller than x at init. With FLASH's γ ~ N(0, 0.02) and
+    relu²/n it is ~1e-8 of x (scores ~(0.02²)² of lmlab's); with lmlab's γ = 1 it is 1e-5..0.8. Under softmax-like
+    scores the small logits give near-uniform weights, so the output is V's mean either way (~0.18 of x)."""
+    ones, flash = _gau_out_over_in("relu2", "ones"), _gau_out_over_in("relu2", "flash")
+    assert max(flash) < 1e-6 < 0.1 < max(ones)
+    for score in ("softmax_plus", "softmax"):
+        a, b = max(_gau_out_over_in(score, "ones")), max(_gau_out_over_in(score, "flash"))
+        assert 0.1 < b < a < 1.5 * b  # within 1.5x: no two orders of magnitude here
+    gau = GAU(D, S, E, score="relu2", activation={"name": "silu"}, bias=False, train_len=8, qk_init="flash")
+    assert gau.q_gamma.std().item() == pytest.approx(0.02, rel=0.5) and not gau.q_beta.any()
+    assert torch.equal(GAU(D, S, E, score="relu2", activation={"name": "silu"}, bias=False, train_len=8).k_gamma,
+                       torch.ones(S))  # the default: γ = 1, today's numbers

@@ -168,7 +168,7 @@ def test_lion_decoupled_weight_decay() -> None:
 
 # The multiplier at max_steps of each schedule: a key of its YAML, a number, or a function of its YAML's values
 END_VALUE = {"cosine": "min_lr_ratio", "linear": "min_lr_ratio", "wsd": "min_lr_ratio", "constant": 1.0,
-             "inverse_sqrt": lambda p, max_steps: math.sqrt(p["warmup_steps"] / max_steps)}  # no end point: √(w/T)
+             "inverse_sqrt": lambda p, max_steps: math.sqrt(p["warmup_steps"] / (max_steps + 1))}  # no end: √(w/n)
 
 
 @pytest.mark.parametrize("warmup", [1, 10, 100])
@@ -191,7 +191,9 @@ def test_yaml_schedule_values(name: str) -> None:
     params = {k: v for k, v in spec.items() if k != "name"}
     fn, warmup, max_steps = SCHEDULES[name], spec["warmup_steps"], 1000
     assert fn(0, max_steps, **params) == pytest.approx(1 / warmup)
-    assert fn(warmup, max_steps, **params) == pytest.approx(1.0)  # right after warmup: the full rate
+    assert fn(warmup - 1, max_steps, **params) == pytest.approx(1.0)  # the warmup's last step: the full rate
+    # right after it, still the full rate, or (inverse_sqrt, Vaswani's √(W/n)) one step down from it
+    assert math.sqrt(warmup / (warmup + 1)) - 1e-12 <= fn(warmup, max_steps, **params) <= 1.0 + 1e-12
     values = [fn(s, max_steps, **params) for s in range(max_steps + 1)]
     assert all(0 <= v <= 1 + 1e-12 for v in values)
     assert all(a >= b - 1e-12 for a, b in zip(values[warmup:], values[warmup + 1:]))  # never rises after warmup
@@ -415,9 +417,15 @@ def test_adafactor_builds_steps_and_factors_its_state() -> None:
 
 def test_inverse_sqrt_values() -> None:
     inv = SCHEDULES["inverse_sqrt"]
+    # Vaswani et al.: d^-0.5 · min(n^-0.5, n · W^-1.5) at the 1-based step n = step + 1, over its peak W^-0.5
+    vaswani = lambda n, w: min(n ** -0.5, n * w ** -1.5) / w ** -0.5  # noqa: E731
     assert [inv(s, 100, warmup_steps=4) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert inv(4, 100, warmup_steps=4) == pytest.approx(1.0)  # lr · sqrt(4/4)
-    assert inv(16, 100, warmup_steps=4) == pytest.approx(0.5)  # lr · sqrt(4/16)
-    assert inv(400, 100, warmup_steps=4) == pytest.approx(0.1)  # no end: it keeps falling past max_steps
-    # warmup 0: lr / sqrt(step + 1), the full rate at the first step (sqrt(0/step) would be 0 everywhere)
+    assert inv(4, 100, warmup_steps=4) == pytest.approx(math.sqrt(4 / 5))  # one step past the peak: √(W/(W+1))
+    assert inv(10, 100, warmup_steps=10) == pytest.approx(0.953463, abs=1e-6)  # not 1.0 (the 0.047 at W=10)
+    assert inv(15, 100, warmup_steps=4) == pytest.approx(0.5)  # n = 16 = 4W: ½
+    assert inv(399, 100, warmup_steps=4) == pytest.approx(0.1)  # no end: it keeps falling past max_steps
+    for w in (1, 4, 10, 100):
+        assert [inv(s, 1000, warmup_steps=w) for s in range(500)] == pytest.approx([vaswani(s + 1, w)
+                                                                                    for s in range(500)])
+    # warmup 0: 1/√n, the full rate at the first step (√(0/n) would be 0 everywhere)
     assert [inv(s, 100, warmup_steps=0) for s in (0, 3, 99)] == pytest.approx([1.0, 0.5, 0.1])

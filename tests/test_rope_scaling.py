@@ -52,6 +52,20 @@ def test_yarn_mscale_vector() -> None:
     assert ROPE_SCALINGS["yarn"](128, 1e4, 4096, 4096, **kw)[1] == pytest.approx(1.368887945, abs=1e-9)
 
 
+def test_dynamic_linear_vector() -> None:
+    """d 64, base 1e4, trained 2048, a forward of 8192: s = 4, so inv_freq[-1] = 1e4^(-62/64) / 4 = 3.33380e-5
+    (1e4^(-62/64) = 10^-3.875 = 1.333521e-4, by hand); at 2048 and below, plain RoPE; at 3072, PI with s = 1.5."""
+    fn = ROPE_SCALINGS["dynamic_linear"]
+    inv_freq, attention = fn(64, 1e4, 2048, 8192, original_max_len=2048)
+    assert attention == 1.0 and inv_freq[-1].item() == pytest.approx(3.333802e-5, rel=1e-6)
+    assert inv_freq[0].item() == 0.25  # the highest frequency, 1, divided by s too (PI squeezes every pair)
+    plain = ROPE_SCALINGS["none"](64, 1e4, 2048, 2048)[0]
+    assert torch.equal(fn(64, 1e4, 2048, 2048, original_max_len=2048)[0], plain)
+    assert torch.equal(fn(64, 1e4, 2048, 100, original_max_len=2048)[0], plain)
+    torch.testing.assert_close(fn(64, 1e4, 2048, 3072, original_max_len=2048)[0],
+                               ROPE_SCALINGS["linear"](64, 1e4, 3072, 3072, factor=1.5, original_max_len=2048)[0])
+
+
 def test_dynamic_ntk_vector() -> None:
     fn = ROPE_SCALINGS["dynamic_ntk"]
     inv_freq, attention = fn(64, 1e4, 2048, 8192, factor=2.0, original_max_len=2048)

@@ -35,8 +35,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.compare:
         from lmlab.compare import compare
 
-        _, md = compare(cfg.compare)
-        written = [f"{Path(cfg.compare) / f}" for f in ("compare.md", "compare_variants.md", "plots/")]
+        _, md = compare(cfg.compare, baseline=cfg.get("baseline"), target=cfg.get("target"))
+        files = ("compare.md", "compare_variants.md", "compare_significance.md", "plots/")
+        written = [f"{Path(cfg.compare) / f}" for f in files]
         print(md + "\n-> " + ", ".join(p for p in written if Path(p).exists()))
         return
     if cfg.hf:  # a transformers directory, read as a run (its own eval output goes to out or <hf>/eval)

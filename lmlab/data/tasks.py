@@ -18,8 +18,12 @@ from typing import Any
 from lmlab.data.datamodule import TextDataModule
 from lmlab.data.probe import NAME as PROBE
 from lmlab.data.probe import PositionProbeDataModule
+from lmlab.data.token_bin import NAME as TOKEN_BIN
+from lmlab.data.token_bin import TokenBinDataModule
 
-TASKS = {PROBE: PositionProbeDataModule}  # data.name -> its data module; every other name is a corpus
+# data.name -> its data module; every other name is a corpus that TextDataModule tokenizes (token_bin is a corpus
+# already tokenized: its own module, with no section of its own in compare)
+TASKS = {PROBE: PositionProbeDataModule, TOKEN_BIN: TokenBinDataModule}
 
 
 def module_class(name: str | None) -> type:

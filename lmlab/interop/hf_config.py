@@ -13,7 +13,8 @@ from lmlab.interop.hf_moe import MOE_TYPES, hf_moe_config, lmlab_ffn, moe_family
 _ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 _ACTS_BACK = {**{v: k for k, v in _ACTS.items()}, "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "swish": "silu"}
 _GLU_GATES = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
-# lmlab rope_scaling -> transformers rope_type; the rest (static ntk, dynamic_yarn) has no transformers form.
+# lmlab rope_scaling -> transformers rope_type; the rest (static ntk, dynamic_linear, dynamic_yarn) has no
+# transformers form.
 _ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn",
                "ntk_by_parts": "yarn", "llama3": "llama3"}
 

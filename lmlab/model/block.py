@@ -14,7 +14,7 @@ cache)`; `probs(x, pos)` gives its attention weights), and on its projections th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
@@ -58,13 +58,14 @@ class GAUBlock:
     key size `s`, expansion e = `expansion` · d_model, attention weights from `score`. The default score is GAU-α's
     softmax_plus (Su, 2022, the source note): FLASH's relu²/n generalised poorly to other lengths in Su's tests.
     One layer has d·s + 3·d·e + 4s parameters, about half an attention + FFN pair (12d²) at FLASH's sizes (s ≪ d):
-    match a transformer's size with about twice the layers (conf/model/tiny_gau.yaml)."""
+    match a transformer's size with about twice the layers (conf/model/tiny_gau.yaml). `qk_init`: the Q/K scale γ
+    at 1 (`ones`) or from N(0, 0.02) (`flash`, FLASH's code; lmlab.model.gau)."""
 
     uses = ()  # one unit instead of attention + FFN: the attention and ffn groups do not apply
 
     def __init__(self, cfg: GPTConfig, *, s: PositiveInt = 128, expansion: PositiveFloat = 2.0,
-                 score: str = "softmax_plus") -> None:
-        self.cfg, self.s, self.score = cfg, s, score
+                 score: str = "softmax_plus", qk_init: Literal["ones", "flash"] = "ones") -> None:
+        self.cfg, self.s, self.score, self.qk_init = cfg, s, score, qk_init
         self.e = max(1, round(expansion * cfg.d_model))
         self.heads, self.head_dim = 1, s
         self.cache_width = s + self.e  # one head: keys of size s, values of size e
@@ -77,7 +78,7 @@ class GAUBlock:
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg
         return {"gau": GAU(cfg.d_model, self.s, self.e, score=self.score, activation=cfg.activation, bias=cfg.bias,
-                           train_len=cfg.train_len, dropout=cfg.dropout)}
+                           train_len=cfg.train_len, dropout=cfg.dropout, qk_init=self.qk_init)}
 
 
 BLOCKS = {"transformer": Transformer, "gau": GAUBlock}

@@ -8,7 +8,9 @@
     O = (U ⊙ A V) W_o
 
 φ is the `activation` group (SiLU/Swish in the paper; biases when model.bias). W_u, W_v, W_z are one fused matrix
-`c_fc` (rows u, v, z). γ starts at 1 and β at 0 (the init schemes keep them, like norm weights). Parameters:
+`c_fc` (rows u, v, z). β starts at 0; γ at 1 (`qk_init=ones`, lmlab's default: Q = K = Z at init) or, as FLASH's
+code does, drawn from N(0, 0.02) (`qk_init=flash`: Q and K start ~50× smaller than Z, so relu² scores start ~1e-7 of
+lmlab's); the init schemes keep them, like norm weights. Parameters:
 d·(2e + s) + e·d + 4s (+ 2e + s + d biases).
 """
 
@@ -35,7 +37,7 @@ class GAU(nn.Module):
     mixes_tokens = True  # called as (x, pos, cache) by the block
 
     def __init__(self, dim: int, s: int, e: int, *, score: str, activation: Mapping[str, Any], bias: bool,
-                 train_len: int, dropout: float = 0.0) -> None:
+                 train_len: int, dropout: float = 0.0, qk_init: str = "ones") -> None:
         super().__init__()
         self.s, self.e, self.dropout = s, e, dropout
         self.score = build("block.score", SCORES, {"name": score}, train_len)
@@ -46,6 +48,10 @@ class GAU(nn.Module):
         self.act = Activation(activation)
         self.q_gamma, self.k_gamma = nn.Parameter(torch.ones(s)), nn.Parameter(torch.ones(s))
         self.q_beta, self.k_beta = nn.Parameter(torch.zeros(s)), nn.Parameter(torch.zeros(s))
+        if qk_init == "flash":  # FLASH's ScaleOffset: γ ~ N(0, 0.02), β = 0 (Hua et al., 2022, Appendix code)
+            with torch.no_grad():
+                nn.init.normal_(self.q_gamma, std=0.02)
+                nn.init.normal_(self.k_gamma, std=0.02)
         self.c_proj = nn.Linear(e, dim, bias=bias)
         self.c_proj.is_residual_proj = True
 

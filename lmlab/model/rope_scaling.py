@@ -164,6 +164,20 @@ def linear(
     return _default_inv_freq(dim, base) / _static_scale(factor, max_seq_len, original_max_len), 1.0
 
 
+def dynamic_linear(
+    dim: int, base: float, max_seq_len: int, seq_len: int, *, original_max_len: PositiveInt | None = None,
+) -> tuple[Tensor, float]:
+    """Dynamic Position Interpolation (the dynamic form of Chen et al., 2023, as the source notes list it beside
+    dynamic NTK): PI with s = max(1, seq_len / L) per forward, so a forward within the trained length is the plain
+    model exactly, and a longer one squeezes its positions just into the trained range."""
+    scale = max(1.0, seq_len / _trained_len(max_seq_len, original_max_len))
+    inv_freq = _default_inv_freq(dim, base)
+    return (inv_freq if scale == 1 else inv_freq / scale), 1.0
+
+
+dynamic_linear.dynamic = True
+
+
 def ntk(
     dim: int, base: float, max_seq_len: int, seq_len: int, *, factor: Factor | None = None,
     original_max_len: PositiveInt | None = None,
@@ -273,6 +287,7 @@ def rope_frequencies(
 ROPE_SCALINGS = {
     "none": none,
     "linear": linear,
+    "dynamic_linear": dynamic_linear,
     "ntk": ntk,
     "dynamic_ntk": dynamic_ntk,
     "ntk_by_parts": ntk_by_parts,

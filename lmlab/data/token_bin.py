@@ -1,0 +1,197 @@
+"""`data=token_bin`: pre-tokenized `.bin` shards in the nanoGPT / llm.c / modded-nanogpt layout, so a run reads the
+same tokens as the speedrun and its numbers can be set beside the speedrun's.
+
+A shard is a header of 256 little-endian int32 — [0] the magic 20240520, [1] the version 1, [2] the number of
+tokens — then that many uint16 tokens (GPT-2 ids, < 65536). This is what llm.c's `dev/data/fineweb.py` and
+modded-nanogpt's `data/cached_fineweb10B.py` write; a shard whose magic, version or length does not match is refused
+with its path. Training reads the train shards (`data.train`, a glob) as one stream cut into blocks of
+max_seq_len + 1, in a seeded order; validation is the first `data.val_tokens` tokens of the val shards (`data.val`,
+a glob, in sorted order) — the speedrun's fixed 10,485,760-token protocol — not a fraction of the corpus.
+
+The shards carry ids, not text: `data.tokenizer` is the tokenizer.json that made them (GPT-2's, for generate.py to
+print text), or null for a stand-in whose token i is the text "<i>" (loss and eval need no text).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack
+from lmlab.data.shards import TokenStream
+from lmlab.rundir import atomic_write
+
+NAME = "token_bin"
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+SPEEDRUN_VAL_TOKENS = 10_485_760
+UNIGRAM_SAMPLE = 10_000_000  # train tokens the unigram plateau is counted on (a 10B-token corpus: a sample)
+_KEYS = {"name", "train", "val", "val_tokens", "vocab_size", "tokenizer", "batch_size", "num_workers"}
+
+
+class TokenBinError(ValueError):
+    """A .bin shard that is not in the layout, named by its path."""
+
+
+def write_shard(path: str | Path, tokens: Sequence[int] | np.ndarray) -> Path:
+    """Write `tokens` as a .bin shard (header, then uint16), as llm.c's write_datafile does."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError("a .bin shard holds uint16 tokens: ids must be in [0, 65536)")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, VERSION, tokens.size
+    atomic_write(Path(path), header.tobytes() + tokens.astype("<u2").tobytes())
+    return Path(path)
+
+
+def read_header(path: str | Path) -> int:
+    """The number of tokens of the shard at `path`, after checking its magic, version and length."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise TokenBinError(f"{path}: truncated .bin shard ({size} bytes, less than the {HEADER_BYTES}-byte header)")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise TokenBinError(f"{path}: magic number {header[0]} is not {MAGIC}: not a nanoGPT/llm.c .bin token shard")
+    if header[1] != VERSION:
+        raise TokenBinError(f"{path}: .bin shard version {header[1]}; lmlab reads version {VERSION} (uint16 tokens)")
+    n = int(header[2])
+    if size != HEADER_BYTES + 2 * n:
+        raise TokenBinError(f"{path}: truncated .bin shard: the header gives {n} tokens ({HEADER_BYTES + 2 * n} "
+                            f"bytes), the file has {size} bytes")
+    return n
+
+
+def open_shards(pattern: str, key: str) -> TokenStream:
+    """The shards matching `pattern` (sorted), checked and memory-mapped as one stream; `key` names the option."""
+    paths = sorted(glob.glob(str(Path(pattern).expanduser())))
+    if not paths:
+        raise FileNotFoundError(f"{key}={pattern}: no .bin shard matches")
+    arrays = []
+    for p in paths:
+        n = read_header(p)
+        if n:
+            arrays.append(np.memmap(p, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)))
+    if not arrays:
+        raise ValueError(f"{key}={pattern}: the shards hold no tokens")
+    return TokenStream(arrays)
+
+
+def stand_in_tokenizer(vocab_size: int):
+    """A tokenizer whose token i is the text "<i>": ids round-trip, text is only a label."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+class TokenBinDataModule(pl.LightningDataModule):
+    """The data module of `data=token_bin` (the task protocol of lmlab.data.tasks: no callbacks or figures)."""
+
+    evaluable = True
+
+    def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
+        super().__init__()
+        if unknown := sorted(set(data) - _KEYS):
+            raise ValueError(f"data=token_bin does not take {['data.' + k for k in unknown]}; it takes "
+                             f"{sorted('data.' + k for k in _KEYS - {'name'})}")
+        self.train_pattern, self.val_pattern = data.get("train"), data.get("val")
+        for key in ("train", "val"):
+            if not data.get(key):
+                raise ValueError(f"data.{key} is required with data=token_bin: a glob of .bin shards")
+        self.val_tokens_n = int(data.get("val_tokens") or SPEEDRUN_VAL_TOKENS)
+        self.vocab_size = int(data.get("vocab_size") or 50257)
+        self.tokenizer_kind = str(data.get("tokenizer") or NAME)
+        self.batch_size, self.num_workers = int(data.get("batch_size", 8)), int(data.get("num_workers", 0))
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        if not 0 < self.vocab_size <= 2**16:
+            raise ValueError(f"data.vocab_size={self.vocab_size} must be in [1, 65536]: .bin shards hold uint16 ids")
+        if self.val_tokens_n < self.seq_len + 1:
+            raise ValueError(f"data.val_tokens={self.val_tokens_n} is less than one block of model.max_seq_len + 1 "
+                             f"= {self.seq_len + 1}")
+        self.tokenizer = None
+        self.eod_id = None
+
+    def prepare_data(self) -> None:
+        self.setup()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.tokenizer is not None:
+            return
+        train = open_shards(self.train_pattern, "data.train")
+        val = open_shards(self.val_pattern, "data.val")
+        if len(val) < self.val_tokens_n:
+            raise ValueError(f"data.val_tokens={self.val_tokens_n}: the val shards ({self.val_pattern}) hold only "
+                             f"{len(val)} tokens")
+        self.train_tokens, self.val_tokens = train, val[: self.val_tokens_n]
+        for key, stream, n in (("data.val", self.val_tokens, len(self.val_tokens)),
+                               ("data.train", train, min(len(train), UNIGRAM_SAMPLE))):
+            top = int(stream.read(0, n).max())
+            if top >= self.vocab_size:
+                raise ValueError(f"{key}: the shards hold token id {top}, not below data.vocab_size={self.vocab_size}")
+        if len(train) < self.seq_len + 1:
+            raise ValueError(f"data.train={self.train_pattern}: {len(train)} tokens, less than one block of "
+                             f"model.max_seq_len + 1 = {self.seq_len + 1}")
+        self.train_dataset = TrainBlocks(pack(train, self.seq_len + 1), self.seed)
+        self.val_blocks = pack(self.val_tokens, self.seq_len + 1)
+        if self.tokenizer_kind == NAME:
+            self.tokenizer = stand_in_tokenizer(self.vocab_size)
+        else:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(Path(self.tokenizer_kind).expanduser()))
+        self.tokenizer_sha256 = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.trainer
+        step, accumulate, world, rank = (0, 1, 1, 0) if t is None else (
+            t.global_step, t.accumulate_grad_batches, t.world_size, t.global_rank)
+        sampler = StepSampler(start=step * accumulate * self.batch_size * world, batch_size=self.batch_size,
+                              rank=rank, world_size=world)
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,
+                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Blocks(self.val_blocks), batch_size=self.batch_size, shuffle=False,
+                          num_workers=self.num_workers)
+
+    def val_windows(self, length: int) -> torch.Tensor:
+        windows = pack(self.val_tokens, length + 1)
+        if len(windows) == 0:
+            raise ValueError(f"data.val_tokens={self.val_tokens_n} is fewer than length + 1 = {length + 1}")
+        return torch.from_numpy(np.asarray(windows).astype(np.int64))
+
+    def unigram_entropy(self, split: str = "val") -> float:
+        """Entropy (nats) of the split's unigram distribution: all val tokens; the first UNIGRAM_SAMPLE of train."""
+        stream = self.val_tokens if split == "val" else self.train_tokens
+        counts = np.bincount(stream.read(0, min(len(stream), UNIGRAM_SAMPLE)), minlength=self.vocab_size)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def save_tokenizer(self, path: str | Path) -> None:
+        atomic_write(Path(path), self.tokenizer.to_str())
+
+    def callbacks(self, run_dir: str | Path) -> list[Any]:
+        return []
+
+    def figures(self) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def compare_section(sweep_dir: Path, runs: list, overrides: dict, keys: list) -> str:
+        return ""  # a corpus: compare's tables are the whole story
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass  # plan.check_same_data compares the tokenizer before the fit

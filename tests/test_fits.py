@@ -1,0 +1,126 @@
+"""Scaling-law fits (lmlab.fits): known parameters recovered from synthetic curves, too few points refused, the
+compute-equivalent multiplier and the crossover on fits whose answers are known in closed form."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lmlab.fits import PowerLaw, compute_multiplier, crossover, fit_power_law
+
+C = np.logspace(12, 16, 5)  # five rungs, a decade apart
+
+
+def test_the_fit_recovers_known_parameters_from_an_exact_curve() -> None:
+    loss = 2.0 + 50.0 * C ** -0.3  # 3.26 .. 2.32
+    fit = fit_power_law(C, loss)
+    assert fit.n == 5 and fit.rmse < 1e-6
+    assert fit.E == pytest.approx(2.0, rel=1e-4) and fit.alpha == pytest.approx(0.3, rel=1e-4)
+    assert fit.A == pytest.approx(50.0, rel=1e-3)
+    assert fit.loss(1e14) == pytest.approx(2.0 + 50.0 * 1e14 ** -0.3, rel=1e-6)
+
+
+def test_with_noise_the_intervals_hold_the_true_parameters() -> None:
+    rng = np.random.default_rng(0)
+    c = np.logspace(10, 16, 8)
+    loss = 1.5 + 30.0 * c ** -0.25 + rng.normal(0, 0.003, c.size)
+    fit = fit_power_law(c, loss)
+    for true, ci in ((1.5, fit.E_ci), (0.25, fit.alpha_ci), (30.0, fit.A_ci)):
+        assert ci[0] < true < ci[1], (true, ci)
+    assert fit.alpha == pytest.approx(0.25, abs=0.05) and fit.E == pytest.approx(1.5, abs=0.05)
+
+
+def test_too_few_points_are_refused_and_three_have_no_interval() -> None:
+    with pytest.raises(ValueError, match="3 parameters and needs at least 3 points .*got 2"):
+        fit_power_law([1e12, 1e13], [3.0, 2.8])
+    with pytest.raises(ValueError, match="got 2"):  # a diverged rung (nan) is not a point
+        fit_power_law([1e12, 1e13, 1e14], [3.0, float("nan"), 2.7])
+    three = fit_power_law(C[:3], 2.0 + 50.0 * C[:3] ** -0.3)
+    assert three.E_ci is None and three.alpha == pytest.approx(0.3, rel=1e-3)
+
+
+def test_compute_multiplier_on_synthetic_fits() -> None:
+    base = PowerLaw(E=2.0, A=50.0, alpha=0.3, n=5, rmse=0.0)
+    # A_v = A_b·k^α: the variant at C equals the baseline at C/k, so it needs k× the compute for any loss
+    better = PowerLaw(E=2.0, A=50.0 * 0.8 ** 0.3, alpha=0.3, n=5, rmse=0.0)
+    for c in (1e12, 1e15):
+        assert compute_multiplier(better, base, c) == pytest.approx(0.8, rel=1e-9)
+        assert compute_multiplier(base, better, c) == pytest.approx(1.25, rel=1e-9)
+    floor = PowerLaw(E=2.5, A=1.0, alpha=0.3, n=5, rmse=0.0)  # never gets below 2.5
+    assert compute_multiplier(floor, base, 1e16) == math.inf  # the baseline's 2.08 there is out of its reach
+
+
+def test_crossover_on_synthetic_fits() -> None:
+    base = PowerLaw(E=2.0, A=50.0, alpha=0.3, n=5, rmse=0.0)
+    lower_floor = PowerLaw(E=1.9, A=80.0, alpha=0.3, n=5, rmse=0.0)  # worse small, better large
+    # 1.9 + 80·C^-0.3 = 2 + 50·C^-0.3  <=>  C = 300^(1/0.3)
+    (root,) = crossover(lower_floor, base, 1e6, 1e12)
+    assert root == pytest.approx(300 ** (1 / 0.3), rel=1e-6)
+    assert lower_floor.loss(root / 10) > base.loss(root / 10) and lower_floor.loss(root * 10) < base.loss(root * 10)
+    parallel = PowerLaw(E=2.0, A=40.0, alpha=0.3, n=5, rmse=0.0)
+    assert crossover(parallel, base, 1e6, 1e12) == []
+
+
+def test_the_band_holds_the_true_curve_and_narrows_inside_the_points() -> None:
+    rng = np.random.default_rng(1)
+    c = np.logspace(10, 16, 8)
+    fit = fit_power_law(c, 1.5 + 30.0 * c ** -0.25 + rng.normal(0, 0.003, c.size))
+    low, high = fit.band(c)
+    true = 1.5 + 30.0 * c ** -0.25
+    assert np.all(low < fit.loss(c)) and np.all(fit.loss(c) < high)
+    assert np.mean((low < true) & (true < high)) >= 0.75
+    far_low, far_high = fit.band(np.array([1e7]))  # extrapolating three decades down: wider than anywhere inside
+    assert (far_high - far_low)[0] > np.max(high - low)
+    assert fit_power_law(C[:3], 2.0 + 50.0 * C[:3] ** -0.3).band(C) is None
+
+
+def _ladder_run(sweep, overrides, compute, loss):
+    import json
+
+    run = sweep / ",".join(overrides)
+    run.mkdir(parents=True)
+    run.joinpath("summary.json").write_text(json.dumps({
+        "status": "completed", "steps": 10, "tokens": 100, "overrides": overrides, "final_val_loss": loss,
+        "best_val_loss": loss, "budget_spent": {"flops": compute, "tokens": 100}}))
+
+
+def test_compare_fits_a_ladder_per_variant(tmp_path) -> None:
+    import csv
+
+    from lmlab.compare import compare
+
+    sweep = tmp_path / "ladder"
+    sizes = {"32": 1e12, "64": 1e13, "96": 1e14, "128": 1e15, "160": 1e16}
+    # swiglu = mlp at 0.8x the compute: A_v = A_b·0.8^α; reglu has two sizes only
+    laws = {"mlp": (2.0, 50.0, 0.3), "swiglu": (2.0, 50.0 * 0.8 ** 0.3, 0.3)}
+    for ffn, (e, a, alpha) in laws.items():
+        for d, c in sizes.items():
+            for seed, noise in (("1", 0.0), ("2", 1e-4)):
+                _ladder_run(sweep, [f"ffn={ffn}", f"model.d_model={d}", f"seed={seed}"], c,
+                            e + a * c ** -alpha + noise)
+    for d in ("32", "64"):
+        _ladder_run(sweep, ["ffn=reglu", f"model.d_model={d}", "seed=1"], sizes[d], 3.0)
+    _, md = compare(sweep, baseline="ffn=mlp")
+    with open(sweep / "compare_ladder.csv") as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert float(rows["ffn=mlp"]["alpha"]) == pytest.approx(0.3, rel=0.01)
+    assert float(rows["ffn=mlp"]["E"]) == pytest.approx(2.0, rel=0.01)
+    assert float(rows["ffn=swiglu"]["multiplier_at_max_C"]) == pytest.approx(0.8, rel=0.02)
+    assert rows["ffn=swiglu"]["crossover_C"] == "none"
+    assert "needs at least 3 points" in rows["ffn=reglu"]["problem"] and rows["ffn=reglu"]["E"] == ""
+    assert (sweep / "plots" / "loss_vs_compute.png").stat().st_size > 5000
+    assert "Scaling fits" in md
+    with open(sweep / "compare_significance.csv") as f:  # seeds paired within each size, against mlp at that size
+        sig = {r["variant"]: r for r in csv.DictReader(f)}
+    assert "ffn=swiglu,model.d_model=64" in sig and sig["ffn=swiglu,model.d_model=64"]["baseline"] == "ffn=mlp"
+    assert float(sig["ffn=swiglu,model.d_model=64"]["diff_mean"]) < 0  # the better variant: lower loss
+
+
+def test_a_fit_through_few_scattered_points_has_wide_but_finite_numbers() -> None:
+    """Four rungs that barely follow the law (a real tiny ladder): the fit still returns, its A interval may be
+    unbounded above (inf, not an overflow)."""
+    c = [3.5e11, 1.8e12, 5.6e12, 2.9e13]
+    fit = fit_power_law(c, [2.69, 2.36, 2.03, 2.05])
+    assert math.isfinite(fit.E) and fit.A_ci is not None and fit.A_ci[0] <= fit.A <= fit.A_ci[1]
