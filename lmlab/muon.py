@@ -25,7 +25,7 @@ whole matrices and the all-reduced gradients, and NS is deterministic, so every 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -58,9 +58,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: Iterable[dict], *, lr: float, adam_lr: float, momentum: float, nesterov: bool,
                  ns_steps: int, adjust_lr_fn: str, betas: tuple[float, float], eps: float, cautious_wd: bool,
-                 momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None) -> None:
-        from lmlab.optim import adamw
-
+                 momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None,
+                 adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> None:
+        """`adamw(groups, lr=, betas=, eps=, fused=)` builds the AdamW half (lmlab.optim passes its own: the fused
+        kernel picked, cautious decay honoured)."""
         muon_groups, adam_groups = [], []
         for g in groups:
             params = list(g["params"])

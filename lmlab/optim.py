@@ -127,7 +127,8 @@ def muon(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, adam_lr: PositiveF
     (lmlab.muon); weight decay on the hidden matrices and an untied head, as for AdamW."""
     return MuonAdamW(groups, lr=lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                      adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, cautious_wd=cautious_wd,
-                     momentum_warmup_steps=momentum_warmup_steps, momentum_start=momentum_start, fused=fused)
+                     momentum_warmup_steps=momentum_warmup_steps, momentum_start=momentum_start, fused=fused,
+                     adamw=adamw)
 
 
 muon.roles = True

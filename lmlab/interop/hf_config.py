@@ -8,6 +8,8 @@ from typing import Any
 
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_moe import MOE_TYPES, hf_moe_config, lmlab_ffn, moe_family
+from lmlab.interop.refusal import NotRepresentable
+from lmlab.interop.refusal import refuse as _refuse
 
 # lmlab activation -> transformers ACT2FN name (exact same function), and back.
 _ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
@@ -17,15 +19,6 @@ _GLU_GATES = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
 # transformers form.
 _ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn",
                "ntk_by_parts": "yarn", "llama3": "llama3"}
-
-
-class NotRepresentable(ValueError):
-    """An lmlab architecture that transformers cannot represent exactly."""
-
-
-def _refuse(axis: str, value: Any, family: str, accepted: str) -> NotRepresentable:
-    return NotRepresentable(f"{axis}={value!r} has no {family} form in transformers ({family} needs {accepted}); "
-                            f"export refused rather than written as another architecture")
 
 
 def family(cfg: GPTConfig) -> str:

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 
 from lmlab.config import GPTConfig
+from lmlab.interop.refusal import NotRepresentable, refuse
 
 MOE_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
 
 
 def _refuse(key: str, value: Any, family: str, accepted: str) -> Exception:
-    from lmlab.interop.hf_config import _refuse as refuse
-
     return refuse(key, value, family, accepted)
 
 
@@ -92,8 +91,6 @@ def lmlab_ffn(hf: Any, expert: str) -> dict[str, Any]:
 
 
 def _not(message: str) -> Exception:
-    from lmlab.interop.hf_config import NotRepresentable
-
     return NotRepresentable(message)
 
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.activation import Activation
+from lmlab.model.dense import DENSE_FFNS, GLU
 from lmlab.registry import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 SCORES = ("softmax", "sigmoid")
@@ -49,18 +50,11 @@ SCORES = ("softmax", "sigmoid")
 STAT_TAIL = ("entropy", "tokens", "dropped", "lse_sq")
 
 
-def _dense_kinds() -> dict[str, type]:
-    from lmlab.model.ffn import FFNS  # here, not at the top: ffn.py lists this option in its registry
-
-    return {name: cls for name, cls in FFNS.items() if not getattr(cls, "routed", False)}
-
-
 def expert_kind(name: str) -> type:
     """The FFN class of `ffn.expert` (a dense option: mlp, glu, swiglu, ...), or a ValueError naming the choices."""
-    kinds = _dense_kinds()
-    if name not in kinds:
-        raise ValueError(f"ffn.expert={name!r} is not an expert kind; choose one of {sorted(kinds)}")
-    return kinds[name]
+    if name not in DENSE_FFNS:
+        raise ValueError(f"ffn.expert={name!r} is not an expert kind; choose one of {sorted(DENSE_FFNS)}")
+    return DENSE_FFNS[name]
 
 
 def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
@@ -174,7 +168,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.score, self.norm_topk = n_experts, top_k, score, norm_topk
         self.capacity_factor, self.balance_coef, self.z_coef = capacity_factor, balance_loss, router_z_loss
         self.bias_update_rate = bias_update_rate
-        self.glu = issubclass(kind, _glu_base())  # three matrices per expert: [gate; up] and down
+        self.glu = issubclass(kind, GLU)  # three matrices per expert: [gate; up] and down
         self.hidden = hidden
         self.act = Activation({"name": kind.gate} if getattr(kind, "gate", None) else activation)
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -302,12 +296,6 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, score={self.score}, "
                 f"norm_topk={self.norm_topk}, capacity_factor={self.capacity_factor}")
-
-
-def _glu_base() -> type:
-    from lmlab.model.ffn import GLU
-
-    return GLU
 
 
 def figures(stats: torch.Tensor, n_experts: int, top_k: int) -> dict[str, float]:
