@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmlab.bench.report import write_json
+
 _CASE = r"""
 import json, sys, threading, time, torch
 from lmlab.config import GPTConfig
@@ -140,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in cache:
         print(f"  {row['attention']:<22} {row['bytes_per_token']:>6,.0f} B  ({row['cache_width']} numbers)")
     out = {"date": time.strftime("%Y-%m-%d"), "rows": rows, "kv_cache": cache}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     return out
 
 

@@ -17,7 +17,6 @@ step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from lmlab.bench.report import write_json
 
 
 def _contestant(name: str, overrides: list[str]) -> Any:
@@ -138,9 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"peak {row['peak_mem_mb']:>7,.0f} MB  router {100 * row['router_share']:.1f}%", flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": args.threads,
            "batch": args.batch, "seq_len": T, "overrides": args.set, "repeats": args.repeats, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     return out
 
 

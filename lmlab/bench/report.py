@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 # The issue's targets: (ratio key, median at least, every repeat at least); MFU and memory are checked apart.
@@ -84,3 +86,10 @@ def render(out: dict[str, Any]) -> str:
         lines += ["", "issue targets:"] + [f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']}"
                                            for t in out["targets"]]
     return "\n".join(lines)
+
+
+def write_json(path: Path | None, out: dict[str, Any]) -> None:
+    """A bench's results as JSON at `path` (its folder made), when `--json` asked for them."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
