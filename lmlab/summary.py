@@ -46,6 +46,9 @@ class RunSummary(TypedDict, total=False):
     wall_time_s: float
     n_params: int
     n_active_params: int  # the weights one token uses (an MoE's top_k experts of n_experts; n_params for a dense model)
+    budget: dict[str, Any] | None  # the run's budget.* (lmlab.budget): flops, tokens, tokens_per_param or wall
+    flops_per_token: float  # train FLOPs per token (lmlab.perf's count), what a budget was turned into steps by
+    budget_spent: dict[str, Any]  # what the run spent of it: tokens, flops (and the wall time)
     overrides: list[str]
     error: str | None
     model: dict[str, Any]  # the GPTConfig record (lmlab.config), derived sizes included

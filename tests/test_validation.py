@@ -325,8 +325,10 @@ def test_a_refusal_is_one_line_and_exit_code_2_without_a_traceback(tmp_path: Pat
     assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR" not in res.stderr, res.stderr[-2000:]
     # refused before the training stack is imported: Lightning (most of the 5 s a refusal took) never was
     imports = cli("-X", "importtime", str(ROOT / "train.py"), "optim.lr=abc", "logger=none", cwd=tmp_path)
-    assert imports.returncode == 2 and "| hydra" in imports.stderr and "| torch" in imports.stderr
-    assert "| lightning" not in imports.stderr and "lmlab.training" not in imports.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in imports.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert imports.returncode == 2 and {"hydra", "torch"} <= imported  # at any depth of the import tree
+    assert "lightning" not in imported and "lmlab.training" not in imported
     res = cli(str(ROOT / "eval.py"), f"run={tmp_path / 'nope'}", cwd=tmp_path)
     assert res.returncode == 2 and "eval.py: run=" in res.stderr and "no such run directory" in res.stderr
     full = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=abc", "logger=none",
