@@ -23,28 +23,24 @@ from lmlab.interop.refusal import NotRepresentable, refuse
 MOE_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
 
 
-def _refuse(key: str, value: Any, family: str, accepted: str) -> Exception:
-    return refuse(key, value, family, accepted)
-
-
 def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
     """'mixtral' or 'qwen2_moe' for an ffn=moe config that passed the Llama checks, or NotRepresentable by key.
     `gate_act`: transformers' name of the experts' gate activation (None: they are not a GLU it has)."""
     f = cfg.ffn
     fam = "Mixtral or Qwen2-MoE"
     if gate_act is None:
-        raise _refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
+        raise refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
     if cfg.bias:
-        raise _refuse("model.bias", cfg.bias, fam, "model.bias=false")
+        raise refuse("model.bias", cfg.bias, fam, "model.bias=false")
     for key, plain in (("score", "softmax"), ("capacity_factor", None), ("bias_update_rate", 0.0)):
         if f.get(key, plain) != plain:
-            raise _refuse(f"ffn.{key}", f[key], fam, f"ffn.{key}={'null' if plain is None else plain}")
+            raise refuse(f"ffn.{key}", f[key], fam, f"ffn.{key}={'null' if plain is None else plain}")
     if not f.get("n_shared", 0):
         if not f.get("norm_topk", True):
-            raise _refuse("ffn.norm_topk", False, "Mixtral", "ffn.norm_topk=true (or shared experts: Qwen2-MoE)")
+            raise refuse("ffn.norm_topk", False, "Mixtral", "ffn.norm_topk=true (or shared experts: Qwen2-MoE)")
         return "mixtral"
     if not f.get("shared_gate", False):
-        raise _refuse("ffn.n_shared", f["n_shared"], "Qwen2-MoE", "ffn.shared_gate=true with shared experts "
+        raise refuse("ffn.n_shared", f["n_shared"], "Qwen2-MoE", "ffn.shared_gate=true with shared experts "
                       "(ungated shared experts are DeepSeek's, whose transformers model needs MLA attention), or "
                       "ffn.n_shared=0 (Mixtral)")
     return "qwen2_moe"
@@ -71,27 +67,24 @@ def lmlab_ffn(hf: Any, expert: str) -> dict[str, Any]:
     kind = hf.model_type
     if kind == "mixtral":
         if getattr(hf, "sliding_window", None) is not None:
-            raise _not(f"sliding_window={hf.sliding_window}: lmlab's MoE export and import use full attention")
+            raise NotRepresentable(f"sliding_window={hf.sliding_window}: lmlab's MoE export and import use full "
+                                   f"attention")
         return {"name": "moe", "expert": expert, "hidden": hf.intermediate_size, "n_experts": hf.num_local_experts,
                 "top_k": hf.num_experts_per_tok, "n_shared": 0, "norm_topk": True}
     if getattr(hf, "qkv_bias", False):
-        raise _not("qkv_bias=True: lmlab has one model.bias for every Linear (Qwen2-MoE's o_proj and experts have "
-                   "none)")
+        raise NotRepresentable("qkv_bias=True: lmlab has one model.bias for every Linear (Qwen2-MoE's o_proj and "
+                               "experts have none)")
     if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
-        raise _not(f"mlp_only_layers={hf.mlp_only_layers} decoder_sparse_step={hf.decoder_sparse_step}: lmlab's "
-                   f"layers are all the same FFN kind")
+        raise NotRepresentable(f"mlp_only_layers={hf.mlp_only_layers} decoder_sparse_step={hf.decoder_sparse_step}: "
+                               f"lmlab's layers are all the same FFN kind")
     if getattr(hf, "use_sliding_window", False):
-        raise _not("use_sliding_window=True: not read for Qwen2-MoE")
+        raise NotRepresentable("use_sliding_window=True: not read for Qwen2-MoE")
     shared, h = hf.shared_expert_intermediate_size, hf.moe_intermediate_size
     if shared % h or not shared:
-        raise _not(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={h}: "
-                   f"lmlab's shared experts are n_shared experts' size")
+        raise NotRepresentable(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size="
+                               f"{h}: lmlab's shared experts are n_shared experts' size")
     return {"name": "moe", "expert": expert, "hidden": h, "n_experts": hf.num_experts, "top_k": hf.num_experts_per_tok,
             "n_shared": shared // h, "shared_gate": True, "norm_topk": bool(hf.norm_topk_prob)}
-
-
-def _not(message: str) -> Exception:
-    return NotRepresentable(message)
 
 
 def state(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, fam: str) -> dict[str, torch.Tensor]:
