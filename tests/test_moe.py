@@ -376,3 +376,14 @@ def test_compare_shows_active_parameters_and_the_expert_load(tmp_path) -> None:
     assert expected["swiglu"][0] == expected["swiglu"][1] and expected["moe"][1] < expected["moe"][0] / 2
     assert "| n_params | n_active_params |" in (sweep / "compare.md").read_text()
     assert (sweep / "plots" / "expert_load.png").stat().st_size > 0
+
+
+def test_the_grouped_mm_probe_answers_the_same_under_no_grad() -> None:
+    """A first routing call under no_grad or inference mode (eval, generation) must not cache 'no grouped_mm' for the
+    training that follows."""
+    moe_mod._grouped_mm_runs.cache_clear()
+    with torch.inference_mode():
+        assert moe_mod._grouped_mm_runs("cpu", torch.float32)
+    moe_mod._grouped_mm_runs.cache_clear()
+    with torch.no_grad():
+        assert moe_mod._grouped_mm_runs("cpu", torch.float32)

@@ -95,14 +95,19 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     recent GPUs). Tried once per device kind and dtype on a tiny problem."""
     if not hasattr(F, "grouped_mm"):
         return False
-    try:
-        x = torch.randn(16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        y = F.grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], device=device_type, dtype=torch.int32))
-        y.backward(torch.ones_like(y))
-        return True
+    try:  # with gradients whatever the caller's mode: a first call under no_grad would cache False for good
+        with torch.inference_mode(False), torch.enable_grad():
+            return _grouped_mm_probe(device_type, dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
+    x = torch.randn(16, 16, device=device_type, dtype=dtype, requires_grad=True)
+    w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+    y = F.grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], device=device_type, dtype=torch.int32))
+    y.backward(torch.ones_like(y))
+    return True
 
 
 @torch.compiler.disable  # eager under torch.compile: dynamo traces neither grouped_mm on CPU nor the loop
