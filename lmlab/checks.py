@@ -62,6 +62,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
                "FSDP2Strategy": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2"}.get(
             strategy, "trainer=cpu (trainer.accelerator=cpu)")
         raise ValueError(f"{key} needs a CUDA GPU (none found); on CPU use {fix}")
+    if gcfg.untie_at_step is not None and strategy.startswith("ddp") and "find_unused_parameters_true" not in strategy:
+        raise ValueError(f"model.untie_at_step={gcfg.untie_at_step} leaves the head's own matrix without a gradient "
+                         f"until that step, which trainer.strategy={strategy} refuses (DDP expects every parameter "
+                         f"used): use trainer.strategy=ddp_find_unused_parameters_true, or trainer=fsdp2")
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,
                          gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")

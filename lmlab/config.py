@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
 
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
-               "residual", "param")
+               "residual", "param", "head")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
@@ -48,6 +48,7 @@ class GPTConfig:
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
     logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
+    untie_at_step: PositiveInt | None = None  # a tied head gets its own copy of the embedding at this step (speedrun)
     embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
     eod_id: int | None = None  # the end-of-document token (data.eod's id) the documents are found by (doc masks)
     block: dict = field(default_factory=lambda: {"name": "transformer"})
@@ -61,6 +62,7 @@ class GPTConfig:
     init: dict = field(default_factory=lambda: {"name": "gpt2"})
     residual: dict = field(default_factory=lambda: {"standard": {}})  # option name -> its keys (lmlab.model.residual)
     param: dict = field(default_factory=lambda: {"name": "sp"})  # the parametrisation (lmlab.model.param): sp, mup
+    head: dict = field(default_factory=lambda: {"name": "next"})  # what is predicted (lmlab.model.head): next, mtp
     # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
     head_dim: int | None = None  # d_model / n_head
     kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)

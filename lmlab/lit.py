@@ -85,8 +85,10 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
-        routed = self.model.routes  # an MoE's balancing losses join the objective: the LM loss is logged apart
-        if z_loss or routed:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
+        if (step := self.model.cfg.untie_at_step) is not None and self.global_step >= step:
+            self.model.untie()  # model.untie_at_step: the head trains apart from here (a resumed run: already untied)
+        extra = self.model.extra_losses  # an MoE's balancing losses, MTP's depths join the objective, logged apart
+        if z_loss or extra:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
             objective, loss, z = self(x, y, z_loss=z_loss, parts=True)
         else:
             objective = loss = self(x, y)
@@ -100,6 +102,8 @@ class LitGPT(L.LightningModule):
                 self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
             for part, value in self.model.aux_parts().items():  # summed over the MoE layers, before coefficients
                 self.log(names.TRAIN_AUX[part], value, sync_dist=True)
+            for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: each depth's, before its weight
+                self.log(names.mtp_loss("train", k), value, sync_dist=True)
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
             groups = self.trainer.optimizers[0].param_groups
@@ -116,7 +120,10 @@ class LitGPT(L.LightningModule):
         return self.trainer._logger_connector.should_update_logs
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
+        n = batch[0].size(0)
+        self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
+        for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: the extra depths', apart
+            self.log(names.mtp_loss("val", k), value, sync_dist=True, batch_size=n)
 
     def on_validation_epoch_end(self) -> None:
         if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:

@@ -34,6 +34,12 @@ def per_layer(prefix: str, i: int, sublayer: str | None = None) -> str:
     return f"{prefix}/{layer(i)}" + (f"/{sublayer}" if sublayer else "")
 
 
+def mtp_loss(split: str, k: int) -> str:
+    """train/mtp_loss_<k>, val/mtp_loss_<k>: head=mtp's cross-entropy for the token k + 1 ahead (k = 1 .. depth), before
+    its weight (the objective adds weight · it; train/loss and val/loss stay the next token's)."""
+    return f"{split}/mtp_loss_{k}"
+
+
 def grad_norm(part: str) -> str:
     """grad/norm/<part>: a layer (layer_03, layer_03/attn), embed or head."""
     return f"{GRAD_NORM}/{part}"

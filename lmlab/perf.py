@@ -20,7 +20,8 @@ from lmlab import names
 
 FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights a token uses, tied head "
                  "once, an MoE's top_k experts of n_experts; "
-                 "w = the block's attention width: 2*d for a transformer layer, s + e for a GAU)")
+                 "w = the block's attention width: 2*d for a transformer layer, s + e for a GAU; head=mtp: its "
+                 "blocks, and the output head once more per depth)")
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, without sparsity), matched as whole words of
 # torch.cuda.get_device_name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"; L4 is not L40S); first match wins.
@@ -44,8 +45,10 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
     queries read a window of W keys (attention.window) costs W in place of T."""
     cfg = model.cfg
-    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in model.h]
+    blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
+    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks]
     n, attn = matmul_params(model), sum(spans) * cfg.attn_width
+    n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
     return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
 
 

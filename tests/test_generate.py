@@ -92,6 +92,8 @@ CASES |= {
     "parallel+alibi": {"position": {"name": "alibi"}, "residual": {"parallel": {}}},
     "hyper+window": {"position": {"name": "rope"}, "attention": {"name": "mha", "window": 4},
                      "residual": {"hyper": {"streams": 3}}},
+    # head=mtp and a model.untie_at_step head: generation reads the next-token head only
+    "mtp+untie+rope": {"position": {"name": "rope"}, "head": {"name": "mtp", "depth": 2}, "untie_at_step": 3},
     # MLA: the cache holds the latents, up-projected at every step
     "mla+rope": {"position": {"name": "rope"}, "attention": {"name": "mla", "kv_lora_rank": 16}},
     "mla+q_lora+window+yarn": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": "yarn"},

@@ -15,6 +15,8 @@ These families are represented exactly, weight for weight:
 - Mixtral / Qwen2-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each has);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
+head=mtp exports its next-token model (the MTP modules are left out: they train the trunk, and the logits are the
+trunk's), and a model.untie_at_step head as it is at the checkpoint.
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
 never exported as something it is not. `transformers` is imported lazily (the `dev`/`bench` extras ship it).
 """
@@ -261,6 +263,7 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
 
 
     model = load_model(model_or_run_dir) if isinstance(model_or_run_dir, (str, Path)) else model_or_run_dir
+    model = model.next_token_model()  # head=mtp's modules are training's: transformers' families have no place
     config = hf_config(model.cfg)
     fam = family(model.cfg)
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,

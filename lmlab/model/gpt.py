@@ -1,4 +1,5 @@
-"""The GPT: token embeddings -> position scheme -> blocks -> (final norm) -> LM head.
+"""The GPT: token embeddings -> position scheme -> blocks -> (final norm) -> LM head (and the `head` axis's extra
+predictions in training: multi-token prediction).
 
 Every part comes from its axis's registry through `build`; this file never asks which option it has. `validate`
 checks a config before anything else happens: its options resolved, its size against the machine, the model built on
@@ -7,9 +8,11 @@ the meta device.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -17,6 +20,7 @@ from lmlab.config import GPTConfig
 from lmlab.loss import cross_entropy, linear_cross_entropy
 from lmlab.memory import check_model_fits
 from lmlab.model.cache import KVCache
+from lmlab.model.head import HEADS
 from lmlab.model.init import INITS
 from lmlab.model.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
@@ -52,8 +56,19 @@ class GPT(nn.Module):
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.is_readout = True  # the output layer: lmlab.optim's `readout` role (AdamW under Muon, µP)
-        if cfg.tie_embeddings:
+        if cfg.untie_at_step is not None and not cfg.tie_embeddings:
+            raise ValueError(f"model.untie_at_step={cfg.untie_at_step} unties a tied head; model.tie_embeddings=false "
+                             f"has none: set model.tie_embeddings=true, or model.untie_at_step=null")
+        if cfg.tie_embeddings and cfg.untie_at_step is None:
             self.lm_head.weight = self.wte.weight  # one matrix for reading and writing tokens (Press & Wolf, 2017)
+        # model.untie_at_step: the head has its own matrix from the start, unused (no gradient, so no optimizer
+        # update or decay) while tied; `untie()` copies the embedding into it. The state is saved with the weights.
+        self._untied = cfg.untie_at_step is None and not cfg.tie_embeddings  # read by forward: no device sync
+        if cfg.untie_at_step is not None:  # saved in the state dict (only then: other records keep their keys)
+            self.register_buffer("untied", torch.tensor(self._untied))
+            self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "_untied", bool(module.untied)))
+        self.head = build("head", HEADS, cfg.head, cfg)  # extra predictions (head=mtp); next: none
+        self.head_losses: list[torch.Tensor] = []  # the last forward's extra-depth losses (detached), for the loggers
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -89,22 +104,74 @@ class GPT(nn.Module):
             x = self.residual.after(i, x)
         if cache is not None:
             cache.length += idx.size(1)
-        h = self.ln_f(x)
-        if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
-            h = h * self.param.output_mult
-        cap = self.cfg.logit_softcap
         if targets is None:
-            logits = self.lm_head(h)
+            h = self.ln_f(x)
+            if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh)
+                h = h * self.param.output_mult
+            logits = F.linear(h, self.head_weight)
+            cap = self.cfg.logit_softcap
             return logits if cap is None else cap * torch.tanh(logits / cap)
-        if self.cfg.chunked_loss:
-            out = linear_cross_entropy(h, self.lm_head.weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
-        else:
-            out = cross_entropy(self.lm_head(h), targets, softcap=cap, z_loss=z_loss, parts=parts)
-        aux = [m.aux for m in self._routed if m.aux is not None] if self.training and torch.is_grad_enabled() else []
-        if aux:  # the sublayers' auxiliary losses (an MoE's balancing terms) join the objective, not the cross-entropy
+        out = self.lm_loss(self.ln_f(x), targets, z_loss=z_loss, parts=parts)
+        training = self.training and torch.is_grad_enabled()
+        aux = [m.aux for m in self._routed if m.aux is not None] if training else []
+        if self.head.depth:  # multi-token prediction: the extra depths' losses, kept apart for the loggers
+            extra = self.head.losses(x, idx, targets, doc, self.wte, self.pos, self.lm_loss)
+            self.head_losses = [v.detach() for v in extra]
+            if training:
+                aux += [w * v for w, v in zip(self.head.weights, extra, strict=False)]
+        if aux:  # the auxiliary losses (an MoE's balancing terms, MTP's) join the objective, not the cross-entropy
             total = torch.stack(aux).sum()
             out = (out[0] + total, *out[1:]) if parts else out + total
         return out
+
+    def lm_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, parts: bool = False) -> Any:
+        """The output head's mean token cross-entropy on normed hidden states h (B, T, d) (lmlab.loss): µP's readout
+        multiplier, the logit softcap, chunked when `chunked_loss`; shared by the extra heads (head=mtp)."""
+        if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
+            h = h * self.param.output_mult
+        cap = self.cfg.logit_softcap
+        if self.cfg.chunked_loss:
+            return linear_cross_entropy(h, self.head_weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
+        return cross_entropy(F.linear(h, self.head_weight), targets, softcap=cap, z_loss=z_loss, parts=parts)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's matrix: the embedding's while tied (model.untie_at_step before its step), else its own."""
+        return self.lm_head.weight if self._untied else self.wte.weight
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head reads the embedding's matrix now."""
+        return not self._untied
+
+    def untie(self) -> None:
+        """model.untie_at_step: the head takes a copy of the embedding and trains apart from now on."""
+        if self._untied:
+            return
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.wte.weight)
+        self.untied.fill_(True)
+        self._untied = True
+
+    def next_token_model(self) -> GPT:
+        """This model without what only training reads, computing the same logits: head=mtp's modules left out, a
+        model.untie_at_step head as it is now (tied before the step, its own matrix after). What export writes."""
+        cfg = self.cfg
+        if cfg.head.get("name") == "next" and cfg.untie_at_step is None:
+            return self
+        plain = dataclasses.replace(cfg, head={"name": "next"}, untie_at_step=None, tie_embeddings=self.tied)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("head.") and k != "untied"}
+        if self.tied:  # the embedding is the head (the head's own matrix is a copy to come)
+            state["lm_head.weight"] = state["wte.weight"]
+        with torch.device(self.wte.weight.device):
+            model = GPT(plain)
+        model.load_state_dict(state)
+        return model.train(self.training)
+
+    @property
+    def extra_losses(self) -> bool:
+        """Whether training adds losses to the cross-entropy (an MoE's balancing terms, MTP's depths)."""
+        return self.routes or bool(self.head.depth)
 
     @property
     def routes(self) -> bool:

@@ -19,6 +19,7 @@ from lmlab.config import DERIVED, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
+from lmlab.model.head import HEADS
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import RESIDUALS, residual_params, residual_specs
 from lmlab.model.rope_scaling import ROPE_SCALINGS
@@ -95,5 +96,7 @@ def n_params_estimate(cfg: GPTConfig) -> int:
     """Weights from the sizes alone: the blocks' (each kind's `n_params`) and the embeddings' (norms, gains and
     position tables aside: a lower bound within 1% of the built model's count)."""
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
-    return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-            + residual_params(cfg))
+    head, params = option_params("head", HEADS, cfg.head)
+    untied = not cfg.tie_embeddings or cfg.untie_at_step is not None  # model.untie_at_step: a head matrix of its own
+    return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (2 if untied else 1)
+            + residual_params(cfg) + HEADS[head].n_params(cfg, **params))

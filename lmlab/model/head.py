@@ -1,0 +1,101 @@
+"""What the model predicts besides the next token (the `head` axis): `next` (the next token only, every earlier run)
+or `mtp`, multi-token prediction, which trains extra modules to predict the tokens after it.
+
+Contract: `Head(cfg, *, <own params>)`, an nn.Module built once per model, with `depth` (the extra tokens predicted;
+0: none) and `losses(h, idx, targets, doc, embed, pos, lm_loss)`: the extra tokens' cross-entropies [L_1, ..., L_D]
+from the trunk's final hidden state h (B, T, d) before the final norm, given the tokens idx and the next-token targets
+(B, T), and `weights`, each depth's weight in the objective. `lm_loss(h, targets)` is the model's own output head and
+loss on normed h (softcap, µP's readout multiplier, chunked or not): the shared unembedding.
+
+`mtp` (DeepSeek-V3, 2024, §2.2: "sequential" modules; or Gloeckle et al., 2024, "Better & Faster Large Language Models
+via Multi-token Prediction": "parallel" heads) with depth D. At depth k the target of position i is t_{i+k+1}, so the
+last k positions have none and are dropped:
+
+    sequential  h⁰ = h,  hᵏ_i = TRM_k(M_k [RMSNorm(hᵏ⁻¹_i); RMSNorm(Emb(t_{i+k}))])   i < T − k
+    parallel    hᵏ_i = TRM_k(h_i)                                                     i < T − k
+    L_k = CE(OutHead(Norm_k(hᵏ_i)), t_{i+k+1}),   objective = L_next + Σ_k w_k·L_k,  w_k = weight / D (DeepSeek's λ/D)
+    unless `weights` gives one per depth.
+
+TRM_k is one block of the model's placement and block kind (the last layer's settings: its window, its position
+rules), the norms are the model's norm group, M_k a d × 2d projection, Emb and OutHead the model's own (shared, as
+both papers do). The trunk is the whole model, so the next-token logits, generation and evaluation are those of a
+model without the head (eval.py reports the next-token loss; the extra depths' losses are logged apart,
+`train/mtp_loss_k` and `val/mtp_loss_k`); Gloeckle et al. instead branch their heads off the trunk's last layer, which
+would make the next-token path one of n equal heads: here it stays the model every other option is compared as.
+The residual options shape the trunk only: each MTP block is wired by the placement alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from lmlab.model.block import BLOCKS
+from lmlab.model.norm import NORMS
+from lmlab.model.placement import PLACEMENTS
+from lmlab.registry import NonNegativeFloat, PositiveInt, build
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
+    from lmlab.model.position import Position
+
+LMLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NextToken(nn.Module):
+    """The next token only: no extra modules, no extra losses."""
+
+    depth = 0
+    weights: tuple[float, ...] = ()
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+
+    @classmethod
+    def n_params(cls, cfg: GPTConfig, **params) -> int:
+        return 0
+
+
+class MTP(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, depth: PositiveInt = 1, style: Literal["sequential", "parallel"] =
+                 "sequential", weight: NonNegativeFloat = 0.3, weights: list[float] | None = None) -> None:
+        super().__init__()
+        if weights is not None and (len(weights) != depth or any(w < 0 for w in weights)):
+            raise ValueError(f"head.weights={list(weights)} must give one weight >= 0 per depth (head.depth={depth}), "
+                             f"or be null for head.weight / depth each")
+        self.depth, self.style = depth, style
+        self.weights = tuple(float(w) for w in weights) if weights is not None else (weight / depth,) * depth
+        last = cfg.n_layer - 1  # each module's block takes the last layer's settings
+        self.blocks = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, last) for _ in range(depth))
+        self.norms = nn.ModuleList(build("norm", NORMS, cfg.norm, cfg.d_model) for _ in range(depth))
+        if style == "sequential":
+            self.norm_h = nn.ModuleList(build("norm", NORMS, cfg.norm, cfg.d_model) for _ in range(depth))
+            self.norm_e = nn.ModuleList(build("norm", NORMS, cfg.norm, cfg.d_model) for _ in range(depth))
+            self.proj = nn.ModuleList(nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.bias) for _ in range(depth))
+
+    @classmethod
+    def n_params(cls, cfg: GPTConfig, *, depth: int = 1, style: str = "sequential", **_) -> int:
+        """Its weights from the sizes alone (the size bounds): a block per depth, and M_k's 2d² when sequential."""
+        per = build("block", BLOCKS, cfg.block, cfg).n_params() + (2 * cfg.d_model ** 2 if style == "sequential" else 0)
+        return depth * per
+
+    def losses(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None,
+               embed: nn.Module, pos: Position, lm_loss: LMLoss) -> list[torch.Tensor]:
+        T = idx.size(1)
+        out, prev = [], h
+        for k in range(1, min(self.depth, T - 1) + 1):
+            n = T - k  # positions with a target k + 1 tokens ahead
+            if self.style == "sequential":
+                x = torch.cat((self.norm_h[k - 1](prev[:, :n]), self.norm_e[k - 1](embed(idx[:, k:]))), dim=-1)
+                x = self.proj[k - 1](x)
+            else:
+                x = h[:, :n]
+            prev = self.blocks[k - 1](x, pos, None, None if doc is None else doc[:, :n])
+            out.append(lm_loss(self.norms[k - 1](prev), targets[:, k:]))
+        return out
+
+
+HEADS = {"next": NextToken, "mtp": MTP}
