@@ -96,12 +96,17 @@ def _equal_flops_width(n_layer: int, ref_layers: int, ref_width: int, multiple: 
     return equal_flops_width(int(n_layer), int(ref_layers), int(ref_width), int(multiple))
 
 
+def _step_at(fraction: float, max_steps: int) -> int:
+    """`${lmlab.step_at:0.67,${trainer.max_steps}}`: the step at that fraction of the run (at least 1)."""
+    return max(1, round(float(fraction) * int(max_steps)))
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
     for name, fn in (("lmlab.dirname", _job_dirname), ("lmlab.sqlite", _sqlite_url), ("lmlab.study_seed", _study_seed),
                      ("lmlab.slurm_count", _slurm_count), ("lmlab.slurm_by_accelerator", _slurm_by_accelerator),
-                     ("lmlab.equal_flops_width", _equal_flops_width)):
+                     ("lmlab.equal_flops_width", _equal_flops_width), ("lmlab.step_at", _step_at)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
