@@ -1,10 +1,15 @@
-"""The optimizer and parametrisation studies read back: `optim_compare` (steps and tokens to a target val loss, final
-loss at equal tokens, optimizer state per parameter), `lr_transfer` (the best lr per width under sp and mup, the µP
-paper's Figure 1) and `mup_coord_check` (activation RMS over widths in the first steps, the paper's coordinate check).
+"""The optimizer, parametrisation and residual-stream studies read back: `optim_compare` (steps and tokens to a target
+val loss, final loss at equal tokens, optimizer state per parameter), `lr_transfer` (the best lr per width under sp and
+mup, the µP paper's Figure 1), `mup_coord_check` (activation RMS over widths in the first steps, the paper's
+coordinate check), `speedrun_ladder` (the speedrun's records added one at a time: each row's final loss and steps to
+the baseline's loss, its change from the row before with a paired test over seeds, beside the record's own gain) and
+`residual_placement` (each residual option under each placement, deep and without warmup: trained or collapsed).
 
     python -m lmlab.studies optim <sweep dir> [--target 2.2]
     python -m lmlab.studies lr_transfer <sweep dir>
     python -m lmlab.studies coord_check <sweep dir>
+    python -m lmlab.studies speedrun_ladder <sweep dir> [--target 1.9]
+    python -m lmlab.studies residual_placement <sweep dir>
 
 Each prints a markdown table and writes its picture into the sweep directory (or --out).
 """
@@ -24,6 +29,8 @@ from lmlab import names
 from lmlab.compare import find_runs
 from lmlab.plots import _plt, _save, read_metrics
 from lmlab.rundir import RunDir
+from lmlab.significance import paired
+from lmlab.targets import crossing
 
 
 def _runs(sweep: str | Path) -> list[tuple[dict[str, Any], dict[str, list[tuple[int, float]]]]]:
@@ -171,17 +178,101 @@ def coord_check(sweep: str | Path, out: Path | None = None) -> str:
     return f"step {steps[-1]}\n\n" + "\n".join(lines)
 
 
+def _override(summary: dict[str, Any], key: str, default: str = "") -> str:
+    return next((o.split("=", 1)[1] for o in summary.get("overrides", []) if o.startswith(f"{key}=")), default)
+
+
+# The speedrun's record each row adds (modded-nanogpt's README, world record history: 8xH100 minutes to 3.28 FineWeb
+# val loss, before -> after; a record's gain is its whole changelog's, of which the row takes the architecture).
+SPEEDRUN_RECORDS = {
+    "00_gpt2": "llm.c baseline: 45 min", "01_rope": "#2: 45 → 31.4 min (with 3× lr, trapezoidal schedule)",
+    "02_muon": "#3: 31.4 → 24.9 min", "03_relu2_qknorm": "#5: 22.3 → 15.2 min (with zero-init projections, padding)",
+    "04_untied": "#8: 12.0 → 10.8 min", "05_shortcuts": "#9: 10.8 → 8.2 min (with momentum warm-up)",
+    "06_unet": "#11: 7.8 → 7.2 min (with 2× lr)", "07_value_embed": "#14: 4.66 → 4.41 min",
+    "08_softcap15": "#18: 3.57 → 3.4 min", "09_untie_late": "a 2025 record (not in the table held here)",
+}
+
+
+def speedrun_ladder(sweep: str | Path, target: float | None = None, out: Path | None = None) -> str:
+    """One row per ladder step (its `speedrun_step`), in order: final val loss over seeds, its change from the row
+    before (paired over seeds: mean and p), the steps to `target` (default: the first row's mean final loss, which the
+    later rows reach sooner or not), the record's own gain; the picture: each row's mean val curve."""
+    by: dict[str, dict[str, tuple[dict, list]]] = defaultdict(dict)
+    for summary, series in _runs(sweep):
+        by[_override(summary, "speedrun_step", "?")][_override(summary, "seed", "0")] = (
+            summary, series.get(names.VAL_LOSS, []))
+    rows = sorted(by)
+    finals = {r: {seed: s["final_val_loss"] for seed, (s, _) in by[r].items()
+                  if s.get("status") == "completed" and s.get("final_val_loss") is not None} for r in rows}
+    if target is None and rows and finals[rows[0]]:
+        target = round(statistics.mean(finals[rows[0]].values()), 3)
+    lines = [f"target val loss {target} (the first row's final)", "",
+             "| row | speedrun record | final val loss | Δ vs row before (p) | steps to target | status |",
+             "|---|---|---|---|---|---|"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, row in enumerate(rows):
+        runs = by[row]
+        hits = [crossing(curve, target) for _, curve in runs.values()] if target is not None else []
+        reached = [h for h in hits if h is not None]
+        steps = "—" if target is None else "not reached" if not reached else f"{statistics.mean(reached):.0f}" + (
+            "" if len(reached) == len(hits) else f" ({len(reached)}/{len(hits)} seeds)")
+        delta = "—"
+        if i:
+            test = paired(finals[rows[i - 1]], finals[row])
+            if test.mean is not None:
+                delta = f"{test.mean:+.3f}" + (f" (p={test.p:.2g})" if test.p is not None else "")
+        status = ", ".join(sorted({s.get("status", "?") for s, _ in runs.values()}))
+        lines.append(f"| {row} | {SPEEDRUN_RECORDS.get(row, '')} | {_mean_sd(list(finals[row].values()))} | {delta} | "
+                     f"{steps} | {status} |")
+        curves = [dict(curve) for _, curve in runs.values() if curve]
+        steps_logged = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if steps_logged:
+            ax.plot(steps_logged, [statistics.mean(c[s] for c in curves) for s in steps_logged], label=row,
+                    color=plt.cm.viridis(i / max(1, len(rows) - 1)))
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="step", ylabel="val loss (mean over seeds)", title="speedrun_ladder")
+    ax.legend(fontsize=7)
+    _save(fig, (out or Path(sweep)) / "speedrun_ladder_val_loss.png")
+    return "\n".join(lines)
+
+
+def residual_placement(sweep: str | Path, out: Path | None = None) -> str:
+    """A grid of residual option (rows; `scaled` with branch_init=0 is ReZero) × placement (columns): each cell the
+    run's final val loss, or how it ended (collapsed at step s, diverged); refused pairs are absent from the sweep."""
+    cells: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for summary, _ in _runs(sweep):
+        residual = "+".join(summary["config"]["residual"])
+        if _override(summary, "residual.scaled.branch_init") in ("0", "0.0"):
+            residual = "scaled (ReZero: branch_init=0)"
+        status, loss = summary.get("status"), summary.get("final_val_loss")
+        cells[(residual, summary["config"]["placement"]["name"])].append(
+            f"{loss:.3f}" if status == "completed" and loss is not None else f"{status} (step {summary.get('steps')})")
+    placements = [p for p in ("pre", "post", "deepnorm") if any(k[1] == p for k in cells)]
+    lines = ["| residual | " + " | ".join(placements) + " |", "|---|" + "---|" * len(placements)]
+    for residual in sorted({k[0] for k in cells}, key=lambda r: (r != "standard", r)):
+        lines.append(f"| {residual} | " + " | ".join(", ".join(cells.get((residual, p), ["refused"]))
+                                                 for p in placements) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m lmlab.studies", description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["optim", "lr_transfer", "coord_check"])
+    ap.add_argument("study", choices=["optim", "lr_transfer", "coord_check", "speedrun_ladder", "residual_placement"])
     ap.add_argument("sweep")
-    ap.add_argument("--target", type=float, default=None, help="optim: the val loss to reach (default: the median)")
+    ap.add_argument("--target", type=float, default=None,
+                    help="optim, speedrun_ladder: the val loss to reach (default: the median; the first row's)")
     ap.add_argument("--out", type=Path, default=None, help="where the picture goes (default: the sweep directory)")
     args = ap.parse_args(argv)
     if args.study == "optim":
         print(optim_table(args.sweep, args.target, args.out))
     elif args.study == "lr_transfer":
         print(lr_transfer(args.sweep, args.out))
+    elif args.study == "speedrun_ladder":
+        print(speedrun_ladder(args.sweep, args.target, args.out))
+    elif args.study == "residual_placement":
+        print(residual_placement(args.sweep, args.out))
     else:
         print(coord_check(args.sweep, args.out))
 

@@ -13,7 +13,7 @@ from lmlab.config import arch_config
 from lmlab.training import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search, recipe: _global_ files (own tests)
-                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe",
+                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe", "speedrun_step",
                                                  "data_base"))  # data_base: the corpora's shared keys, not a group
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -53,6 +53,36 @@ def test_scores_and_blocks_compose_and_build(overrides: list[str]) -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])
     check_config(cfg)
+
+
+STEPS = sorted(p.stem for p in (CONF_DIR / "speedrun_step").glob("*.yaml"))
+
+
+def test_the_speedrun_ladders_rows_are_cumulative() -> None:
+    """Each row of experiment=speedrun_ladder is the row before plus its record's changes: the sweep names every row,
+    every row checks, and what a row sets (beyond what its successor changes on purpose) stays set after it."""
+    params = OmegaConf.load(CONF_DIR / "experiment" / "speedrun_ladder.yaml").hydra.sweeper.params
+    assert str(params.speedrun_step).split(",") == STEPS
+    rows = []
+    for step in STEPS:
+        cfg = compose(["experiment=speedrun_ladder", f"speedrun_step={step}"])
+        check_config(cfg)
+        rows.append(cfg)
+    first, last = rows[0], rows[-1]
+    assert (first.position.name, first.norm.name, first.optim.name, first.model.bias) == ("learned", "layer", "adamw",
+                                                                                         True)
+    assert (last.position.name, last.norm.name, last.optim.name, last.activation.name) == ("rope", "rms", "muon",
+                                                                                          "relu2")
+    assert last.attention.qk_norm and last.model.embed_norm and last.model.logit_softcap == 15.0
+    assert list(last.residual) == ["scaled", "x0", "unet", "value_embed"]
+    assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)
+    assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
+    speedrun = compose(["recipe=speedrun"])
+    row = rows[STEPS.index("08_softcap15")]
+    for key in ("position.name", "norm.name", "norm.affine", "activation.name", "optim.name", "attention.qk_norm",
+                "model.bias", "model.tie_embeddings", "model.logit_softcap", "model.embed_norm"):
+        assert OmegaConf.select(speedrun, key) == OmegaConf.select(row, key), key  # recipe=speedrun is row 08
+    assert list(speedrun.residual) == list(row.residual)
 
 
 def sweep_points(experiment: str) -> list[list[str]]:

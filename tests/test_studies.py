@@ -12,7 +12,14 @@ from omegaconf import OmegaConf
 from lmlab import compose
 from lmlab.config import arch_config
 from lmlab.model.resolve import resolve
-from lmlab.studies import coord_check, lr_transfer, state_bytes_per_param, steps_to
+from lmlab.studies import (
+    coord_check,
+    lr_transfer,
+    residual_placement,
+    speedrun_ladder,
+    state_bytes_per_param,
+    steps_to,
+)
 
 
 def _run(root: Path, name: str, config: dict, rows: list[dict], status: str = "completed", **summary) -> None:
@@ -22,6 +29,12 @@ def _run(root: Path, name: str, config: dict, rows: list[dict], status: str = "c
     (d / "metrics.csv").write_text(",".join(keys) + "\n" + "".join(
         ",".join(str(r.get(k, "")) for k in keys) + "\n" for r in rows))
     (d / "summary.json").write_text(json.dumps({"status": status, "overrides": [], "config": config, **summary}))
+
+
+def _ladder_run(root: Path, row: str, seed: int, curve: list[tuple[int, float]], **summary) -> None:
+    _run(root, f"{row}-{seed}", {"residual": {"standard": {}}, "placement": {"name": "pre"}},
+         [{"step": s, "val/loss": v} for s, v in curve], final_val_loss=curve[-1][1],
+         **{"overrides": [f"speedrun_step={row}", f"seed={seed}"], **summary})
 
 
 def test_steps_to_target() -> None:
@@ -69,3 +82,36 @@ def test_state_bytes_per_parameter(optim: str, expected: float | None) -> None:
         total = hidden + V * d + 128 * d + (2 * L + 1) * d * 2  # tied embedding, learned positions, LayerNorms
         expected = (4 * hidden + 8 * (total - hidden)) / total
     assert got == pytest.approx(expected, rel=0.01)
+
+
+def test_speedrun_ladder_orders_the_rows_and_pairs_each_with_the_one_before(tmp_path: Path) -> None:
+    """Rows in ladder order; Δ is the paired mean over seeds of row − row before; steps to the first row's final loss
+    are interpolated on each seed's val curve and averaged."""
+    _ladder_run(tmp_path, "00_gpt2", 0, [(0, 4.0), (100, 3.0), (200, 2.0)])
+    _ladder_run(tmp_path, "00_gpt2", 1, [(0, 4.0), (100, 3.2), (200, 2.2)])
+    _ladder_run(tmp_path, "01_rope", 0, [(0, 4.0), (100, 2.5), (200, 1.5)])  # reaches 2.1 at step 100 + 0.4·100
+    _ladder_run(tmp_path, "01_rope", 1, [(0, 4.0), (100, 2.1), (200, 1.6)])  # at step 100
+    _ladder_run(tmp_path, "02_muon", 0, [(0, 4.0), (100, 3.9)], status="diverged")
+    table = speedrun_ladder(tmp_path).splitlines()
+    assert table[0].startswith("target val loss 2.1 ")
+    # seed 0 reaches 2.1 at 100 + 0.9·100 = 190, seed 1 ends at 2.2: it never does
+    assert table[4] == "| 00_gpt2 | llm.c baseline: 45 min | 2.100 ± 0.141 | — | 190 (1/2 seeds) | completed |"
+    # Δ: (1.5 − 2.0, 1.6 − 2.2) = (−0.5, −0.6): mean −0.55, sd 0.0707, t = −11, p = 0.058 (1 df)
+    assert table[5].startswith("| 01_rope | #2: 45 → 31.4 min")
+    assert "| -0.550 (p=0.058) | 120 | completed |" in table[5]
+    assert table[6].endswith("| — | — | not reached | diverged |")  # no completed seed: no final, no Δ
+    assert (tmp_path / "speedrun_ladder_val_loss.png").stat().st_size > 0
+
+
+def test_residual_placement_grid_says_how_each_run_ended(tmp_path: Path) -> None:
+    for residual, placement, status, loss in (("standard", "pre", "completed", 2.5), ("standard", "post",
+                                               "collapsed", 3.36), ("unet", "post", "completed", 2.6)):
+        _run(tmp_path, f"{residual}-{placement}", {"residual": {residual: {}}, "placement": {"name": placement}},
+             [{"step": 0, "val/loss": loss}], status=status, final_val_loss=loss, steps=150)
+    _run(tmp_path, "rezero", {"residual": {"scaled": {}}, "placement": {"name": "post"}}, [{"step": 0, "val/loss": 2}],
+         final_val_loss=2.0, overrides=["residual=scaled", "residual.scaled.branch_init=0"])
+    table = residual_placement(tmp_path).splitlines()
+    assert table[0] == "| residual | pre | post |"
+    assert table[2] == "| standard | 2.500 | collapsed (step 150) |"
+    assert "| scaled (ReZero: branch_init=0) | refused | 2.000 |" in table  # absent from the sweep: refused by key
+    assert "| unet | refused | 2.600 |" in table
