@@ -66,8 +66,8 @@ def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
     """The definition: each token alone, its k chosen experts' outputs weighted, plus the shared FFN (gated)."""
     out = []
     for t in x.reshape(-1, D):
-        idx, w, _ = route((m.router.weight @ t)[None], m.top_k, m.score, m.norm_topk)
-        y = sum(w[0, j] * _expert_by_hand(m, int(idx[0, j]), t) for j in range(m.top_k))
+        idx, w, _ = route((m.router.weight @ t)[None], m.top_k, m.score, m.norm_topk, m.expert_bias)
+        y = m.routed_scale * sum(w[0, j] * _expert_by_hand(m, int(idx[0, j]), t) for j in range(m.top_k))
         if m.shared is not None:
             s = m.shared(t)
             y = y + (torch.sigmoid(m.shared_gate(t)) * s if m.shared_gate is not None else s)
@@ -79,12 +79,14 @@ def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("expert", "bias", "extra"), [
     ("mlp", False, {}), ("mlp", True, {"score": "sigmoid"}), ("swiglu", False, {"n_shared": 1, "shared_gate": True}),
     ("glu", True, {"norm_topk": False, "n_shared": 2}), ("geglu", False, {"top_k": 1}),
+    ("swiglu", False, {"score": "sigmoid", "n_shared": 1, "routed_scale": 2.5}),  # DeepSeek-V3's
 ])
 def test_dropless_routing_equals_a_per_token_loop(expert: str, bias: bool, extra: dict, grouped: bool,
                                                    monkeypatch) -> None:
     if not grouped:
         monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)  # the sorted loop over experts
     m = _moe_bias(bias, expert=expert, **extra)
+    m.expert_bias.normal_(0, 0.3)  # a balancing bias that changes choices: it steers, the weights stay s
     x = torch.randn(3, 5, D)
     for training in (True, False):
         m.train(training)
