@@ -5,8 +5,9 @@ attention=mla; and the MoE families built on Llama's layers).
 These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
   (full rotary) with rope_scaling none/linear/dynamic_ntk/yarn/ntk_by_parts/llama3, MHA/GQA/MQA, tied or untied;
-- DeepSeek-V3-like (dense layers): Llama's layers with attention=mla, rope_scaling none, no biases; a checkpoint with
-  interleaved RoPE channels (rope_interleave, DeepSeek's own) is imported with the rows reordered;
+- DeepSeek-V3-like: Llama's layers with attention=mla, rope_scaling none, no biases, every layer dense or every layer
+  ffn=moe with sigmoid routing (lmlab.interop.hf_moe); a checkpoint with interleaved RoPE channels (rope_interleave,
+  DeepSeek's own) is imported with the rows reordered;
 - Gemma 2-like: Llama's layers under placement=double (its four norms per layer), the attention-logit and final-logit
   softcaps, local/global layers of one window, a temperature as query_pre_attn_scalar; exported untied (Gemma scales
   the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
@@ -66,7 +67,7 @@ def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, tor
     """Llama's names (and its relatives', whose attention differs: `attention` maps one layer's)."""
     sd, out = model.state_dict(), {}
     fam = family(model.cfg)
-    routed = fam in MOE_TYPES  # Mixtral, Qwen2-MoE: Llama's layers with routed experts (lmlab.interop.hf_moe)
+    routed = model.cfg.ffn["name"] == "moe"  # routed experts (lmlab.interop.hf_moe): Mixtral, Qwen2-MoE, DeepSeek-V3
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
@@ -190,6 +191,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
             for ours, theirs in _MLA_NAMES.items():
                 if q + "self_attn." + theirs in state:
                     sd[p + "attn." + ours] = state[q + "self_attn." + theirs]
+            if model.cfg.ffn["name"] == "moe":
+                sd.update(moe_invert(state, p, q, model.cfg, fam))
+                continue
             sd[p + "mlp.c_fc.weight"] = torch.cat([state[q + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
             sd[p + "mlp.c_proj.weight"] = state[q + "mlp.down_proj.weight"]
         sd["ln_f.weight"] = state["model.norm.weight"]

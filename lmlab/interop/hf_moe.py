@@ -6,9 +6,15 @@ represents exactly, and their configs and weights both ways.
   `shared_expert_intermediate_size` = n_shared · expert hidden gated by sigmoid(w·x) (`ffn.shared_gate=true`), every
   layer sparse, no biases (q/k/v biases off: `qkv_bias=false`).
 Both: Llama's attention and norms (lmlab.interop.hf_config's Llama checks), GLU experts whose gate transformers has
-(`hidden_act`), dropless (no capacity), no loss-free bias (transformers routes without one). Anything else is refused
-naming the key: sigmoid routing with a bias is DeepSeek-V3's, whose transformers model also needs MLA attention.
-Qwen3-MoE's layers have q/k norms and no shared expert; not written here.
+(`hidden_act`), dropless (no capacity), no loss-free bias (transformers routes without one), routed_scale 1.
+- DeepSeek-V3 (`DeepseekV3ForCausalLM`, attention=mla: lmlab.interop.hf_config's DeepSeek checks): sigmoid scores,
+  chosen by s + b with b lmlab's loss-free balancing bias (`expert_bias` = its `e_score_correction_bias`; the update
+  rate is training, not the forward: not exported, 0 on import), normalised or not (`norm_topk_prob`), times
+  `routed_scale` (`routed_scaling_factor`), n_shared ungated shared experts (`n_shared_experts`), every layer sparse
+  (`first_k_dense_replace` 0; lmlab's layers are all one FFN kind, so dense first layers are refused on import), no
+  expert groups (`n_group` = `topk_group` = 1 on export; on import a grouping that keeps every group is the same
+  routing, any other is refused).
+Anything else is refused naming the key.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
         raise refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
     if cfg.bias:
         raise refuse("model.bias", cfg.bias, fam, "model.bias=false")
-    for key, plain in (("score", "softmax"), ("capacity_factor", None), ("bias_update_rate", 0.0)):
+    for key, plain in (("score", "softmax"), ("capacity_factor", None), ("bias_update_rate", 0.0),
+                       ("routed_scale", 1.0)):
         if f.get(key, plain) != plain:
             raise refuse(f"ffn.{key}", f[key], fam, f"ffn.{key}={'null' if plain is None else plain}")
     if not f.get("n_shared", 0):
@@ -44,6 +51,45 @@ def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
                       "(ungated shared experts are DeepSeek's, whose transformers model needs MLA attention), or "
                       "ffn.n_shared=0 (Mixtral)")
     return "qwen2_moe"
+
+
+def check_deepseek_moe(cfg: GPTConfig, gate_act: str | None) -> None:
+    """An ffn=moe config that DeepSeek-V3's MoE layers represent (after the DeepSeek checks), or NotRepresentable."""
+    f, fam = cfg.ffn, "DeepSeek-V3"
+    if gate_act is None:
+        raise refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
+    if f.get("score", "softmax") != "sigmoid":
+        raise refuse("ffn.score", f.get("score", "softmax"), fam, "ffn.score=sigmoid (softmax routing with Llama's "
+                     "attention: Mixtral or Qwen2-MoE)")
+    if f.get("capacity_factor") is not None:
+        raise refuse("ffn.capacity_factor", f["capacity_factor"], fam, "ffn.capacity_factor=null (dropless)")
+    if f.get("shared_gate", False):
+        raise refuse("ffn.shared_gate", True, fam, "ffn.shared_gate=false (its shared experts are ungated)")
+    if f.get("n_experts", 8) < 2:  # its router sums each group's top two scores
+        raise refuse("ffn.n_experts", f["n_experts"], fam, "ffn.n_experts >= 2")
+
+
+def deepseek_fields(cfg: GPTConfig) -> dict[str, Any]:
+    """DeepseekV3Config's FFN fields: every layer dense for a dense FFN, every layer routed for ffn=moe."""
+    f = cfg.ffn
+    if f["name"] != "moe":
+        return {"first_k_dense_replace": cfg.n_layer}  # every layer dense: no experts
+    return {"first_k_dense_replace": 0, "n_routed_experts": f.get("n_experts", 8),
+            "num_experts_per_tok": f.get("top_k", 2), "moe_intermediate_size": cfg.ffn_hidden,
+            "n_shared_experts": f.get("n_shared", 0), "norm_topk_prob": bool(f.get("norm_topk", True)),
+            "routed_scaling_factor": float(f.get("routed_scale", 1.0)), "n_group": 1, "topk_group": 1}
+
+
+def deepseek_ffn(hf: Any, expert: str) -> dict[str, Any]:
+    """The ffn group of a DeepseekV3Config whose layers are all sparse (`expert`: the lmlab GLU kind of hidden_act)."""
+    groups, kept = hf.n_group or 1, hf.topk_group or 1
+    if kept != groups:  # every group kept: each token's top k over all experts, lmlab's routing
+        raise NotRepresentable(f"n_group={groups} topk_group={kept}: lmlab's router chooses among all experts, "
+                               f"without expert groups (n_group = topk_group, e.g. 1, is the same routing)")
+    return {"name": "moe", "expert": expert, "hidden": hf.moe_intermediate_size, "n_experts": hf.n_routed_experts,
+            "top_k": hf.num_experts_per_tok, "n_shared": hf.n_shared_experts, "shared_gate": False,
+            "score": "sigmoid", "norm_topk": bool(hf.norm_topk_prob),
+            "routed_scale": float(hf.routed_scaling_factor)}
 
 
 def hf_moe_config(cfg: GPTConfig, fam: str, common: dict[str, Any]) -> Any:
@@ -94,6 +140,14 @@ def state(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, fam: str) -> 
     out[q + "mlp.gate.weight"] = sd[p + "mlp.router.weight"]
     out[q + "mlp.experts.gate_up_proj"] = sd[p + "mlp.c_fc.weight"].view(E, -1, moe.c_fc.in_features)
     out[q + "mlp.experts.down_proj"] = sd[p + "mlp.c_proj.weight"].view(E, -1, moe.c_proj.in_features)
+    if fam == "deepseek_v3":  # the balancing bias steers its choice too; shared experts ungated (zero-size if none)
+        out[q + "mlp.gate.e_score_correction_bias"] = sd[p + "mlp.expert_bias"]
+        d = moe.c_fc.in_features
+        gate, up = (sd[p + "mlp.shared.c_fc.weight"].chunk(2, dim=0) if moe.shared is not None
+                    else (sd[p + "mlp.router.weight"].new_zeros(0, d),) * 2)
+        out[q + "mlp.shared_experts.gate_proj.weight"], out[q + "mlp.shared_experts.up_proj.weight"] = gate, up
+        out[q + "mlp.shared_experts.down_proj.weight"] = (sd[p + "mlp.shared.c_proj.weight"] if moe.shared is not None
+                                                          else gate.new_zeros(d, 0))
     if fam == "qwen2_moe":
         gate, up = sd[p + "mlp.shared.c_fc.weight"].chunk(2, dim=0)
         out[q + "mlp.shared_expert.gate_proj.weight"], out[q + "mlp.shared_expert.up_proj.weight"] = gate, up
@@ -103,12 +157,17 @@ def state(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, fam: str) -> 
 
 
 def invert(state: dict[str, torch.Tensor], p: str, q: str, cfg: GPTConfig, fam: str) -> dict[str, torch.Tensor]:
-    """`state` inverted: transformers' MoE weights of one layer in lmlab's names (the balancing bias at zero)."""
+    """`state` inverted: transformers' MoE weights of one layer in lmlab's names (the balancing bias DeepSeek-V3's
+    e_score_correction_bias, else zero)."""
     sd = {p + "mlp.router.weight": state[q + "mlp.gate.weight"]}
     gate_up, down = state[q + "mlp.experts.gate_up_proj"], state[q + "mlp.experts.down_proj"]
     sd[p + "mlp.c_fc.weight"] = gate_up.reshape(-1, gate_up.size(-1))
     sd[p + "mlp.c_proj.weight"] = down.reshape(-1, down.size(-1))
-    sd[p + "mlp.expert_bias"] = torch.zeros(gate_up.size(0))
+    sd[p + "mlp.expert_bias"] = state.get(q + "mlp.gate.e_score_correction_bias", torch.zeros(gate_up.size(0)))
+    if fam == "deepseek_v3" and cfg.ffn.get("n_shared", 0):
+        sd[p + "mlp.shared.c_fc.weight"] = torch.cat([state[q + f"mlp.shared_experts.{x}_proj.weight"]
+                                                      for x in ("gate", "up")], dim=0)
+        sd[p + "mlp.shared.c_proj.weight"] = state[q + "mlp.shared_experts.down_proj.weight"]
     if fam == "qwen2_moe":
         sd[p + "mlp.shared.c_fc.weight"] = torch.cat([state[q + f"mlp.shared_expert.{x}_proj.weight"]
                                                       for x in ("gate", "up")], dim=0)
