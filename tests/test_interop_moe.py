@@ -34,6 +34,13 @@ CASES = {
     "qwen2_moe_norm": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **{**COMMON, "tie_word_embeddings": True}, intermediate_size=24, moe_intermediate_size=8,
         shared_expert_intermediate_size=8, num_experts=6, norm_topk_prob=True, qkv_bias=False)),
+    # Qwen3-MoE: q/k norms (its rms_norm_eps), no shared expert, head_dim as hidden_size / heads
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**COMMON, "rms_norm_eps": 1e-3}, head_dim=8, intermediate_size=24, moe_intermediate_size=12, num_experts=4,
+        norm_topk_prob=True, attention_bias=False)),
+    "qwen3_moe_raw_top3": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_experts_per_tok": 3, "tie_word_embeddings": True}, head_dim=8, intermediate_size=24,
+        moe_intermediate_size=8, num_experts=6, norm_topk_prob=False, attention_bias=False)),
     # DeepSeek-V3's own routing: one ungated shared expert, normalised weights times 2.5, interleaved RoPE channels
     "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**COMMON, **MLA}, intermediate_size=48, moe_intermediate_size=12, n_routed_experts=4, n_shared_experts=1,
@@ -45,7 +52,8 @@ CASES = {
         topk_group=2, norm_topk_prob=False, rope_interleave=False)),
 }
 FAMILIES = {"mixtral": "mixtral", "mixtral_gelu_top1": "mixtral", "qwen2_moe": "qwen2_moe",
-            "qwen2_moe_norm": "qwen2_moe", "deepseek_v3": "deepseek_v3", "deepseek_v3_groups_kept": "deepseek_v3"}
+            "qwen2_moe_norm": "qwen2_moe", "qwen3_moe": "qwen3_moe", "qwen3_moe_raw_top3": "qwen3_moe",
+            "deepseek_v3": "deepseek_v3", "deepseek_v3_groups_kept": "deepseek_v3"}
 
 
 def _hf(case: str):
@@ -53,7 +61,7 @@ def _hf(case: str):
     model = CASES[case]().eval()
     with torch.no_grad():  # sharp routers and norms away from 1: a wrong mapping would show
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # Qwen3's q_norm / k_norm too
                 p.uniform_(0.5, 1.5)
             elif name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0, 0.5)
@@ -128,14 +136,49 @@ def test_an_lmlab_moe_exports_with_its_family() -> None:
     assert hf.config.shared_expert_intermediate_size == 16 and hf.config.norm_topk_prob is False
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_an_lmlab_moe_with_qk_norm_exports_as_qwen3_moe(norm_topk: bool) -> None:
+    """GQA with q/k norms whose epsilon is the model's norm's (Qwen3 uses rms_norm_eps for both), no shared expert."""
+    torch.manual_seed(0)
+    cfg = validate(GPTConfig(vocab_size=V, n_layer=2, d_model=32, n_head=4, n_kv_head=2, norm={"name": "rms",
+                             "eps": 1e-3}, ffn={"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2,
+                                                "hidden": 16, "norm_topk": norm_topk},
+                             attention={"name": "gqa", "qk_norm": True, "qk_norm_eps": 1e-3}))
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for blk in model.h:
+            blk.attn.q_norm.uniform_(0.5, 1.5)
+            blk.attn.k_norm.uniform_(0.5, 1.5)
+            blk.mlp.router.weight.normal_(0, 0.5)
+    hf = to_hf(model)
+    assert family(model.cfg) == "qwen3_moe" and type(hf) is transformers.Qwen3MoeForCausalLM
+    assert hf.config.norm_topk_prob is norm_topk and hf.config.rms_norm_eps == 1e-3
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(hf, idx), _logits(model, idx), rtol=1e-5, atol=1e-5)
+    back = from_hf(hf)
+    assert back.cfg.attention["qk_norm"] and back.cfg.attention["qk_norm_eps"] == 1e-3
+    torch.testing.assert_close(_logits(back, idx), _logits(model, idx), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("attention", "ffn", "message"), [
+    ({"qk_norm": True}, {}, r"attention\.qk_norm_eps=None has no Qwen3-MoE form .*1e-06"),
+    ({"qk_norm": True, "qk_norm_eps": 1e-5}, {}, r"attention\.qk_norm_eps=1e-05 has no Qwen3-MoE form"),
+    ({"qk_norm": True, "qk_norm_eps": 1e-6}, {"n_shared": 1, "shared_gate": True},
+     r"ffn\.n_shared=1 has no Qwen3-MoE form"),
+])
+def test_what_qwen3_moe_cannot_represent_is_refused_by_key(attention: dict, ffn: dict, message: str) -> None:
+    with pytest.raises(NotRepresentable, match=message):
+        to_hf(GPT(_moe_cfg({"name": "mha", **attention}, **ffn)))
+
+
 @pytest.mark.parametrize(("ffn", "message"), [
     ({"n_shared": 1}, r"ffn\.n_shared=1 has no Qwen2-MoE form .*ffn\.shared_gate=true"),
-    ({"score": "sigmoid"}, r"ffn\.score='sigmoid' has no Mixtral or Qwen2-MoE form"),
+    ({"score": "sigmoid"}, r"ffn\.score='sigmoid' has no Mixtral, Qwen2-MoE or Qwen3-MoE form"),
     ({"capacity_factor": 1.25}, r"ffn\.capacity_factor=1\.25 has no"),
     ({"bias_update_rate": 0.001}, r"ffn\.bias_update_rate=0\.001 has no"),
     ({"norm_topk": False}, r"ffn\.norm_topk=False has no Mixtral form"),
-    ({"routed_scale": 2.5}, r"ffn\.routed_scale=2\.5 has no Mixtral or Qwen2-MoE form"),
-    ({"expert": "mlp"}, r"ffn\.expert='mlp' has no Mixtral or Qwen2-MoE form"),
+    ({"routed_scale": 2.5}, r"ffn\.routed_scale=2\.5 has no Mixtral, Qwen2-MoE or Qwen3-MoE form"),
+    ({"expert": "mlp"}, r"ffn\.expert='mlp' has no Mixtral, Qwen2-MoE or Qwen3-MoE form"),
 ])
 def test_what_transformers_cannot_represent_is_refused_by_key(ffn: dict, message: str) -> None:
     with pytest.raises(NotRepresentable, match=message):
@@ -174,6 +217,11 @@ def test_imports_lmlab_cannot_represent_are_refused() -> None:
                          (transformers.Qwen2MoeConfig(**qwen, shared_expert_intermediate_size=18, qkv_bias=False),
                           r"shared_expert_intermediate_size=18 is not a multiple"),
                          (transformers.MixtralConfig(**COMMON, intermediate_size=24, sliding_window=8),
-                          r"sliding_window=8")):
+                          r"sliding_window=8"),
+                         (transformers.Qwen3MoeConfig(**qwen, attention_bias=True), r"attention_bias=True"),
+                         (transformers.Qwen3MoeConfig(**qwen, mlp_only_layers=[0]), r"mlp_only_layers=\[0\]"),
+                         (transformers.Qwen3MoeConfig(**qwen, decoder_sparse_step=2), r"decoder_sparse_step=2"),
+                         (transformers.Qwen3MoeConfig(**qwen, use_sliding_window=True, sliding_window=8),
+                          r"use_sliding_window=True")):
         with pytest.raises(NotRepresentable, match=message):
             lmlab_config(cfg)

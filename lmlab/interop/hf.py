@@ -13,7 +13,8 @@ These families are represented exactly, weight for weight:
   the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
 - GPT-NeoX-like (Pythia): placement=pre, norm=layer, the MLP, position=rope on the first rotary_pct of each head,
   MHA, blocks parallel (residual=parallel: its use_parallel_residual) or sequential; zero biases where lmlab has none;
-- Mixtral / Qwen2-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each has);
+- Mixtral / Qwen2-MoE / Qwen3-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each
+  has; Qwen3-MoE's attention adds q/k norms);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 Anything else (post / deepnorm placements, squareplus, ALiBi, qk_norm, ...) is refused naming the axis and value:
@@ -48,8 +49,12 @@ def _split_rows(w: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 def _llama_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
     qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], block.attn.c_attn.fused)
-    return {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
-            q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
+    out = {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
+           q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
+    for x in ("q", "k"):  # qk_norm's gains (Qwen3-MoE)
+        if suffix == "weight" and p + f"attn.{x}_norm" in sd:
+            out[q + f"self_attn.{x}_norm.weight"] = sd[p + f"attn.{x}_norm"]
+    return out
 
 
 # lmlab's MLA weights and DeepSeek-V3's (transformers), one to one; the MLP and the norms are Llama's.
@@ -234,6 +239,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
                 sd[p + f"attn.c_attn.{suffix}"] = torch.cat(
                     [state[q + f"self_attn.{x}_proj.{suffix}"] for x in "qkv"], dim=0)
                 sd[p + f"attn.c_proj.{suffix}"] = state[q + f"self_attn.o_proj.{suffix}"]
+                for x in ("q", "k"):  # qk_norm's gains (Qwen3-MoE)
+                    if q + f"self_attn.{x}_norm.weight" in state:
+                        sd[p + f"attn.{x}_norm"] = state[q + f"self_attn.{x}_norm.weight"]
                 if fam in MOE_TYPES:
                     sd.update(moe_invert(state, p, q, model.cfg, fam))
                     continue
@@ -270,7 +278,8 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
           "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
           "gpt_neox": transformers.GPTNeoXForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-          "qwen2_moe": transformers.Qwen2MoeForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+          "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
     state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state,
              "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)

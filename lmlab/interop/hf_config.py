@@ -14,6 +14,7 @@ from lmlab.interop.hf_moe import (
     deepseek_fields,
     hf_moe_config,
     lmlab_ffn,
+    moe_attention,
     moe_family,
 )
 from lmlab.interop.refusal import NotRepresentable
@@ -32,7 +33,7 @@ _ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", 
 def family(cfg: GPTConfig) -> str:
     """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
     say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense or routed layers),
-    'mixtral' / 'qwen2_moe' (Llama-like with ffn=moe: lmlab.interop.hf_moe), 'gemma2' (the
+    'mixtral' / 'qwen2_moe' / 'qwen3_moe' (Llama-like with ffn=moe: lmlab.interop.hf_moe), 'gemma2' (the
     double placement with softcaps and local/global layers), 'gpt_neox' (LayerNorm, an MLP and partial RoPE, the
     blocks parallel or not) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
@@ -50,7 +51,8 @@ def family(cfg: GPTConfig) -> str:
 
 
 def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa"),
-                  placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = ()) -> None:
+                  placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = (),
+                  qk_norm: bool = False) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if extra := [name for name in cfg.residual if name not in (*residual, "standard")]:
@@ -68,7 +70,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
-    plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False),
+    plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   ("gate", None), ("sinks", False), *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
@@ -87,18 +89,19 @@ def layer_windows(cfg: GPTConfig) -> list[int | None]:
 
 def _check_llama(cfg: GPTConfig) -> str:
     windows = [w for w in layer_windows(cfg) if w is not None]
-    _check_common(cfg, "Llama", windows=True)
+    routed = cfg.ffn["name"] == "moe"  # Qwen3-MoE has q/k norms (lmlab.interop.hf_moe decides)
+    _check_common(cfg, "Llama", windows=True, qk_norm=routed)
     if windows:  # transformers' Ministral: Llama's layers, some sliding over one window, no biases
         if len(set(windows)) > 1:
             raise _refuse("attention.pattern", cfg.attention.get("pattern"), "Ministral",
                           "one window size for every local layer")
         if cfg.bias:
             raise _refuse("model.bias", cfg.bias, "Ministral", "model.bias=false (its Linear layers have none)")
-    if cfg.ffn["name"] == "moe":  # Llama's attention with routed experts: Mixtral or Qwen2-MoE (lmlab.interop.hf_moe)
-        _check_llama_layers(cfg, "Mixtral or Qwen2-MoE", glu=False)
+    if routed:  # Llama's attention with routed experts: Mixtral, Qwen2-MoE or Qwen3-MoE (lmlab.interop.hf_moe)
+        fam = "Mixtral, Qwen2-MoE or Qwen3-MoE"
+        _check_llama_layers(cfg, fam, glu=False)
         if windows:
-            raise _refuse("attention.window", cfg.attention.get("window"), "Mixtral or Qwen2-MoE",
-                          "attention.window=null")
+            raise _refuse("attention.window", cfg.attention.get("window"), fam, "attention.window=null")
         _check_rope_scaling(cfg)
         return moe_family(cfg, _glu_act(cfg))
     _check_llama_layers(cfg, "Llama")
@@ -343,7 +346,7 @@ def lmlab_config(hf: Any) -> GPTConfig:
             norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "pre"},
             activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": rope.pop("theta")},
             rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
-                                          **(_windows_back(hf, kind) if kind not in MOE_TYPES else {})},
+                                          **(_windows_back(hf, kind) if kind not in MOE_TYPES else moe_attention(hf))},
             init={"name": "gpt2"},
         )
     if kind == "deepseek_v3":
@@ -368,7 +371,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
             position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
             init={"name": "gpt2"},
         )
-    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE), "
+    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE, "
+                           f"Qwen3-MoE), "
                            f"Gemma 2, DeepSeek-V3-like (all layers dense or all routed), GPT-NeoX and GPT-2-like "
                            f"models")
 

@@ -4,8 +4,11 @@ represents exactly, and their configs and weights both ways.
 - Mixtral (`MixtralForCausalLM`): softmax routing, the top-k weights normalised, no shared experts;
 - Qwen2-MoE (`Qwen2MoeForCausalLM`): softmax routing, normalised or not (`norm_topk_prob`), one shared FFN of
   `shared_expert_intermediate_size` = n_shared · expert hidden gated by sigmoid(w·x) (`ffn.shared_gate=true`), every
-  layer sparse, no biases (q/k/v biases off: `qkv_bias=false`).
-Both: Llama's attention and norms (lmlab.interop.hf_config's Llama checks), GLU experts whose gate transformers has
+  layer sparse, no biases (q/k/v biases off: `qkv_bias=false`);
+- Qwen3-MoE (`Qwen3MoeForCausalLM`): softmax routing, normalised or not, no shared expert, every layer sparse, no
+  biases, and q/k RMS norms per head (attention.qk_norm=true) whose epsilon is the model's rms_norm_eps
+  (attention.qk_norm_eps = norm.eps).
+All three: Llama's attention and norms (lmlab.interop.hf_config's Llama checks), GLU experts whose gate transformers has
 (`hidden_act`), dropless (no capacity), no loss-free bias (transformers routes without one), routed_scale 1.
 - DeepSeek-V3 (`DeepseekV3ForCausalLM`, attention=mla: lmlab.interop.hf_config's DeepSeek checks): sigmoid scores,
   chosen by s + b with b lmlab's loss-free balancing bias (`expert_bias` = its `e_score_correction_bias`; the update
@@ -26,14 +29,15 @@ import torch
 from lmlab.config import GPTConfig
 from lmlab.interop.refusal import NotRepresentable, refuse
 
-MOE_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+MOE_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 
 
 def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
-    """'mixtral' or 'qwen2_moe' for an ffn=moe config that passed the Llama checks, or NotRepresentable by key.
-    `gate_act`: transformers' name of the experts' gate activation (None: they are not a GLU it has)."""
+    """'mixtral', 'qwen2_moe' or 'qwen3_moe' (q/k norms) for an ffn=moe config that passed the Llama checks, or
+    NotRepresentable by key. `gate_act`: transformers' name of the experts' gate activation (None: they are not a GLU
+    it has)."""
     f = cfg.ffn
-    fam = "Mixtral or Qwen2-MoE"
+    fam = "Mixtral, Qwen2-MoE or Qwen3-MoE"
     if gate_act is None:
         raise refuse("ffn.expert", f.get("expert", "mlp"), fam, "GLU experts with a silu/gelu/gelu_tanh/relu gate")
     if cfg.bias:
@@ -42,6 +46,15 @@ def moe_family(cfg: GPTConfig, gate_act: str | None) -> str:
                        ("routed_scale", 1.0)):
         if f.get(key, plain) != plain:
             raise refuse(f"ffn.{key}", f[key], fam, f"ffn.{key}={'null' if plain is None else plain}")
+    if cfg.attention.get("qk_norm", False):  # Qwen3-MoE: its q/k norms share the layers' rms_norm_eps
+        eps = float(cfg.norm.get("eps", 1e-6))
+        if cfg.attention.get("qk_norm_eps") != eps:
+            raise refuse("attention.qk_norm_eps", cfg.attention.get("qk_norm_eps"), "Qwen3-MoE",
+                         f"attention.qk_norm_eps=norm.eps ({eps}): its q/k norms use rms_norm_eps")
+        if f.get("n_shared", 0):
+            raise refuse("ffn.n_shared", f["n_shared"], "Qwen3-MoE", "ffn.n_shared=0 (it has no shared expert), or "
+                         "attention.qk_norm=false (Qwen2-MoE)")
+        return "qwen3_moe"
     if not f.get("n_shared", 0):
         if not f.get("norm_topk", True):
             raise refuse("ffn.norm_topk", False, "Mixtral", "ffn.norm_topk=true (or shared experts: Qwen2-MoE)")
@@ -101,15 +114,24 @@ def hf_moe_config(cfg: GPTConfig, fam: str, common: dict[str, Any]) -> Any:
     if fam == "mixtral":
         return transformers.MixtralConfig(**common, **routed, num_local_experts=f.get("n_experts", 8),
                                           sliding_window=None, router_jitter_noise=0.0)
+    sparse = dict(num_experts=f.get("n_experts", 8), moe_intermediate_size=cfg.ffn_hidden,
+                  norm_topk_prob=bool(f.get("norm_topk", True)), decoder_sparse_step=1, mlp_only_layers=[],
+                  use_sliding_window=False)
+    if fam == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **routed, **sparse, attention_bias=False)
     common = {k: v for k, v in common.items() if k != "head_dim"}  # Qwen2-MoE's heads split hidden_size
-    return transformers.Qwen2MoeConfig(
-        **common, **routed, num_experts=f.get("n_experts", 8), moe_intermediate_size=cfg.ffn_hidden,
-        shared_expert_intermediate_size=f["n_shared"] * cfg.ffn_hidden, norm_topk_prob=bool(f.get("norm_topk", True)),
-        decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=False, use_sliding_window=False)
+    return transformers.Qwen2MoeConfig(**common, **routed, **sparse, qkv_bias=False,
+                                       shared_expert_intermediate_size=f["n_shared"] * cfg.ffn_hidden)
+
+
+def moe_attention(hf: Any) -> dict[str, Any]:
+    """The attention keys a MoE family adds to Llama's: Qwen3-MoE's q/k norms, with its rms_norm_eps."""
+    return {"qk_norm": True, "qk_norm_eps": float(hf.rms_norm_eps)} if hf.model_type == "qwen3_moe" else {}
 
 
 def lmlab_ffn(hf: Any, expert: str) -> dict[str, Any]:
-    """The ffn group of a MixtralConfig / Qwen2MoeConfig (`expert`: the lmlab GLU kind of its hidden_act)."""
+    """The ffn group of a MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig (`expert`: the lmlab GLU kind of its
+    hidden_act)."""
     kind = hf.model_type
     if kind == "mixtral":
         if getattr(hf, "sliding_window", None) is not None:
@@ -117,14 +139,18 @@ def lmlab_ffn(hf: Any, expert: str) -> dict[str, Any]:
                                    f"attention")
         return {"name": "moe", "expert": expert, "hidden": hf.intermediate_size, "n_experts": hf.num_local_experts,
                 "top_k": hf.num_experts_per_tok, "n_shared": 0, "norm_topk": True}
-    if getattr(hf, "qkv_bias", False):
-        raise NotRepresentable("qkv_bias=True: lmlab has one model.bias for every Linear (Qwen2-MoE's o_proj and "
-                               "experts have none)")
+    if getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False):
+        key = "qkv_bias" if kind == "qwen2_moe" else "attention_bias"
+        raise NotRepresentable(f"{key}=True: lmlab has one model.bias for every Linear (the experts of "
+                               f"{MOE_TYPES[kind]} have none)")
     if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
         raise NotRepresentable(f"mlp_only_layers={hf.mlp_only_layers} decoder_sparse_step={hf.decoder_sparse_step}: "
                                f"lmlab's layers are all the same FFN kind")
     if getattr(hf, "use_sliding_window", False):
-        raise NotRepresentable("use_sliding_window=True: not read for Qwen2-MoE")
+        raise NotRepresentable(f"use_sliding_window=True: not read for {MOE_TYPES[kind]}")
+    if kind == "qwen3_moe":
+        return {"name": "moe", "expert": expert, "hidden": hf.moe_intermediate_size, "n_experts": hf.num_experts,
+                "top_k": hf.num_experts_per_tok, "n_shared": 0, "norm_topk": bool(hf.norm_topk_prob)}
     shared, h = hf.shared_expert_intermediate_size, hf.moe_intermediate_size
     if shared % h or not shared:
         raise NotRepresentable(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size="
