@@ -1,7 +1,8 @@
 """ffn=moe: the router's choice and weights against a hand computation; dropless routing equals a per-token loop over
 the chosen experts (grouped matmul and the expert loop alike); capacity drops the late assignments and counts them;
 the balance loss, router z-loss, the loss-free bias update and the monitor's figures against their formulas; the
-parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key."""
+parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key; compile=true
+trains as eager does (slow)."""
 
 from __future__ import annotations
 
@@ -389,3 +390,45 @@ def test_the_grouped_mm_probe_answers_the_same_under_no_grad() -> None:
     moe_mod._grouped_mm_runs.cache_clear()
     with torch.no_grad():
         assert moe_mod._grouped_mm_runs("cpu", torch.float32)
+
+
+def _train_steps(compile: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+    """LitGPT as train.py builds it with compile=true/false: `steps` AdamW steps on one batch of a tiny ffn=moe model
+    with both balancing losses and the loss-free bias on; (LM losses, aux losses, layer 0's bias)."""
+    from lmlab.lit import LitGPT
+
+    torch.manual_seed(0)
+    ffn = {"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2, "hidden": 16, "n_shared": 1,
+           "score": "sigmoid", "balance_loss": 0.01, "router_z_loss": 0.001, "bias_update_rate": 0.01}
+    model = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, ffn=ffn)).to_dict()
+    lit = LitGPT(model=model, optim={"name": "adamw"}, schedule={"name": "constant"}, max_steps=steps,
+                 compile=compile).train()
+    opt = torch.optim.AdamW(lit.model.parameters(), lr=1e-2)
+    x, y = torch.randint(0, 50, (2, 2, 16), generator=torch.Generator().manual_seed(1))
+    losses, auxes = [], []
+    for _ in range(steps):
+        objective, loss, _ = lit(x, y, parts=True)  # what LitGPT.training_step runs for a routed model
+        auxes.append((objective - loss).detach())
+        objective.backward()
+        opt.step()
+        opt.zero_grad()
+        lit.model.update_balancing()  # LitGPT's on_before_optimizer_step: the bias steers the next forward alike
+        losses.append(loss.item())
+    return losses, auxes, lit.model.h[0].mlp.expert_bias.clone()
+
+
+@pytest.mark.slow  # ~35 s on one CPU thread, nearly all of it compiling
+def test_compile_true_trains_an_moe_as_eager_does() -> None:
+    """torch.compile (compile=true) around the routed model: the same losses, balancing terms (the aux reaches the
+    objective through the compiled graph) and bias updates (the load recorded in the forward) as eager, and the
+    loss falls. The grouped matmul stays eager inside the graph (torch.compiler.disable)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager = _train_steps(compile=False)
+    compiled = _train_steps(compile=True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-4, atol=1e-6)
+    assert all(a > 0 for a in eager[1])  # the balancing losses are in the objective
+    torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=0)  # ±rate steps: exact
+    assert compiled[2].abs().sum() > 0 and compiled[0][-1] < compiled[0][0]
