@@ -233,6 +233,7 @@ def test_bad_input_is_refused_before_training_naming_the_key() -> None:
         (["ffn.score=relu"], r"ffn\.score='relu' must be one of \['softmax', 'sigmoid'\]"),
         (["ffn.shared_gate=true"], r"ffn\.shared_gate=true .* needs ffn\.n_shared >= 1"),
         (["ffn.n_experts=0"], r"ffn\.n_experts=0 must be an integer >= 1"),
+        (["ffn.routed_scale=0"], r"ffn\.routed_scale=0 must be a float > 0"),
     ):
         with pytest.raises(ValueError, match=message):
             check_config(compose(["ffn=moe", *overrides]))
