@@ -13,9 +13,15 @@ Liu et al. 2025) s = 0.2·√max(m, n), which gives the update the RMS of AdamW'
 on AdamW's scale; `original` (Keller Jordan's) s = √max(1, m/n), for which lr ≈ 0.02 is typical.
 
 Which tensors: the `hidden` role of `lmlab.optim.param_groups` (every 2-D weight of a Linear inside the blocks:
-attention, FFN, GAU, gates, experts' matrices when they are Linear weights); embeddings, the LM head (`is_readout`),
+attention, FFN, GAU, gates, an MoE's experts); embeddings, the LM head (`is_readout`),
 norm gains and biases go to AdamW at `adam_lr` (Muon is defined for hidden layers only: the head and embeddings are
 not "hidden" maps between two wide spaces). Groups without a role (library use) go to Muon when every tensor is 2-D.
+
+An MoE stores its E experts' matrices stacked in one Linear weight (E·m, n) (lmlab.model.moe.Experts): those come in
+groups of their own (`experts` = E, kind `muon_experts`) and each expert's (m, n) matrix is orthogonalised on its own,
+with its own s(m, n), by one batched Newton–Schulz over the (E, m, n) view (`ExpertMuon`; torchtitan's and Dion's
+treatment of expert weights). The stack as one matrix would couple the experts' updates: an expert that gets few
+tokens would take its step size from the others' gradients.
 
 Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
 Under FSDP2 each rank holds row shards of W, and NS needs the whole matrix: lmlab refuses optim=muon with trainer=fsdp2
@@ -25,6 +31,7 @@ whole matrices and the all-reduced gradients, and NS is deterministic, so every 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,21 +41,61 @@ from lmlab.cautious import cautious_step
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+MUON_KINDS = ("muon", "muon_experts")  # the groups the momentum warm-up applies to
+
+
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                   eps: float = 1e-7) -> torch.Tensor:
     """The quintic Newton–Schulz iteration on a 2-D matrix, as torch.optim.Muon computes it (bf16; a tall matrix is
-    transposed so that A = XXᵀ is the small Gram matrix)."""
+    transposed so that A = XXᵀ is the small Gram matrix), or on each matrix of an (E, m, n) stack at once (batched
+    matmuls; each matrix's result is the 2-D one's)."""
     a, b, c = coefficients
     x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm = 1
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm = 1
+    mm = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):
-        A = x @ x.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA², in torch's order (bf16 rounds each op)
-        x = torch.addmm(x, B, x, beta=a)  # aX + BX
-    return x.T if tall else x
+        A = x @ x.mT
+        B = mm(A, A, A, beta=b, alpha=c)  # bA + cA², in torch's order (bf16 rounds each op)
+        x = mm(x, B, x, beta=a)  # aX + BX
+    return x.mT if tall else x
+
+
+def lr_scale(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """s(m, n) of an (m, n) matrix, torch.optim.Muon's conventions (None: `original`)."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    return math.sqrt(max(1, m / n)) if adjust_lr_fn in (None, "original") else 1.0
+
+
+class ExpertMuon(torch.optim.Optimizer):
+    """torch.optim.Muon's step for weights that stack `experts` matrices row-wise ((E·m, n), the group's `experts`
+    key): momentum on the whole tensor (the same buffer layout), then Newton–Schulz and the lr scale per expert."""
+
+    def __init__(self, params: Iterable, lr: float, momentum: float, nesterov: bool, ns_steps: int,
+                 adjust_lr_fn: str | None, weight_decay: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay, eps=1e-7,
+                                      ns_coefficients=NS_COEFFICIENTS))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = torch.enable_grad()(closure)() if closure is not None else None
+        for g in self.param_groups:
+            E, mu = g["experts"], g["momentum"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - mu)
+                update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
+                m, n = p.size(0) // E, p.size(1)
+                o = newton_schulz(update.view(E, m, n), g["ns_steps"], g["ns_coefficients"], g["eps"])  # (E, m, n)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(o.reshape(p.shape), alpha=-g["lr"] * lr_scale(g["adjust_lr_fn"], m, n))
+        return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -62,19 +109,23 @@ class MuonAdamW(torch.optim.Optimizer):
                  adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> None:
         """`adamw(groups, lr=, betas=, eps=, fused=)` builds the AdamW half (lmlab.optim passes its own: the fused
         kernel picked, cautious decay honoured)."""
-        muon_groups, adam_groups = [], []
+        muon_groups, expert_groups, adam_groups = [], [], []
         for g in groups:
             params = list(g["params"])
             if not params:
                 continue
             role = g.get("role", "hidden" if all(p.dim() == 2 for p in params) else "other")
-            (muon_groups if role == "hidden" else adam_groups).append({**g, "params": params, "cautious": cautious_wd})
+            kind = adam_groups if role != "hidden" else expert_groups if g.get("experts", 1) > 1 else muon_groups
+            kind.append({**g, "params": params, "cautious": cautious_wd})
         children = []
-        if muon_groups:
-            children.append(torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov,
-                                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
+        for kind, builder, kind_groups in (("muon", torch.optim.Muon, muon_groups),
+                                           ("muon_experts", ExpertMuon, expert_groups)):
+            if not kind_groups:
+                continue
+            children.append(builder(kind_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                    adjust_lr_fn=adjust_lr_fn))
             for g in children[-1].param_groups:
-                g.update(kind="muon", momentum_target=momentum, momentum_start=momentum_start,
+                g.update(kind=kind, momentum_target=momentum, momentum_start=momentum_start,
                          momentum_warmup_steps=momentum_warmup_steps, muon_step=0)
         if adam_groups:
             children.append(adamw(adam_groups, lr=adam_lr, betas=betas, eps=eps, fused=fused))
@@ -98,7 +149,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = torch.enable_grad()(closure)() if closure is not None else None
         for g in self.param_groups:
-            if g["kind"] == "muon":  # the momentum warm-up: μ_t from momentum_start to momentum over the steps
+            if g["kind"] in MUON_KINDS:  # the momentum warm-up: μ_t from momentum_start to momentum over the steps
                 w = g["momentum_warmup_steps"]
                 frac = min(1.0, g["muon_step"] / w) if w else 1.0
                 g["momentum"] = g["momentum_start"] + frac * (g["momentum_target"] - g["momentum_start"])

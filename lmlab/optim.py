@@ -41,7 +41,9 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False) -
 
     by_role: three groups, each with its `role`: `hidden` (the decayed matrices but the readout: every Linear weight
     inside the blocks), `readout` (a Linear marked `is_readout`, the untied LM head) and `rest` (embeddings, gains,
-    biases); empty groups are left out. The default two groups are the optimizer state's layout of every earlier run."""
+    biases); empty groups are left out. The weights that stack E experts' matrices (a Linear with `n_experts` > 1, an
+    MoE's) form `hidden` groups of their own after the first, one per E, with `experts` = E (Muon orthogonalises each
+    expert's matrix). The default two groups are the optimizer state's layout of every earlier run."""
     no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     readout = {id(m.weight) for m in model.modules() if getattr(m, "is_readout", False)} - no_decay
     decay, rest = [], []
@@ -49,7 +51,12 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False) -
         (decay if p.dim() >= 2 and id(p) not in no_decay else rest).append(p)
     if not by_role:
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    groups = [{"params": [p for p in decay if id(p) not in readout], "weight_decay": weight_decay, "role": "hidden"},
+    stacked = {id(m.weight): m.n_experts for m in model.modules()
+               if isinstance(m, nn.Linear) and getattr(m, "n_experts", 1) > 1}
+    groups = [{"params": [p for p in decay if id(p) not in readout and id(p) not in stacked],
+               "weight_decay": weight_decay, "role": "hidden"},
+              *({"params": [p for p in decay if stacked.get(id(p)) == E], "weight_decay": weight_decay,
+                 "role": "hidden", "experts": E} for E in sorted(set(stacked.values()))),
               {"params": [p for p in decay if id(p) in readout], "weight_decay": weight_decay, "role": "readout"},
               {"params": rest, "weight_decay": 0.0, "role": "rest"}]
     return [g for g in groups if g["params"]]

@@ -151,6 +151,25 @@ def test_qk_norm_normalises_q_and_k() -> None:
     torch.testing.assert_close(k.pow(2).mean(-1).sqrt(), torch.full((B, NH, T), 3.0), rtol=1e-4, atol=1e-4)
 
 
+def test_qk_norm_eps_is_the_rms_norms_epsilon() -> None:
+    """q / sqrt(mean(q²) + eps) per head (Qwen3 takes the model's rms_norm_eps); unset, torch's default (the dtype's
+    machine epsilon) as before. A large eps on small inputs shows it: the RMS falls well below 1."""
+    x = torch.randn(B, T, C) * 0.01
+    outs = {}
+    for eps in (None, 0.5):
+        cfg = _cfg("mha", flags={"qk_norm": True, **({"qk_norm_eps": eps} if eps else {})})
+        torch.manual_seed(0)
+        attn = _attn(cfg)
+        q, _, _ = attn.qkv(x, _pos(cfg))
+        raw = attn.c_attn(x)[..., :C].view(B, T, NH, HS).transpose(1, 2)
+        expected = raw / (raw.pow(2).mean(-1, keepdim=True) + (eps or torch.finfo(torch.float32).eps)).sqrt()
+        torch.testing.assert_close(q, expected, rtol=1e-5, atol=1e-6)
+        outs[eps] = q
+    assert outs[0.5].pow(2).mean() < 0.1 < outs[None].pow(2).mean()
+    with pytest.raises(ValueError, match=r"attention\.qk_norm_eps=0\.5 needs attention\.qk_norm=true"):
+        _attn(_cfg("mha", flags={"qk_norm_eps": 0.5}))
+
+
 def test_qk_norm_bounds_logits() -> None:
     """With unit-RMS q and k, |q·k| ≤ hs (Cauchy–Schwarz), so |logit| ≤ hs / sqrt(hs) = sqrt(hs) at any input scale;
     without qk-norm the same weights give logits far past the bound."""

@@ -255,7 +255,7 @@ def test_from_hf_gpt_neox_gives_the_same_logits(parallel: bool) -> None:
 
 def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
     config = transformers.DeepseekV3Config(**LLAMA, first_k_dense_replace=1, kv_lora_rank=12, q_lora_rank=None)
-    with pytest.raises(NotRepresentable, match="first_k_dense_replace=1 < num_hidden_layers=2"):
+    with pytest.raises(NotRepresentable, match="first_k_dense_replace=1 < num_hidden_layers=2: dense first layers"):
         lmlab_config(config)
 
 

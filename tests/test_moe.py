@@ -1,7 +1,8 @@
 """ffn=moe: the router's choice and weights against a hand computation; dropless routing equals a per-token loop over
 the chosen experts (grouped matmul and the expert loop alike); capacity drops the late assignments and counts them;
 the balance loss, router z-loss, the loss-free bias update and the monitor's figures against their formulas; the
-parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key."""
+parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key;
+compile=true trains as eager does (slow)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
     """The definition: each token alone, its k chosen experts' outputs weighted, plus the shared FFN (gated)."""
     out = []
     for t in x.reshape(-1, D):
-        idx, w, _ = route((m.router.weight @ t)[None], m.top_k, m.score, m.norm_topk)
-        y = sum(w[0, j] * _expert_by_hand(m, int(idx[0, j]), t) for j in range(m.top_k))
+        idx, w, _ = route((m.router.weight @ t)[None], m.top_k, m.score, m.norm_topk, m.expert_bias)
+        y = m.routed_scale * sum(w[0, j] * _expert_by_hand(m, int(idx[0, j]), t) for j in range(m.top_k))
         if m.shared is not None:
             s = m.shared(t)
             y = y + (torch.sigmoid(m.shared_gate(t)) * s if m.shared_gate is not None else s)
@@ -79,12 +80,14 @@ def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("expert", "bias", "extra"), [
     ("mlp", False, {}), ("mlp", True, {"score": "sigmoid"}), ("swiglu", False, {"n_shared": 1, "shared_gate": True}),
     ("glu", True, {"norm_topk": False, "n_shared": 2}), ("geglu", False, {"top_k": 1}),
+    ("swiglu", False, {"score": "sigmoid", "n_shared": 1, "routed_scale": 2.5}),  # DeepSeek-V3's
 ])
 def test_dropless_routing_equals_a_per_token_loop(expert: str, bias: bool, extra: dict, grouped: bool,
                                                    monkeypatch) -> None:
     if not grouped:
         monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)  # the sorted loop over experts
     m = _moe_bias(bias, expert=expert, **extra)
+    m.expert_bias.normal_(0, 0.3)  # a balancing bias that changes choices: it steers, the weights stay s
     x = torch.randn(3, 5, D)
     for training in (True, False):
         m.train(training)
@@ -230,6 +233,7 @@ def test_bad_input_is_refused_before_training_naming_the_key() -> None:
         (["ffn.score=relu"], r"ffn\.score='relu' must be one of \['softmax', 'sigmoid'\]"),
         (["ffn.shared_gate=true"], r"ffn\.shared_gate=true .* needs ffn\.n_shared >= 1"),
         (["ffn.n_experts=0"], r"ffn\.n_experts=0 must be an integer >= 1"),
+        (["ffn.routed_scale=0"], r"ffn\.routed_scale=0 must be a float > 0"),
     ):
         with pytest.raises(ValueError, match=message):
             check_config(compose(["ffn=moe", *overrides]))
@@ -387,3 +391,45 @@ def test_the_grouped_mm_probe_answers_the_same_under_no_grad() -> None:
     moe_mod._grouped_mm_runs.cache_clear()
     with torch.no_grad():
         assert moe_mod._grouped_mm_runs("cpu", torch.float32)
+
+
+def _train_steps(compile: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+    """LitGPT as train.py builds it with compile=true/false: `steps` AdamW steps on one batch of a tiny ffn=moe model
+    with both balancing losses and the loss-free bias on; (LM losses, aux losses, layer 0's bias)."""
+    from lmlab.lit import LitGPT
+
+    torch.manual_seed(0)
+    ffn = {"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2, "hidden": 16, "n_shared": 1,
+           "score": "sigmoid", "balance_loss": 0.01, "router_z_loss": 0.001, "bias_update_rate": 0.01}
+    model = resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, ffn=ffn)).to_dict()
+    lit = LitGPT(model=model, optim={"name": "adamw"}, schedule={"name": "constant"}, max_steps=steps,
+                 compile=compile).train()
+    opt = torch.optim.AdamW(lit.model.parameters(), lr=1e-2)
+    x, y = torch.randint(0, 50, (2, 2, 16), generator=torch.Generator().manual_seed(1))
+    losses, auxes = [], []
+    for _ in range(steps):
+        objective, loss, _ = lit(x, y, parts=True)  # what LitGPT.training_step runs for a routed model
+        auxes.append((objective - loss).detach())
+        objective.backward()
+        opt.step()
+        opt.zero_grad()
+        lit.model.update_balancing()  # LitGPT's on_before_optimizer_step: the bias steers the next forward alike
+        losses.append(loss.item())
+    return losses, auxes, lit.model.h[0].mlp.expert_bias.clone()
+
+
+@pytest.mark.slow  # ~35 s on one CPU thread, nearly all of it compiling
+def test_compile_true_trains_an_moe_as_eager_does() -> None:
+    """torch.compile (compile=true) around the routed model: the same losses, balancing terms (the aux reaches the
+    objective through the compiled graph) and bias updates (the load recorded in the forward) as eager, and the
+    loss falls. The grouped matmul stays eager inside the graph (torch.compiler.disable)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager = _train_steps(compile=False)
+    compiled = _train_steps(compile=True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-4, atol=1e-6)
+    assert all(a > 0 for a in eager[1])  # the balancing losses are in the objective
+    torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=0)  # ±rate steps: exact
+    assert compiled[2].abs().sum() > 0 and compiled[0][-1] < compiled[0][0]

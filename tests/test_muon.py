@@ -1,6 +1,7 @@
 """optim=muon: which tensors Muon takes (by rule, on every block kind), one step against torch.optim.Muon and
 torch.optim.AdamW, the Newton–Schulz iteration by hand, the learning-rate scale conventions, the momentum warm-up,
-and the one-object state_dict a checkpoint and a resume use."""
+and the one-object state_dict a checkpoint and a resume use; an MoE's stacked expert matrices orthogonalised one
+expert at a time (a batched Newton–Schulz) against a per-expert loop of torch's Muon."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from lmlab.muon import NS_COEFFICIENTS, MuonAdamW, newton_schulz
 from lmlab.optim import OPTIMIZERS, param_groups, validate_optim
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
+
+
+MOE = {"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2, "hidden": 24}
 
 
 def _model(**kw) -> GPT:
@@ -102,24 +106,27 @@ def test_one_step_equals_torchs_muon_and_adamw(adjust: str) -> None:
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_momentum_warmup_rises_linearly_and_is_in_the_state_dict() -> None:
-    model = _model()
+@pytest.mark.parametrize("kind", ["muon", "muon_experts"])
+def test_momentum_warmup_rises_linearly_and_is_in_the_state_dict(kind: str) -> None:
+    model = _model(ffn=MOE)
     opt = _muon(model, momentum=0.95, momentum_start=0.85, momentum_warmup_steps=4)
     seen = []
     for _ in range(6):
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt.step()
-        seen.append(next(g for g in opt.param_groups if g["kind"] == "muon")["momentum"])
+        seen.append(next(g for g in opt.param_groups if g["kind"] == kind)["momentum"])
     assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
-    assert next(g for g in opt.state_dict()["param_groups"] if g["kind"] == "muon")["muon_step"] == 6
+    assert next(g for g in opt.state_dict()["param_groups"] if g["kind"] == kind)["muon_step"] == 6
 
 
-def test_state_dict_round_trip_continues_exactly() -> None:
+@pytest.mark.parametrize("ffn", [None, MOE], ids=["dense", "moe"])
+def test_state_dict_round_trip_continues_exactly(ffn: dict | None) -> None:
     """A second optimizer loaded from the first's state_dict (what a resume does) takes the same next steps, Muon's
-    momentum buffers and AdamW's moments included; the state is one entry per parameter, torch's layout."""
+    momentum buffers (the experts' too) and AdamW's moments included; the state is one entry per parameter, torch's
+    layout."""
     torch.manual_seed(0)
-    model = _model(tie_embeddings=False)
+    model = _model(tie_embeddings=False, **({"ffn": ffn} if ffn else {}))
     opt = _muon(model, momentum_warmup_steps=3)
     grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(4)]
 
@@ -141,6 +148,53 @@ def test_state_dict_round_trip_continues_exactly() -> None:
         step(opt2, twin, gs)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_batched_newton_schulz_equals_a_per_expert_loop() -> None:
+    """(E, m, n) stacks, wide and tall: each matrix as torch's 2-D iteration computes it, bit for bit."""
+    torch.manual_seed(0)
+    for shape in ((4, 24, 32), (3, 32, 12)):
+        G = torch.randn(*shape)
+        batched = newton_schulz(G)
+        assert batched.shape == G.shape
+        for e in range(shape[0]):
+            assert torch.equal(batched[e], torch.optim._muon._zeropower_via_newtonschulz(G[e], NS_COEFFICIENTS, 5,
+                                                                                        1e-7))
+
+
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_expert_matrices_are_orthogonalised_one_expert_at_a_time(adjust: str) -> None:
+    """An MoE's c_fc (E·2h, d) and c_proj (E·d, h) hold E matrices each: two steps of Muon on them equal torch's Muon
+    run on each expert's matrix alone (its own lr scale s(m, n) and momentum), not on the stack as one matrix."""
+    torch.manual_seed(0)
+    model = _model(ffn=MOE, tie_embeddings=False)
+    opt = _muon(model, lr=0.02, adjust_lr_fn=adjust)
+    stacks = [m for m in model.modules() if isinstance(m, nn.Linear) and getattr(m, "n_experts", 1) > 1]
+    assert len(stacks) == 4 and {g["kind"] for g in opt.param_groups} == {"muon", "muon_experts", "adamw"}
+    group = next(g for g in opt.param_groups if g["kind"] == "muon_experts")
+    assert group["experts"] == 4 and {id(p) for p in group["params"]} == {id(m.weight) for m in stacks}
+    E = 4
+    refs = {id(m.weight): [nn.Parameter(w.clone()) for w in m.weight.detach().view(E, -1, m.in_features)]
+            for m in stacks}
+    ref_opts = {k: torch.optim.Muon([{"params": ps, "weight_decay": 0.1}], lr=0.02, adjust_lr_fn=adjust)
+                for k, ps in refs.items()}
+    whole = {id(m.weight): nn.Parameter(m.weight.detach().clone()) for m in stacks}  # the stack as one matrix
+    whole_opt = torch.optim.Muon([{"params": list(whole.values()), "weight_decay": 0.1}], lr=0.02,
+                                 adjust_lr_fn=adjust)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        for m in stacks:
+            for ref, g in zip(refs[id(m.weight)], m.weight.grad.view(E, -1, m.in_features)):
+                ref.grad = g.clone()
+            whole[id(m.weight)].grad = m.weight.grad.clone()
+        opt.step()
+        for o in (*ref_opts.values(), whole_opt):
+            o.step()
+    for m in stacks:
+        expected = torch.cat(list(refs[id(m.weight)])).detach()
+        torch.testing.assert_close(m.weight.detach(), expected, rtol=0, atol=0)
+        assert (m.weight.detach() - whole[id(m.weight)].detach()).abs().max() > 1e-3  # the old, whole-stack step
 
 
 def test_groups_without_a_role_go_by_shape() -> None:

@@ -5,14 +5,16 @@ attention=mla; and the MoE families built on Llama's layers).
 These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
   (full rotary) with rope_scaling none/linear/dynamic_ntk/yarn/ntk_by_parts/llama3, MHA/GQA/MQA, tied or untied;
-- DeepSeek-V3-like (dense layers): Llama's layers with attention=mla, rope_scaling none, no biases; a checkpoint with
-  interleaved RoPE channels (rope_interleave, DeepSeek's own) is imported with the rows reordered;
+- DeepSeek-V3-like: Llama's layers with attention=mla, rope_scaling none, no biases, every layer dense or every layer
+  ffn=moe with sigmoid routing (lmlab.interop.hf_moe); a checkpoint with interleaved RoPE channels (rope_interleave,
+  DeepSeek's own) is imported with the rows reordered;
 - Gemma 2-like: Llama's layers under placement=double (its four norms per layer), the attention-logit and final-logit
   softcaps, local/global layers of one window, a temperature as query_pre_attn_scalar; exported untied (Gemma scales
   the embeddings by sqrt(d_model) on the way in only) with its norm gains stored as w − 1;
 - GPT-NeoX-like (Pythia): placement=pre, norm=layer, the MLP, position=rope on the first rotary_pct of each head,
   MHA, blocks parallel (residual=parallel: its use_parallel_residual) or sequential; zero biases where lmlab has none;
-- Mixtral / Qwen2-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each has);
+- Mixtral / Qwen2-MoE / Qwen3-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each
+  has; Qwen3-MoE's attention adds q/k norms);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 head=mtp exports its next-token model (the MTP modules are left out: they train the trunk, and the logits are the
@@ -49,8 +51,12 @@ def _split_rows(w: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 def _llama_attention(sd: dict[str, torch.Tensor], p: str, q: str, block: Any, suffix: str) -> dict[str, torch.Tensor]:
     qw, kw, vw = _split_rows(sd[p + f"attn.c_attn.{suffix}"], block.attn.c_attn.fused)
-    return {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
-            q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
+    out = {q + f"self_attn.q_proj.{suffix}": qw, q + f"self_attn.k_proj.{suffix}": kw,
+           q + f"self_attn.v_proj.{suffix}": vw, q + f"self_attn.o_proj.{suffix}": sd[p + f"attn.c_proj.{suffix}"]}
+    for x in ("q", "k"):  # qk_norm's gains (Qwen3-MoE)
+        if suffix == "weight" and p + f"attn.{x}_norm" in sd:
+            out[q + f"self_attn.{x}_norm.weight"] = sd[p + f"attn.{x}_norm"]
+    return out
 
 
 # lmlab's MLA weights and DeepSeek-V3's (transformers), one to one; the MLP and the norms are Llama's.
@@ -68,7 +74,7 @@ def _llama_state(model: GPT, attention: Any = _llama_attention) -> dict[str, tor
     """Llama's names (and its relatives', whose attention differs: `attention` maps one layer's)."""
     sd, out = model.state_dict(), {}
     fam = family(model.cfg)
-    routed = fam in MOE_TYPES  # Mixtral, Qwen2-MoE: Llama's layers with routed experts (lmlab.interop.hf_moe)
+    routed = model.cfg.ffn["name"] == "moe"  # routed experts (lmlab.interop.hf_moe): Mixtral, Qwen2-MoE, DeepSeek-V3
     out["model.embed_tokens.weight"] = sd["wte.weight"]
     for i, block in enumerate(model.h):
         p, q = f"h.{i}.", f"model.layers.{i}."
@@ -192,6 +198,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
             for ours, theirs in _MLA_NAMES.items():
                 if q + "self_attn." + theirs in state:
                     sd[p + "attn." + ours] = state[q + "self_attn." + theirs]
+            if model.cfg.ffn["name"] == "moe":
+                sd.update(moe_invert(state, p, q, model.cfg, fam))
+                continue
             sd[p + "mlp.c_fc.weight"] = torch.cat([state[q + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
             sd[p + "mlp.c_proj.weight"] = state[q + "mlp.down_proj.weight"]
         sd["ln_f.weight"] = state["model.norm.weight"]
@@ -232,6 +241,9 @@ def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, t
                 sd[p + f"attn.c_attn.{suffix}"] = torch.cat(
                     [state[q + f"self_attn.{x}_proj.{suffix}"] for x in "qkv"], dim=0)
                 sd[p + f"attn.c_proj.{suffix}"] = state[q + f"self_attn.o_proj.{suffix}"]
+                for x in ("q", "k"):  # qk_norm's gains (Qwen3-MoE)
+                    if q + f"self_attn.{x}_norm.weight" in state:
+                        sd[p + f"attn.{x}_norm"] = state[q + f"self_attn.{x}_norm.weight"]
                 if fam in MOE_TYPES:
                     sd.update(moe_invert(state, p, q, model.cfg, fam))
                     continue
@@ -269,7 +281,8 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
     hf = {"llama": transformers.LlamaForCausalLM, "ministral": transformers.MinistralForCausalLM,
           "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
           "gpt_neox": transformers.GPTNeoXForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-          "qwen2_moe": transformers.Qwen2MoeForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[fam](config)
+          "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+          "gpt2": transformers.GPT2LMHeadModel}[fam](config)
     state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state,
              "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)

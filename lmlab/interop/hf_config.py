@@ -7,7 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.config import GPTConfig
-from lmlab.interop.hf_moe import MOE_TYPES, hf_moe_config, lmlab_ffn, moe_family
+from lmlab.interop.hf_moe import (
+    MOE_TYPES,
+    check_deepseek_moe,
+    deepseek_ffn,
+    deepseek_fields,
+    hf_moe_config,
+    lmlab_ffn,
+    moe_attention,
+    moe_family,
+)
 from lmlab.interop.refusal import NotRepresentable
 from lmlab.interop.refusal import refuse as _refuse
 
@@ -23,7 +32,8 @@ _ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", 
 
 def family(cfg: GPTConfig) -> str:
     """'llama', 'ministral' (Llama-like with sliding-window layers: transformers' Ministral, whose `layer_types`
-    say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense layers), 'gemma2' (the
+    say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense or routed layers),
+    'mixtral' / 'qwen2_moe' / 'qwen3_moe' (Llama-like with ffn=moe: lmlab.interop.hf_moe), 'gemma2' (the
     double placement with softcaps and local/global layers), 'gpt_neox' (LayerNorm, an MLP and partial RoPE, the
     blocks parallel or not) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
@@ -41,7 +51,8 @@ def family(cfg: GPTConfig) -> str:
 
 
 def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa"),
-                  placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = ()) -> None:
+                  placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = (),
+                  qk_norm: bool = False) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if extra := [name for name in cfg.residual if name not in (*residual, "standard")]:
@@ -59,7 +70,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
-    plain_keys = (("score", "softmax"), ("qk_norm", False), ("logn_scaling", False),
+    plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   ("gate", None), ("sinks", False), *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
@@ -78,18 +89,19 @@ def layer_windows(cfg: GPTConfig) -> list[int | None]:
 
 def _check_llama(cfg: GPTConfig) -> str:
     windows = [w for w in layer_windows(cfg) if w is not None]
-    _check_common(cfg, "Llama", windows=True)
+    routed = cfg.ffn["name"] == "moe"  # Qwen3-MoE has q/k norms (lmlab.interop.hf_moe decides)
+    _check_common(cfg, "Llama", windows=True, qk_norm=routed)
     if windows:  # transformers' Ministral: Llama's layers, some sliding over one window, no biases
         if len(set(windows)) > 1:
             raise _refuse("attention.pattern", cfg.attention.get("pattern"), "Ministral",
                           "one window size for every local layer")
         if cfg.bias:
             raise _refuse("model.bias", cfg.bias, "Ministral", "model.bias=false (its Linear layers have none)")
-    if cfg.ffn["name"] == "moe":  # Llama's attention with routed experts: Mixtral or Qwen2-MoE (lmlab.interop.hf_moe)
-        _check_llama_layers(cfg, "Mixtral or Qwen2-MoE", glu=False)
+    if routed:  # Llama's attention with routed experts: Mixtral, Qwen2-MoE or Qwen3-MoE (lmlab.interop.hf_moe)
+        fam = "Mixtral, Qwen2-MoE or Qwen3-MoE"
+        _check_llama_layers(cfg, fam, glu=False)
         if windows:
-            raise _refuse("attention.window", cfg.attention.get("window"), "Mixtral or Qwen2-MoE",
-                          "attention.window=null")
+            raise _refuse("attention.window", cfg.attention.get("window"), fam, "attention.window=null")
         _check_rope_scaling(cfg)
         return moe_family(cfg, _glu_act(cfg))
     _check_llama_layers(cfg, "Llama")
@@ -118,13 +130,17 @@ def _check_llama_layers(cfg: GPTConfig, fam: str, glu: bool = True) -> None:
 
 
 def _check_deepseek(cfg: GPTConfig) -> str:
-    """DeepSeek-V3's architecture with every layer dense (first_k_dense_replace = n_layer): MLA and a SwiGLU-like
-    FFN. Its YaRN scales the softmax by mscale rather than the rotation, and its MLP has no biases: refused."""
+    """DeepSeek-V3's architecture with every layer dense (first_k_dense_replace = n_layer: MLA and a SwiGLU-like
+    FFN) or every layer routed (ffn=moe with sigmoid scores: lmlab.interop.hf_moe). Its YaRN scales the softmax by
+    mscale rather than the rotation, and its MLP has no biases: refused."""
     fam = "DeepSeek-V3"
     if cfg.position["name"] != "rope":
         raise _refuse("position", cfg.position["name"], fam, "position=rope")
     _check_common(cfg, fam, attentions=("mla",))
-    _check_llama_layers(cfg, fam)
+    routed = cfg.ffn["name"] == "moe"
+    _check_llama_layers(cfg, fam, glu=not routed)
+    if routed:
+        check_deepseek_moe(cfg, _glu_act(cfg))
     if cfg.rope_scaling["name"] != "none":
         raise _refuse("rope_scaling", cfg.rope_scaling["name"], fam, "rope_scaling=none")
     if cfg.bias:
@@ -244,8 +260,8 @@ def hf_config(cfg: GPTConfig) -> Any:
         a = cfg.attention
         return transformers.DeepseekV3Config(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
-            num_hidden_layers=cfg.n_layer, first_k_dense_replace=cfg.n_layer,  # every layer dense: no experts
-            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, kv_lora_rank=a["kv_lora_rank"],
+            num_hidden_layers=cfg.n_layer, **deepseek_fields(cfg), num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_head, kv_lora_rank=a["kv_lora_rank"],
             q_lora_rank=a["q_lora_rank"], qk_rope_head_dim=a["qk_rope_head_dim"],
             qk_nope_head_dim=a["qk_nope_head_dim"], v_head_dim=a["v_head_dim"], hidden_act=_glu_act(cfg),
             max_position_embeddings=max_pos, rms_norm_eps=float(cfg.norm.get("eps", 1e-6)),
@@ -330,7 +346,7 @@ def lmlab_config(hf: Any) -> GPTConfig:
             norm={"name": "rms", "eps": float(hf.rms_norm_eps), "affine": True}, placement={"name": "pre"},
             activation={"name": act}, ffn=ffn, position={"name": "rope", "theta": rope.pop("theta")},
             rope_scaling=rope, attention={"name": _attention_name(hf.num_attention_heads, hf.num_key_value_heads),
-                                          **(_windows_back(hf, kind) if kind not in MOE_TYPES else {})},
+                                          **(_windows_back(hf, kind) if kind not in MOE_TYPES else moe_attention(hf))},
             init={"name": "gpt2"},
         )
     if kind == "deepseek_v3":
@@ -355,8 +371,10 @@ def lmlab_config(hf: Any) -> GPTConfig:
             position={"name": "learned"}, rope_scaling={"name": "none"}, attention={"name": "mha"},
             init={"name": "gpt2"},
         )
-    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE), "
-                           f"Gemma 2, DeepSeek-V3-like (dense), GPT-NeoX and GPT-2-like models")
+    raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE, "
+                           f"Qwen3-MoE), "
+                           f"Gemma 2, DeepSeek-V3-like (all layers dense or all routed), GPT-NeoX and GPT-2-like "
+                           f"models")
 
 
 def _neox_back(hf: Any) -> GPTConfig:
@@ -418,12 +436,16 @@ def _gemma2_back(hf: Any) -> GPTConfig:
 
 
 def _deepseek_back(hf: Any) -> GPTConfig:
-    """A DeepSeek-V3 config whose layers are all dense (first_k_dense_replace >= num_hidden_layers): MLA and a GLU."""
-    if (hf.first_k_dense_replace or 0) < hf.num_hidden_layers:
+    """A DeepSeek-V3 config whose layers are all dense (first_k_dense_replace >= num_hidden_layers) or all mixtures of
+    experts (first_k_dense_replace = 0, lmlab.interop.hf_moe): MLA and GLUs."""
+    dense = (hf.first_k_dense_replace or 0) >= hf.num_hidden_layers
+    if not dense and hf.first_k_dense_replace:
         raise NotRepresentable(f"first_k_dense_replace={hf.first_k_dense_replace} < num_hidden_layers="
-                               f"{hf.num_hidden_layers}: the later layers are mixtures of experts, which lmlab's "
-                               f"DeepSeek-V3 import does not map")
+                               f"{hf.num_hidden_layers}: dense first layers, then mixtures of experts; lmlab's layers "
+                               f"are all one FFN kind (0: every layer routed; >= num_hidden_layers: every one dense)")
     act, ffn, theta = _unbiased_glu_back(hf, "DeepSeek-V3", "hidden_act")
+    if not dense:
+        ffn = deepseek_ffn(hf, ffn["name"])
     return GPTConfig(
         vocab_size=hf.vocab_size, n_layer=hf.num_hidden_layers, d_model=hf.hidden_size,
         n_head=hf.num_attention_heads, max_seq_len=hf.max_position_embeddings, bias=False,

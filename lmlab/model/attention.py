@@ -47,6 +47,7 @@ class MHA(nn.Module):
     - score: how logits become weights (`lmlab.model.score`: softmax, softmax_plus, relu2); the scores that
       are not a softmax run explicitly, with the (T, T) matrix held;
     - qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al., 2023), bounding logits;
+      qk_norm_eps its epsilon (null: torch's default, the dtype's machine epsilon; Qwen3 uses its rms_norm_eps);
     - logn_scaling: multiply q at position n > L (L = the trained length) by log_L(n), keeping the attention
       entropy roughly constant as the context grows (Chiang & Cholak, 2022; Su, 2021). Zero-shot: at n <= L the
       model is unchanged; score=softmax_plus trains with the factor at every length instead (not both at once);
@@ -76,8 +77,12 @@ class MHA(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False) -> None:
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
+                 qk_norm_eps: PositiveFloat | None = None) -> None:
         super().__init__()
+        if qk_norm_eps is not None and not qk_norm:
+            raise ValueError(f"attention.qk_norm_eps={qk_norm_eps} needs attention.qk_norm=true (it is the epsilon of "
+                             f"the q/k norm)")
         if sinks and score != "softmax":
             raise ValueError(f"attention.sinks=true needs attention.score=softmax (got {score!r}): a sink is a column "
                              f"of the softmax")
@@ -103,6 +108,7 @@ class MHA(nn.Module):
         self.sink = nn.Parameter(torch.zeros(self.n_head)) if sinks else None  # logit 0: e^0 beside the keys' at init
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+        self.qk_norm_eps = qk_norm_eps
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -143,8 +149,8 @@ class MHA(nn.Module):
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.q_norm is not None:
-            q = F.rms_norm(q, (self.head_dim,), self.q_norm)
-            k = F.rms_norm(k, (self.head_dim,), self.k_norm)
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.qk_norm_eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.qk_norm_eps)
         q, k = pos.rotate(q, k, offset, doc, self.layer)
         for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
             v = value_mix(v)
@@ -231,9 +237,11 @@ class DiffAttention(MHA):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False) -> None:
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
+                 qk_norm_eps: PositiveFloat | None = None) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
-                         window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks)
+                         window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
+                         qk_norm_eps=qk_norm_eps)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")

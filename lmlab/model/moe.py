@@ -4,7 +4,8 @@
 Routing (one token, router logits z = W_r x, E experts): scores s = softmax(z) (Shazeer et al., 2017; Mixtral) or
 sigmoid(z) (DeepSeek-V3); the chosen experts are the top k of s + b, b the loss-free balancing bias (zero unless
 `bias_update_rate`); their weights are s at the chosen experts, divided by their sum when `norm_topk` (Mixtral,
-DeepSeek-V3) or not (Qwen1.5-MoE). Dropless by default: every token reaches its k experts. With a
+DeepSeek-V3) or not (Qwen1.5-MoE), then times `routed_scale` (DeepSeek-V3's routed_scaling_factor, 2.5 in its
+release; the shared experts are not scaled). Dropless by default: every token reaches its k experts. With a
 `capacity_factor` c an expert takes at most ceil(c · N·k / E) of a batch's N·k assignments, first come (token order)
 first served (Switch Transformer); the others are dropped (they add nothing) and counted. Capacity applies to
 training forwards only: evaluation and generation are dropless, so a token's output never depends on the other
@@ -162,7 +163,8 @@ class MoE(nn.Module):
                  n_shared: NonNegativeInt = 0, shared_gate: bool = False,
                  score: Literal["softmax", "sigmoid"] = "softmax", norm_topk: bool = True,
                  capacity_factor: PositiveFloat | None = None, balance_loss: NonNegativeFloat = 0.0,
-                 router_z_loss: NonNegativeFloat = 0.0, bias_update_rate: NonNegativeFloat = 0.0) -> None:
+                 router_z_loss: NonNegativeFloat = 0.0, bias_update_rate: NonNegativeFloat = 0.0,
+                 routed_scale: PositiveFloat = 1.0) -> None:
         super().__init__()
         kind = expert_kind(expert)
         if top_k > n_experts:
@@ -172,7 +174,7 @@ class MoE(nn.Module):
             raise ValueError("ffn.shared_gate=true gates the shared experts' output: it needs ffn.n_shared >= 1")
         self.n_experts, self.top_k, self.score, self.norm_topk = n_experts, top_k, score, norm_topk
         self.capacity_factor, self.balance_coef, self.z_coef = capacity_factor, balance_loss, router_z_loss
-        self.bias_update_rate = bias_update_rate
+        self.bias_update_rate, self.routed_scale = bias_update_rate, routed_scale
         self.glu = issubclass(kind, GLU)  # three matrices per expert: [gate; up] and down
         self.hidden = hidden
         self.act = Activation({"name": kind.gate} if getattr(kind, "gate", None) else activation)
@@ -231,7 +233,7 @@ class MoE(nn.Module):
             order = order[rank < cap]
             kept = counts.clamp(max=cap)
         token = order // k  # (M,) the token of each kept assignment, grouped by expert
-        weight = w.reshape(-1)[order]  # (M,)
+        weight = w.reshape(-1)[order] * self.routed_scale  # (M,)
         y = self._experts(flat[token], kept, chosen[order])  # (M, d)
         out = torch.zeros(N, shape[-1], dtype=y.dtype, device=y.device).index_add(0, token, y * weight[:, None].to(
             y.dtype))
@@ -300,7 +302,7 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, score={self.score}, "
-                f"norm_topk={self.norm_topk}, capacity_factor={self.capacity_factor}")
+                f"norm_topk={self.norm_topk}, capacity_factor={self.capacity_factor}, routed_scale={self.routed_scale}")
 
 
 def figures(stats: torch.Tensor, n_experts: int, top_k: int) -> dict[str, float]:
