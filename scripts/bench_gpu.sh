@@ -1,96 +1,132 @@
 #!/usr/bin/env bash
-# The GPU check of the performance issue, as one script: lmlab vs HF GPT2LMHeadModel at GPT-2 124M
-# (12 layers x d 768 x 12 heads, seq 1024, vocab 50304), bf16 autocast, batch 32 x 1024 tokens, MFU against
-# the card's bf16 dense peak (PEAK, default 989 TFLOP/s: H100/H200 SXM) and against a bf16 matmul measured
-# in the same run. Stages, each under its own time limit; what they print goes to $OUT/log.txt, each result to
-# $OUT/<stage>.json:
-#   smoke     2 layers, batch 2, every bench path once (a broken path costs seconds, not the budget)
-#   eager     lmlab, HF and lmlab fp32, 7 interleaved repeats, plus the Lightning loop's cost
-#   train     train.py as a user runs it: trainer=gpu (bf16-mixed), then trainer=fsdp on one device
-#   compiled  torch.compile on both models (compile time reported as warmup_s)
-#   chunked, chunked-compiled   eager / compiled again with model.chunked_loss=true (the LM head and the loss in
-#             row blocks: no fp32 logits of 32 x 1024 x 50304 = 6.6 GB); the A/B is each run's ratio to HF
-#   loop      the Lightning loop's cost over the bare step, with and without the stability monitor
-#   llama, llama-compiled   the llama-like model vs LlamaForCausalLM at the same sizes
-#   scale     train.py model=gpt2_124m data=bpe50k, bf16, compiled, with trainer=gpu and then trainer=fsdp2 on one
-#             GPU; tokens/s and MFU against PEAK from the runs' perf/ metrics (the scale-out issue's check)
-#   attention one attention layer at T = 1024, 4096 and 16384: full causal (SDPA), a window of 256 and document masks
-#             (FlexAttention, compiled), MLA: tokens/s and peak memory (python -m lmlab.bench attention --device cuda)
-# STAGES picks them (default "smoke eager chunked train"); DEADLINE=<seconds> caps the whole script.
-# Usage, from the repository root on a machine with CUDA (offline: the corpus already in $LMLAB_CACHE):
-#   OUT=bench-gpu bash scripts/bench_gpu.sh
-#   STAGES="smoke compiled chunked-compiled" OUT=bench-gpu bash scripts/bench_gpu.sh
-#   STAGES="smoke loop llama llama-compiled" OUT=bench-gpu bash scripts/bench_gpu.sh
+# The GPU check of the performance issue as one script: GPT-2 124M (model=gpt2_124m data=bpe50k) in bf16, eager and
+# compiled, against Hugging Face's GPT2LMHeadModel; train.py as a user runs it (eager, compiled, trainer=fsdp2 on one
+# GPU); the masked attention paths (a sliding window and document masks through FlexAttention, MLA); ffn=moe against
+# the dense FFN. Every stage writes one JSON file into the output folder and its printed output to OUT/log.txt; the
+# last step, `summary`, reads them all into OUT/summary.json (tokens/s, MFU, peak memory, the compiled step's split
+# into GEMMs / attention / optimizer / other, the issue's targets) and prints it. docs/bench.md lists the files.
+#
+#   bash scripts/bench_gpu.sh OUT                       # the whole plan, about 10-12 minutes on one H100/H200
+#   DEADLINE=570 bash scripts/bench_gpu.sh OUT --stages "env eager compiled train-eager"  # or: a first call (~5 min)
+#   DEADLINE=570 bash scripts/bench_gpu.sh OUT --stages "train-compiled fsdp2 attention moe"  # and a second (~7 min)
+#   bash scripts/bench_gpu.sh /tmp/bench-dry --dry-run  # the same stages at tiny sizes on the CPU (~4 minutes)
+#
+# Stages, in order (the default plan), with their time limits on the GPU (expected times in docs/bench.md):
+#   env             versions, device, commit                                               -> env.json
+#   eager           python -m lmlab.bench, GPT-2 124M, batch 32 x 1024, bf16, vs HF (150 s) -> gpt2-124m-eager.json
+#   compiled        the same with --compile, its step profiled (240 s)                     -> gpt2-124m-compiled.json
+#   train-eager     train.py model=gpt2_124m data=bpe50k trainer=gpu, 150 steps (150 s)     -> train-eager.json
+#   train-compiled  the same with compile=true (210 s)                                     -> train-compiled.json
+#   fsdp2           the same with trainer=fsdp2 trainer.devices=1, compiled (210 s)         -> train-fsdp2.json
+#   attention       full causal / window 256 / documents / MLA at T 4096 and 16384 (240 s) -> attention.json
+#   moe             ffn=moe (8 experts, top 1 and top 2) vs dense at GPT-2 124M sizes (150 s) -> moe.json
+# Optional (name them in --stages): chunked, chunked-compiled (model.chunked_loss=true), loop (the Lightning loop's
+# cost over the bare step), llama, llama-compiled (the llama-like model vs LlamaForCausalLM).
+# Settings: PEAK (TFLOP/s of the card's dense bf16 peak, default 989: H100/H200 SXM), DEADLINE (seconds for the whole
+# call, default 720; a stage that would start past it is skipped), PY (python3). Offline: the corpus must already be
+# in $LMLAB_CACHE (data=bpe50k trains its tokenizer on it: a few seconds). Exit status: 1 when a stage failed.
 set -u
 OUT=${OUT:-bench-gpu}
+DRY=0
+STAGES=${STAGES:-env eager compiled train-eager train-compiled fsdp2 attention moe}
+while (( $# )); do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --stages) STAGES=$2; shift ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -*) echo "bench_gpu.sh: unknown option $1" >&2; exit 2 ;;
+        *) OUT=$1 ;;
+    esac
+    shift
+done
 PEAK=${PEAK:-989}
 PY=${PY:-python3}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}" TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor}
-GPT2_124M=(model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024 model.vocab_size=50304)
+RUNS=${RUNS:-/tmp/lmlab-gpu-runs}
+FAILED=()
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
-$PY -c "import torch, transformers, lightning; print('torch', torch.__version__, '| transformers',
-transformers.__version__, '| lightning', lightning.__version__, '|', torch.cuda.get_device_name())" \
-    2>&1 | tee -a "$OUT/log.txt"
+if (( DRY )); then  # every stage's command line, config keys and JSON, at sizes a CPU runs in seconds
+    export OMP_NUM_THREADS=1
+    DEVICE=cpu PEAK=1 DEADLINE=${DEADLINE:-1800} RUNS=$OUT/runs
+    BENCH_SIZE=(model.n_layer=2 model.d_model=64 model.n_head=2 model.max_seq_len=64 model.vocab_size=512)
+    BENCH=(--batch 2 --repeats 1 --steps 1 --eval-steps 1 --warmup 1 --mm-size 256 --threads 1)
+    TRAIN_SIZE=(model.n_layer=1 model.d_model=32 model.n_head=2 model.max_seq_len=32 data.batch_size=2
+                trainer.accelerator=cpu trainer.max_steps=4 trainer.val_check_interval=4 trainer.log_every_n_steps=1
+                +trainer.limit_val_batches=2 perf.peak_flops=1e11)
+    ATTENTION=(--device cpu --lengths 64 --window 16 --steps 1)
+    MOE=(--device cpu --experts 4 --set model.n_layer=1 model.d_model=32 model.n_head=2 model.max_seq_len=32
+         --batch 2 --steps 1 --repeats 1)
+    LOOP=(--loop-steps 2 --loop-repeats 1)
+else
+    DEVICE=cuda DEADLINE=${DEADLINE:-720}
+    BENCH_SIZE=(model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024 model.vocab_size=50304)
+    BENCH=(--batch 32 --repeats 5 --block-s 0.5)
+    TRAIN_SIZE=(data.batch_size=16 trainer.max_steps=150 trainer.val_check_interval=1000 trainer.log_every_n_steps=10
+                perf.peak_flops=${PEAK}e12)
+    ATTENTION=(--device cuda --lengths 4096 16384 --window 256 --steps 5)
+    MOE=(--device cuda --experts 8 --set model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024
+         --batch 8 --steps 3 --repeats 3)
+    LOOP=(--loop-repeats 3)
+fi
+# the train.py runs: GPT-2 124M on the default corpus through its 50k BPE, as the README's scale-out section runs it
+TRAIN=(model=gpt2_124m data=bpe50k "${TRAIN_SIZE[@]}")
 
-left() { echo $(( ${DEADLINE:-100000} - SECONDS )); }
+log() { echo "$*" | tee -a "$OUT/log.txt"; }
+left() { echo $(( DEADLINE - SECONDS )); }
+clamp() { local limit=$1; (( limit > $(left) )) && limit=$(left); echo "$limit"; }  # a stage's limit, within DEADLINE
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-stage() {  # stage NAME SECONDS ARGS...: one bench run; its table to the log, its JSON to NAME.json
+run_stage() {  # run_stage NAME SECONDS COMMAND...: the command under a time limit, its output to the log
+    local name=$1 limit rc
+    limit=$(clamp "$2")
+    shift 2
+    if (( limit < 10 )); then log "=== $name skipped: DEADLINE (${DEADLINE}s) reached"; FAILED+=("$name"); return; fi
+    log "=== $name ($(date +%T), limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | grep --line-buffered -v "━" | tee -a "$OUT/log.txt"
+    rc=${PIPESTATUS[0]}
+    (( rc != 0 )) && { log "=== $name failed (exit $rc)"; FAILED+=("$name"); }
+}
+
+bench() {  # bench NAME SECONDS ARGS...: python -m lmlab.bench (lmlab vs HF), its JSON to NAME.json
     local name=$1 limit=$2
     shift 2
-    (( limit > $(left) )) && limit=$(left)
-    (( limit < 10 )) && { echo "=== bench $name skipped: DEADLINE reached" | tee -a "$OUT/log.txt"; return 124; }
-    echo "=== bench $name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/log.txt"
-    timeout "$limit" $PY -m lmlab.bench --config gpt2 --device "${DEVICE:-cuda}" --precision bf16 --peak-tflops "$PEAK" \
-        --json "$JSON_DIR/$name.json" "$@" 2>&1 | tee -a "$OUT/log.txt"
-    return "${PIPESTATUS[0]}"
+    run_stage "$name" "$limit" $PY -m lmlab.bench --device "$DEVICE" --precision bf16 --peak-tflops "$PEAK" \
+        --json "$OUT/$name.json" "$@"
 }
 
-train_check() {  # train_check NAME SECONDS OVERRIDES...: train.py as a user runs it; its summary.json back
-    local name=$1 limit=$2 dir=/tmp/lmlab-gpu-runs/$1
-    shift 2
-    echo "=== train.py $name ($(date +%T))" | tee -a "$OUT/log.txt"
-    timeout "$limit" $PY train.py logger=csv hydra.run.dir="$dir" "$@" 2>&1 | grep -v "━" | tail -n 20 \
-        | tee -a "$OUT/log.txt"
-    cp "$dir/summary.json" "$OUT/train-$name.json" 2>/dev/null
-    tail -n 2 "$dir/metrics.csv" 2>/dev/null | tee -a "$OUT/log.txt"
+train() {  # train NAME SECONDS OVERRIDES...: train.py through python -m lmlab.bench train, its JSON to train-NAME.json
+    local name=$1 limit
+    limit=$(clamp "$2")
+    shift 2  # train.py is stopped 15 s before the stage, so that its figures so far are still written
+    run_stage "train-$name" "$limit" $PY -m lmlab.bench train --name "$name" --runs "$RUNS" \
+        --limit $(( limit > 30 ? limit - 15 : limit )) --json "$OUT/train-$name.json" -- "$@"
 }
 
-want() { [[ " ${STAGES:-smoke eager chunked train} " == *" $1 "* ]]; }
-GPT2_LOOP=(--batch 32 --repeats 3 --no-fp32-baseline --no-memory --loop-repeats 3)
-QUIET=(monitor.every_n_steps=0 monitor.attn_every_n_steps=0 monitor.init_profile=false)
+log "=== bench_gpu.sh $(date -u +%FT%TZ) stages: $STAGES$( (( DRY )) && echo ' (dry run: CPU, tiny sizes)')"
+want env && run_stage env 60 $PY -m lmlab.bench env --json "$OUT/env.json" $( (( DRY )) && echo --dry-run)
+# --set last: more overrides may follow (model.chunked_loss=true), then flags (--compile)
+GPT2=(--config gpt2 "${BENCH[@]}" --no-fp32-baseline --loop-repeats 0 --set "${BENCH_SIZE[@]}")
+want eager && bench gpt2-124m-eager 150 "${GPT2[@]}"
+want compiled && bench gpt2-124m-compiled 240 "${GPT2[@]}" --compile
+want train-eager && train eager 150 trainer=gpu "${TRAIN[@]}"
+want train-compiled && train compiled 210 trainer=gpu "${TRAIN[@]}" compile=true
+want fsdp2 && train fsdp2 210 trainer=fsdp2 trainer.devices=1 "${TRAIN[@]}" compile=true
+want attention && run_stage attention 240 $PY -m lmlab.bench attention "${ATTENTION[@]}" --json "$OUT/attention.json"
+want moe && run_stage moe 150 $PY -m lmlab.bench moe --precision bf16 "${MOE[@]}" --json "$OUT/moe.json"
+# optional stages
+want chunked && bench gpt2-124m-chunked 150 "${GPT2[@]}" model.chunked_loss=true
+want chunked-compiled && bench gpt2-124m-chunked-compiled 240 "${GPT2[@]}" model.chunked_loss=true --compile
+want loop && bench gpt2-124m-loop 150 --config gpt2 "${BENCH[@]}" --no-fp32-baseline --no-breakdown "${LOOP[@]}" \
+    --set "${BENCH_SIZE[@]}"
+LLAMA=(--config llama "${BENCH[@]}" --no-fp32-baseline --loop-repeats 0 --set "${BENCH_SIZE[@]}")
+want llama && bench llama-124m-eager 150 "${LLAMA[@]}"
+want llama-compiled && bench llama-124m-compiled 240 "${LLAMA[@]}" --compile
 
-want smoke && { JSON_DIR=/tmp stage smoke 150 --batch 2 --set model.n_layer=2 model.d_model=128 model.n_head=2 \
-    --repeats 1 --block-s 0.2 --loop-steps 3 --loop-repeats 1 || exit 1; }
-JSON_DIR=$OUT
-want eager && stage gpt2-124m-eager 200 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 --loop-repeats 1
-want chunked && stage gpt2-124m-chunked 150 --batch 32 --set "${GPT2_124M[@]}" model.chunked_loss=true \
-    --repeats 7 --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
-want train && train_check gpu 90 trainer=gpu trainer.max_steps=300
-want train && train_check fsdp 90 trainer=fsdp trainer.devices=1 trainer.max_steps=100
-want compiled && stage gpt2-124m-compiled 330 --batch 32 --set "${GPT2_124M[@]}" --repeats 7 --block-s 0.5 \
-    --loop-repeats 0 --compile --no-fp32-baseline
-want chunked-compiled && stage gpt2-124m-chunked-compiled 330 --batch 32 --set "${GPT2_124M[@]}" \
-    model.chunked_loss=true --repeats 7 --block-s 0.5 --loop-repeats 0 --compile --no-fp32-baseline
-want loop && stage gpt2-124m-loop 120 --set "${GPT2_124M[@]}" "${GPT2_LOOP[@]}"
-want loop && stage gpt2-124m-loop-nomonitor 120 --set "${GPT2_124M[@]}" "${QUIET[@]}" "${GPT2_LOOP[@]}"
-SCALE=(model=gpt2_124m data=bpe50k data.batch_size=16 compile=true trainer.max_steps=200 trainer.val_check_interval=1000
-       perf.peak_flops=${PEAK}e12)
-want scale && train_check gpt2-124m-gpu 420 trainer=gpu "${SCALE[@]}"
-want scale && train_check gpt2-124m-fsdp2 420 trainer=fsdp2 trainer.devices=1 "${SCALE[@]}"
-want scale && for run in gpt2-124m-gpu gpt2-124m-fsdp2; do $PY - "$run" <<'PYEOF' 2>&1 | tee -a "$OUT/log.txt"; done
-import csv, sys
-rows = list(csv.DictReader(open(f"/tmp/lmlab-gpu-runs/{sys.argv[1]}/metrics.csv")))
-keep = [r for r in rows if r.get("perf/tokens_per_s")][-5:]
-for key in ("perf/tokens_per_s", "perf/mfu"):
-    vals = [float(r[key]) for r in keep if r.get(key)]
-    print(sys.argv[1], key, "last 5 logged:", [round(v, 4) for v in vals])
-PYEOF
-want llama && stage llama-124m-eager 150 --config llama --batch 32 --set "${GPT2_124M[@]}" --repeats 7 \
-    --block-s 0.5 --loop-repeats 0 --no-fp32-baseline
-want llama-compiled && stage llama-124m-compiled 300 --config llama --batch 32 --set "${GPT2_124M[@]}" \
-    --repeats 5 --block-s 0.5 --loop-repeats 0 --no-fp32-baseline --compile
-want attention && { echo "=== bench attention ($(date +%T))" | tee -a "$OUT/log.txt"
-    timeout 300 $PY -m lmlab.bench attention --device cuda --lengths 1024 4096 16384 --window 256 --steps 5 \
-        --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/log.txt"; }
+log "=== summary ($(date +%T))"
+$PY -m lmlab.bench summary "$OUT" 2>&1 | tee -a "$OUT/log.txt"
+(( PIPESTATUS[0] != 0 )) && FAILED+=(summary)
+if (( ${#FAILED[@]} )); then log "=== failed: ${FAILED[*]}"; exit 1; fi
+log "=== done in ${SECONDS}s"

@@ -8,6 +8,14 @@ elif sys.argv[1:2] == ["attention"]:  # python -m lmlab.bench attention ...: mas
     from lmlab.bench.attention import main
 
     main(sys.argv[2:])
+elif sys.argv[1:2] == ["train"]:  # python -m lmlab.bench train --name N -- overrides: train.py's perf figures
+    from lmlab.bench.train_run import main
+
+    main(sys.argv[2:])
+elif sys.argv[1:2] in (["env"], ["summary"]):  # the GPU check's environment record and its summary
+    from lmlab.bench.suite import main
+
+    main(sys.argv[1:])
 elif sys.argv[1:2] == ["moe"]:  # python -m lmlab.bench moe ...: ffn=moe vs the dense FFN at equal active FLOPs
     from lmlab.bench.moe import main
 

@@ -8,7 +8,10 @@ banded path: SDPA block by block, never a (T, T) matrix; on a GPU FlexAttention)
 (`doc_mask`: a (T, T) boolean mask on the CPU, FlexAttention's block mask on a GPU) and MLA (full causal). Reported:
 tokens/s of forward + backward, and the peak memory the process grew by over the weights and the input (the RSS
 sampled every millisecond from /proc on the CPU, the allocator's peak on a GPU): the attention's working memory,
-forward and backward. `--device cuda` runs in bf16.
+forward and backward. `--device cuda` runs in bf16. For the target "masked attention within 1.2x of full causal at
+equal FLOPs" each case also reports its train FLOPs (6 x the projections' weights per token plus 6 x attn_width per
+(query, key) pair it attends: T(T+1)/2 causal pairs, fewer in a window or within documents) and `vs_full_per_flop`:
+its seconds per FLOP over full causal attention's at the same T (1: as fast per FLOP).
 
 Then the KV cache each attention option keeps, measured: one layer of each at the same width (d_model 256, 4 heads of
 64) reads 256 tokens into a KVCache, whose tensors' bytes per token (fp32; half that in bf16) are reported beside
@@ -74,8 +77,17 @@ for _ in range(steps):
 seconds = time.perf_counter() - start
 done.set()
 peak[0] = max(peak[0], rss())
+# the (query, key) pairs attended: causal, within the window, within each query's document
+i = torch.arange(T)
+pairs = int((i + 1).clamp(max=window).sum()) if kind == "window" else T * (T + 1) // 2
+if doc is not None:
+    sizes = torch.bincount(doc[0].cpu())
+    pairs = int((sizes * (sizes + 1) // 2).sum())
+weights = sum(m.weight.numel() for m in attn.modules() if isinstance(m, torch.nn.Linear))
+flops = 6 * weights * T + 6 * pairs * cfg.attn_width
 print(json.dumps({"tokens_per_s": steps * T / seconds, "step_s": seconds / steps,
-                  "peak_growth_mb": (peak[0] - base) / 2**20}))
+                  "peak_growth_mb": (peak[0] - base) / 2**20, "pairs": pairs, "train_flops": flops,
+                  "tflops_per_s": flops / (seconds / steps) / 1e12}))
 """
 
 KINDS = ("full", "window", "docs", "mla")
@@ -136,7 +148,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name = f"window {args.window}" if kind == "window" else {"full": "full causal", "docs": "documents",
                                                                      "mla": "mla"}[kind]
             print(f"T={T:>6}  {name:<12} {row['tokens_per_s']:>10,.0f} tok/s  {row['step_s'] * 1e3:>8.1f} ms/step  "
-                  f"peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
+                  f"{row['tflops_per_s']:>8.3f} TFLOP/s  peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
+    for row in rows:  # seconds per FLOP against full causal attention at the same length (the target's measure)
+        full = next((r for r in rows if r["T"] == row["T"] and r["kind"] == "full"), None)
+        row["vs_full_per_flop"] = (row["step_s"] / row["train_flops"]) / (full["step_s"] / full["train_flops"]) \
+            if full else None
     cache = cache_rows()
     print("KV cache per token and layer (d_model 256, 4 heads of 64; fp32, measured):")
     for row in cache:

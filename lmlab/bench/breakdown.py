@@ -3,12 +3,18 @@
 MFU alone says how far a step is from the matmul ceiling, not why. The breakdown splits one profiled train step
 into matmuls (whose rate against the ceiling says how well the GEMMs themselves run), the attention kernels, the
 optimizer with gradient clipping, and everything else (norms, activations, RoPE, the loss, copies, Python).
+
+On a GPU each kernel counts once, by the op that launched it (the profiler's correlation of a kernel to its CPU op),
+or by its own name when that op says nothing (a kernel launched from a compiled region, or a GEMM that inductor
+calls by its cuBLAS name). Summing the ops' self device time instead would count every kernel twice: the profiler
+lists each kernel as an event of its own and adds its time to the op that launched it as well.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,6 +27,13 @@ ATTENTION = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_effi
 OPTIMIZER = ("aten::_fused_adam", "aten::_foreach_", "Optimizer.", "aten::linalg_vector_norm")  # + clipping's norms
 
 
+# GPU kernels by their own names: cuBLAS/cuBLASLt/CUTLASS GEMMs (nvjet is cuBLASLt's on Hopper), flash / cuDNN /
+# memory-efficient / FlexAttention kernels, the fused and multi-tensor AdamW kernels.
+KERNELS = (("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|s16816|s1688", re.I)),
+           ("attention", re.compile(r"flash|fmha|attention|flex|sdpa", re.I)),
+           ("optimizer", re.compile(r"adam|multi_tensor_apply", re.I)))
+
+
 def classify(name: str) -> str:
     if name in MATMUL:
         return "matmul"
@@ -29,6 +42,29 @@ def classify(name: str) -> str:
     if name.startswith(OPTIMIZER):
         return "optimizer"
     return "other"
+
+
+def classify_kernel(name: str, op: str | None) -> str:
+    """A GPU kernel's class: its launching op's, else what its own name says."""
+    if op is not None and (by_op := classify(op)) != "other":
+        return by_op
+    return next((kind for kind, pattern in KERNELS if pattern.search(name)), "other")
+
+
+def device_seconds(events: Iterable[Any]) -> dict[str, float]:
+    """Seconds of device time per class from profiler events (`prof.events()`), each kernel once: a device event
+    (device_type not CPU) is classed by the CPU op whose id its `linked_correlation_id` names (ops are the CPU events
+    without a link of their own; the runtime's launch calls have one)."""
+    from torch.autograd import DeviceType
+
+    events = list(events)
+    ops = {e.id: e.name for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    spent = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
+    for e in events:
+        if e.device_type != DeviceType.CPU and not e.is_async:
+            op = ops.get(e.linked_correlation_id)
+            spent[classify_kernel(e.name, op)] += (e.time_range.end - e.time_range.start) / 1e6
+    return spent
 
 
 def step_breakdown(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor], step_s: float, matmul_flops: float,
@@ -49,9 +85,12 @@ def step_breakdown(c: Contestant, batch: tuple[torch.Tensor, torch.Tensor], step
         c.train_step(batch)
         sync()
         wall = time.perf_counter() - t0
-    spent = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
-    for e in prof.key_averages():
-        spent[classify(e.key)] += (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+    if cuda:
+        spent = device_seconds(prof.events())
+    else:
+        spent = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
+        for e in prof.key_averages():
+            spent[classify(e.key)] += e.self_cpu_time_total / 1e6
     if cuda:  # device time is absolute; the rest of the timed step the GPU waited
         seconds = dict(spent, idle=max(0.0, step_s - sum(spent.values())))
     else:  # shares of the profiled step's wall time (Python between ops counts as other), applied to the median

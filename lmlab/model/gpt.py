@@ -181,9 +181,10 @@ class GPT(nn.Module):
     @property
     def _routed(self) -> list[nn.Module]:
         """The sublayers that route tokens (an MoE): they add auxiliary losses, keep routing statistics and a
-        balancing bias."""
-        return [m for block in self.h for name in block.sublayer_names
-                if hasattr(m := getattr(block, name), "update_bias")]
+        balancing bias. (No walrus in the comprehension: its cell variable is a graph break torch.compile cannot
+        resume from, which cut the compiled training forward short.)"""
+        sublayers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
+        return [m for m in sublayers if hasattr(m, "update_bias")]
 
     def aux_parts(self) -> dict[str, torch.Tensor]:
         """The last training forward's auxiliary losses before their coefficients, summed over the layers (detached):

@@ -173,7 +173,12 @@ class RoPE(Position):
     def _tables(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """(cos, sin, signed sin), each (T, d), for the frequencies of a text of length T; signed sin = cat(−sin,
         sin) over the two halves, for `_rotate`. Static tables are built once for the longest length asked and
-        sliced (the rows don't depend on T); dynamic ones are kept for the last few lengths."""
+        sliced (the rows don't depend on T); dynamic ones are kept for the last few lengths. Under torch.compile they
+        are computed in the graph instead (a few ops on (T, d), fused by the compiler): the cache's key asks
+        torch.is_inference_mode_enabled(), which dynamo cannot trace, so every layer's rotation was a graph break."""
+        if torch.compiler.is_compiling():
+            inv_freq, factor = self.frequencies(T) if self.dynamic else (self.inv_freq, self.attention_factor)
+            return self._build(T, inv_freq, factor, device, dtype)
         mode = (device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
         if self.dynamic:
             key = (T, *mode)
