@@ -24,7 +24,7 @@ SIZES = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2, max_se
 
 def _breaks(**axes) -> tuple[int, int, list[str]]:
     """(graphs, graph breaks, reasons) of dynamo's trace of a training forward with targets."""
-    model = GPT(validate(GPTConfig(**SIZES, **axes))).train()
+    model = GPT(validate(GPTConfig(**{**SIZES, **axes}))).train()
     x = torch.randint(0, 64, (2, 16))
     torch._dynamo.reset()
     ex = torch._dynamo.explain(model)(x, x)
@@ -36,13 +36,16 @@ CASES = ([{"position": {"name": p}} for p in sorted(POSITIONS)]
          + [{"attention": {"name": a}} for a in sorted(ATTENTIONS)]
          + [{"ffn": {"name": f}} for f in sorted(FFNS) if f != "moe"]
          + [{"block": {"name": b}} for b in sorted(BLOCKS)]
-         + [{"attention": {"name": "mha", "window": 4}, "position": {"name": "rope"}}])
+         + [{"attention": {"name": "mha", "window": 4}, "position": {"name": "rope"}}]
+         + [{"head": {"name": "mtp", "depth": 2}, "position": {"name": "rope"}}, {"untie_at_step": 3},
+            {"residual": {"scaled": {"stream": True}, "x0": {}, "unet": {}, "value_embed": {}}, "n_layer": 6}])
 # In the default run: the default model and a llama-like one (RoPE, RMSNorm, SwiGLU); every case (~1-2 s each) is slow.
 FAST = [{}, {"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}}]
 
 
 def _id(axes: dict) -> str:
-    return ",".join(f"{k}={v['name']}" for k, v in axes.items()) or "default"
+    return ",".join(f"{k}={v['name'] if 'name' in v else '+'.join(v)}" if isinstance(v, dict) else f"{k}={v}"
+                    for k, v in axes.items()) or "default"
 
 
 @pytest.mark.parametrize("axes", FAST + [pytest.param(a, marks=pytest.mark.slow) for a in CASES], ids=_id)
