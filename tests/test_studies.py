@@ -89,16 +89,16 @@ def test_speedrun_ladder_orders_the_rows_and_pairs_each_with_the_one_before(tmp_
     are interpolated on each seed's val curve and averaged."""
     _ladder_run(tmp_path, "00_gpt2", 0, [(0, 4.0), (100, 3.0), (200, 2.0)])
     _ladder_run(tmp_path, "00_gpt2", 1, [(0, 4.0), (100, 3.2), (200, 2.2)])
-    _ladder_run(tmp_path, "01_rope", 0, [(0, 4.0), (100, 2.5), (200, 1.5)])  # reaches 2.1 at step 100 + 0.4·100
-    _ladder_run(tmp_path, "01_rope", 1, [(0, 4.0), (100, 2.1), (200, 1.6)])  # at step 100
+    _ladder_run(tmp_path, "01_rope", 0, [(0, 4.0), (100, 2.5), (200, 1.5)])  # reaches 2.2 at step 100 + 0.3·100
+    _ladder_run(tmp_path, "01_rope", 1, [(0, 4.0), (100, 2.1), (200, 1.6)])  # at (4.0 − 2.2) / (4.0 − 2.1)·100
     _ladder_run(tmp_path, "02_muon", 0, [(0, 4.0), (100, 3.9)], status="diverged")
     table = speedrun_ladder(tmp_path).splitlines()
-    assert table[0].startswith("target val loss 2.1 ")
-    # seed 0 reaches 2.1 at 100 + 0.9·100 = 190, seed 1 ends at 2.2: it never does
-    assert table[4] == "| 00_gpt2 | llm.c baseline: 45 min | 2.100 ± 0.141 | — | 190 (1/2 seeds) | completed |"
+    assert table[0] == "target val loss 2.2"  # the first row's highest final: each of its seeds gets there
+    # seed 0 reaches 2.2 at 100 + 0.8·100 = 180, seed 1 at its end, 200
+    assert table[4] == "| 00_gpt2 | llm.c baseline: 45 min | 2.100 ± 0.141 | — | 190 | completed |"
     # Δ: (1.5 − 2.0, 1.6 − 2.2) = (−0.5, −0.6): mean −0.55, sd 0.0707, t = −11, p = 0.058 (1 df)
     assert table[5].startswith("| 01_rope | #2: 45 → 31.4 min")
-    assert "| -0.550 (p=0.058) | 120 | completed |" in table[5]
+    assert "| -0.550 (p=0.058) | 112 | completed |" in table[5]  # (130 + 94.7) / 2
     assert table[6].endswith("| — | — | not reached | diverged |")  # no completed seed: no final, no Δ
     assert (tmp_path / "speedrun_ladder_val_loss.png").stat().st_size > 0
 
