@@ -124,3 +124,65 @@ def test_a_fit_through_few_scattered_points_has_wide_but_finite_numbers() -> Non
     c = [3.5e11, 1.8e12, 5.6e12, 2.9e13]
     fit = fit_power_law(c, [2.69, 2.36, 2.03, 2.05])
     assert math.isfinite(fit.E) and fit.A_ci is not None and fit.A_ci[0] <= fit.A <= fit.A_ci[1]
+
+
+# --- L(N, D) = E + A/N^α + B/D^β (Hoffmann et al., 2022) ---------------------------------------------------------
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}  # their fitted law (their Eq. 10)
+
+
+def _grid(ns=(1e6, 3e6, 1e7, 3e7, 1e8), per_param=(5, 20, 80)):
+    """A ladder that varies both: every size N at several tokens per parameter D/N."""
+    n = np.array([x for x in ns for _ in per_param], dtype=float)
+    d = np.array([x * k for x in ns for k in per_param], dtype=float)
+    return n, d
+
+
+def _chinchilla(n, d, p=CHINCHILLA):
+    return p["E"] + p["A"] * n ** -p["alpha"] + p["B"] * d ** -p["beta"]
+
+
+def test_the_nd_fit_recovers_known_parameters_from_an_exact_surface() -> None:
+    from lmlab.fits import fit_chinchilla
+
+    n, d = _grid()
+    fit = fit_chinchilla(n, d, _chinchilla(n, d))
+    assert fit.n == 15 and fit.rmse < 1e-6
+    for key, true in CHINCHILLA.items():
+        assert getattr(fit, key) == pytest.approx(true, rel=1e-6), key
+    assert fit.loss(5e7, 1e9) == pytest.approx(_chinchilla(5e7, 1e9), rel=1e-6)
+    # the compute-optimal split under C = 6·N·D: N_opt ∝ C^(β/(α+β)), D_opt ∝ C^(α/(α+β))
+    assert fit.n_opt_exponent == pytest.approx(0.28 / 0.62, rel=1e-6)
+
+
+def test_with_noise_the_nd_intervals_hold_the_true_parameters() -> None:
+    from lmlab.fits import fit_chinchilla
+
+    rng = np.random.default_rng(0)
+    n, d = _grid(ns=np.logspace(6, 9, 7), per_param=(2, 8, 32, 128))  # 28 runs over 3 decades of N, 4.5 of D
+    fit = fit_chinchilla(n, d, _chinchilla(n, d) + rng.normal(0, 0.002, n.size))
+    for key, true in CHINCHILLA.items():
+        low, high = getattr(fit, f"{key}_ci")
+        assert low < true < high, (key, true, low, high)
+    assert fit.alpha == pytest.approx(0.34, abs=0.05) and fit.beta == pytest.approx(0.28, abs=0.05)
+    assert fit.E == pytest.approx(1.69, abs=0.1)
+
+
+def test_the_nd_fit_refuses_a_ladder_that_does_not_vary_both() -> None:
+    from lmlab.fits import fit_chinchilla
+
+    n = np.logspace(6, 8, 6)
+    # fixed tokens per parameter (experiment=ladder's budget.tokens_per_param): D ∝ N, to the rounding of a step
+    d = np.floor(10 * n / 1024) * 1024
+    with pytest.raises(ValueError, match=r"varies both N and D.*D ∝ N\^1\.00"):
+        fit_chinchilla(n, d, _chinchilla(n, d))
+    with pytest.raises(ValueError, match="varies both N and D"):  # one size, several token counts: no N to fit α on
+        fit_chinchilla(np.full(6, 1e7), np.logspace(8, 10, 6), _chinchilla(np.full(6, 1e7), np.logspace(8, 10, 6)))
+    with pytest.raises(ValueError, match="5 parameters and needs at least 5 points .*got 4"):
+        n4, d4 = np.array([1e6, 1e6, 1e7, 1e7]), np.array([1e7, 1e8, 1e8, 1e9])
+        fit_chinchilla(n4, d4, _chinchilla(n4, d4))
+    n, d = _grid(ns=(1e6, 1e7), per_param=(5, 20, 80))  # 6 points that vary both: fitted
+    assert fit_chinchilla(n, d, _chinchilla(n, d)).n == 6
+    five_n, five_d = n[:5], d[:5]  # exactly 5: through the points, no interval
+    five = fit_chinchilla(five_n, five_d, _chinchilla(five_n, five_d))
+    assert five.E_ci is None and five.alpha_ci is None
