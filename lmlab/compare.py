@@ -10,7 +10,8 @@ overrides (an architecture) with the lowest objective: best val loss, +inf for a
 Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the highest best val loss of the
 sweep, which every run reached; lmlab.targets) are columns of both tables. With seeds, compare_significance.{md,csv}
 tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
-(lmlab.compare_stats). A ladder (runs that differ by model size) gets its scaling fits (lmlab.ladder).
+(lmlab.compare_stats). A ladder (runs that differ by model size or budget) gets its scaling fits, L(C) and, where it
+varies both N and D, L(N, D) (lmlab.ladder).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from lmlab import names
 from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
-from lmlab.ladder import compute_spent, ladder_section, size_keys
+from lmlab.ladder import compute_spent, ladder_section, matmul_weights, size_keys
 from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
@@ -120,15 +121,17 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     `ffn` shows the variants' match, and its train FLOPs per token (`flops_per_token`: the summary's, else
     lmlab.perf's count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device; None
     when it cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the
-    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's."""
+    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's. `n_matmul`: N of the 6·N
+    count (lmlab.perf.matmul_params), the budget's record or the rebuilt model's: the N of a ladder's L(N, D) fit."""
     import torch
 
     from lmlab.config import GPTConfig
     from lmlab.memory import check_model_fits
     from lmlab.model.gpt import GPT
-    from lmlab.perf import flops_per_token
+    from lmlab.perf import flops_per_token, matmul_params
 
     total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
+    n_matmul = matmul_weights(summary)
     flops = summary.get("flops_per_token")
     if isinstance(summary.get("model"), dict):
         try:
@@ -144,8 +147,9 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
                       for p in m.parameters())
             active = model.num_params(active=True)
             flops = flops or flops_per_token(model, cfg.max_seq_len)["train"]
+            n_matmul = n_matmul or matmul_params(model)
     return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active),
-            "flops_per_token": flops}
+            "flops_per_token": flops, "n_matmul": n_matmul}
 
 
 def _sort_key(value: str) -> tuple:
@@ -273,7 +277,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
     md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
-                         variant_keys, sweep_dir, baseline)
+                         variant_keys, sweep_dir, baseline,
+                         n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in zip(summaries.values(), rows)])
     for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
         md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

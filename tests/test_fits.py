@@ -186,3 +186,56 @@ def test_the_nd_fit_refuses_a_ladder_that_does_not_vary_both() -> None:
     five_n, five_d = n[:5], d[:5]  # exactly 5: through the points, no interval
     five = fit_chinchilla(five_n, five_d, _chinchilla(five_n, five_d))
     assert five.E_ci is None and five.alpha_ci is None
+
+
+def _nd_run(sweep, overrides, n, d, loss):
+    import json
+
+    run = sweep / ",".join(overrides)
+    run.mkdir(parents=True)
+    run.joinpath("summary.json").write_text(json.dumps({
+        "status": "completed", "steps": 10, "tokens": int(d), "overrides": overrides, "final_val_loss": loss,
+        "best_val_loss": loss, "budget": {"kind": "tokens_per_param", "n_matmul": int(n)},
+        "budget_spent": {"flops": 6 * n * d, "tokens": int(d)}}))
+
+
+def test_compare_fits_l_of_n_and_d_where_the_ladder_varies_both(tmp_path) -> None:
+    import csv
+
+    from lmlab.compare import compare
+
+    sweep = tmp_path / "nd"
+    widths = {"32": 3e4, "64": 1e5, "96": 2.5e5, "128": 4e5, "192": 1e6}  # N: matmul weights of each rung
+    swiglu = {**CHINCHILLA, "B": 300.0, "beta": 0.3}
+    for ffn, law in (("mlp", CHINCHILLA), ("swiglu", swiglu)):
+        for width, n in widths.items():
+            for k in (5, 20, 80):  # budget.tokens_per_param: D = k·N
+                _nd_run(sweep, [f"budget.tokens_per_param={k}", f"ffn={ffn}", f"model.d_model={width}"], n, k * n,
+                        float(_chinchilla(n, k * n, law)))
+    _, md = compare(sweep, baseline="ffn=mlp")
+    with open(sweep / "compare_ladder_nd.csv") as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"ffn=mlp", "ffn=swiglu"}  # tokens per parameter is the ladder's, not a variant
+    for name, law in (("ffn=mlp", CHINCHILLA), ("ffn=swiglu", swiglu)):
+        assert int(rows[name]["points"]) == 15
+        for key, true in law.items():
+            assert float(rows[name][key]) == pytest.approx(true, rel=1e-3), (name, key)
+        assert float(rows[name]["n_opt_exponent"]) == pytest.approx(law["beta"] / (law["alpha"] + law["beta"]),
+                                                                    rel=1e-3)
+        low, high = (float(v) for v in rows[name]["alpha_ci95"].strip("[]").split(","))
+        assert low <= law["alpha"] <= high
+    assert "L(N, D) = E + A/N^α + B/D^β" in md
+    with open(sweep / "compare_ladder.csv") as f:  # L(C) over the same runs: one fit per variant, every point
+        assert {r["variant"]: int(r["points"]) for r in csv.DictReader(f)} == {"ffn=mlp": 15, "ffn=swiglu": 15}
+
+
+def test_compare_says_why_a_fixed_tokens_per_parameter_ladder_has_no_nd_fit(tmp_path) -> None:
+    from lmlab.compare import compare
+
+    sweep = tmp_path / "ladder"
+    for width, n in {"32": 3e4, "64": 1e5, "96": 2.5e5, "128": 4e5, "192": 1e6}.items():
+        _nd_run(sweep, ["ffn=mlp", f"model.d_model={width}"], n, 10 * n, float(_chinchilla(n, 10 * n)))
+    _, md = compare(sweep)
+    assert "Scaling fits L(C)" in md
+    assert "L(N, D) not fitted: an L(N, D) fit needs a ladder that varies both N and D" in md
+    assert "D ∝ N^1.00" in md and not (sweep / "compare_ladder_nd.csv").exists()
