@@ -7,8 +7,9 @@ with a ± sd band. When `optim.lr` varies, `best_lr` marks with * the row of eac
 overrides (an architecture) with the lowest objective: best val loss, +inf for a diverged, collapsed or unfinished run
 (lmlab.summary.objective), over the mean of the seeds in the variants table.
 
-Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the highest best val loss of the
-sweep, which every run reached; lmlab.targets) are columns of both tables. With seeds, compare_significance.{md,csv}
+Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the first of the runs' own
+`targets` when they share them, else the highest best val loss of the sweep, which every run reached; lmlab.targets)
+are columns of both tables. With seeds, compare_significance.{md,csv}
 tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
 (lmlab.compare_stats). A ladder (runs that differ by model size or budget) gets its scaling fits, L(C) and, where it
 varies both N and D, L(N, D) (lmlab.ladder).
@@ -196,8 +197,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             ) -> tuple[list[dict[str, Any]], str]:
     """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
     seed varies, compare_variants.{md,csv} and compare_significance.{md,csv} (against `baseline`, a `key=value[,...]`
-    naming one variant). `target`: the val loss the *_to_target columns count to (None: the sweep's highest best val
-    loss). Returns the rows and the markdown of the tables."""
+    naming one variant). `target`: the val loss the *_to_target columns count to (None: the runs' first configured
+    target, else the sweep's highest best val loss). Returns the rows and the markdown of the tables."""
     sweep_dir = Path(sweep_dir)
     runs = find_runs(sweep_dir)
     if not runs:
@@ -225,11 +226,13 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
             "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
         })
-    target = default_target([row["best_val_loss"] for row in rows]) if target is None else float(target)
-    for r, row in zip(runs, rows):
-        series = read_metrics(r / METRICS) if (r / METRICS).exists() and target is not None else {}
-        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if series
-                   else dict.fromkeys(TARGET_FIGURES))
+    configured = [(s.get("config") or {}).get("targets") or [] for s in summaries.values()]
+    target = default_target([row["best_val_loss"] for row in rows], configured) if target is None else float(target)
+    for r, row in zip(runs, rows):  # the run's val_curve, else (an older run) its metrics.csv
+        curve = isinstance(summaries[r].get("val_curve"), list)
+        series = read_metrics(r / METRICS) if not curve and (r / METRICS).exists() and target is not None else {}
+        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if target is not None and (
+            curve or series) else dict.fromkeys(TARGET_FIGURES))
     values = [objective(s) for s in summaries.values()]
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
