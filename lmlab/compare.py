@@ -27,7 +27,7 @@ from lmlab import names
 from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
 from lmlab.ladder import compute_spent, ladder_section, matmul_weights, size_keys
-from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
+from lmlab.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
@@ -263,10 +263,10 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
                                   baseline, within=sizes)
             md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
+    logged = {r: read_metrics(r / METRICS) for r in runs if (r / METRICS).exists()}
     series: dict[str, list] = {}
-    for r in runs:  # the seeds of a variant share its name: plotted as their mean with a ± sd band
-        if (r / METRICS).exists():
-            series.setdefault(name(r, variant_keys), []).append(read_metrics(r / METRICS))
+    for r, metrics in logged.items():  # the seeds of a variant share its name: plotted as their mean with a ± sd band
+        series.setdefault(name(r, variant_keys), []).append(metrics)
     plots = sweep_dir / "plots"
     plot_curves(series, names.TRAIN_LOSS, plots / "train_loss.png", title="training loss")
     plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
@@ -274,11 +274,16 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
                 title="global gradient norm (before clipping)")
     routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
     if routed:  # an MoE's expert load by layer and step, one panel per run
-        plot_expert_load({name(r, varying): read_metrics(r / METRICS) for r in routed if (r / METRICS).exists()},
-                         plots / "expert_load.png")
+        plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    for at, stem, when in (("first", "jacobian_norms", "at its first measurement (step 0: init)"),
+                           ("last", "jacobian_norms_end", "at its last measurement")):  # jacobian.every_n_steps
+        jac = {name(r, varying): p for r, m in logged.items() if (p := layer_profile(m, names.JAC_NORM, at))}
+        if jac:
+            plot_init_profile(jac, plots / f"{stem}.png", ylabel="‖∂x_l+1/∂x_l‖ / √n (RMS gain)",
+                              title=f"Block Jacobian per layer, {when}")
     md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
                          variant_keys, sweep_dir, baseline,
                          n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in zip(summaries.values(), rows)])
