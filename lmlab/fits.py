@@ -9,7 +9,8 @@ solved exactly), then E, A and α are refined together by scipy.optimize.curve_f
 rescaled by its geometric mean so the three parameters are of order one. The intervals are the 95% t intervals from
 curve_fit's covariance (n − 3 degrees of freedom; A's by the delta method on log A, which α moves): with 4
 points that is one degree of freedom, and the intervals say how little four points pin down. Fewer points than
-parameters are refused; with exactly 3 the curve passes through them and has no interval.
+parameters are refused, and so are points within a factor MIN_SPAN = 2 of compute (runs at one budget, such as
+experiment=depth_width's); with exactly 3 the curve passes through them and has no interval.
 
 Compute-equivalent multiplier at compute C: the baseline reaches L_b(C) there; the variant reaches that loss with
 C_v = (A_v / (L_b(C) − E_v))^(1/α_v), and the multiplier is C_v / C (0.8: the variant needs 0.8× the compute; inf:
@@ -38,6 +39,7 @@ from scipy import optimize, stats
 
 N_PARAMS = 3
 ALPHAS = np.linspace(0.01, 2.0, 400)
+MIN_SPAN = 2.0  # the least max(C)/min(C) an L(C) fit is run on: closer computes leave α to the noise
 ND_PARAMS = 5
 ND_EXPONENTS = np.linspace(0.02, 1.5, 38)  # the (α, β) grid of the L(N, D) fit's start
 COLLINEAR = 0.05  # rms distance (in log units) of the points from a line in log N–log D below which D ∝ N^b
@@ -98,6 +100,10 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLaw:
         raise ValueError(f"a fit of L(C) = E + A·C^(−α) has {N_PARAMS} parameters and needs at least {N_PARAMS} points "
                          f"(sizes that finished with a val loss); got {len(pts)}")
     c, y = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    if c.max() < MIN_SPAN * c.min():
+        raise ValueError(f"the points span {c.max() / c.min():.2f}× of compute ({c.min():.4g} to {c.max():.4g} FLOPs): "
+                         f"an L(C) fit needs runs over at least {MIN_SPAN:g}× (a ladder of sizes or budgets; runs at "
+                         f"one budget.flops compare at equal compute, in compare's table)")
     scale = float(np.exp(np.mean(np.log(c))))
     x = c / scale
     best = min(((*_linear(x ** -a, y), a) for a in ALPHAS), key=lambda t: t[2])

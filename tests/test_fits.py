@@ -41,6 +41,14 @@ def test_too_few_points_are_refused_and_three_have_no_interval() -> None:
     assert three.E_ci is None and three.alpha == pytest.approx(0.3, rel=1e-3)
 
 
+def test_runs_at_one_compute_are_not_a_ladder_over_compute() -> None:
+    """experiment=depth_width: five shapes at one budget.flops, spent to within a step's rounding: no L(C)."""
+    spent = [4.996e12, 4.998e12, 4.999e12, 4.998e12, 4.996e12]
+    with pytest.raises(ValueError, match=r"span 1\.00× of compute.*at least 2×"):
+        fit_power_law(spent, [1.736, 1.774, 1.827, 1.975, 2.086])
+    assert fit_power_law([1e12, 1.5e12, 2e12], [3.0, 2.9, 2.85]).n == 3  # 2× is enough to be fitted
+
+
 def test_compute_multiplier_on_synthetic_fits() -> None:
     base = PowerLaw(E=2.0, A=50.0, alpha=0.3, n=5, rmse=0.0)
     # A_v = A_b·k^α: the variant at C equals the baseline at C/k, so it needs k× the compute for any loss
