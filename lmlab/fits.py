@@ -198,9 +198,10 @@ def varies_both(n: np.ndarray, d: np.ndarray) -> str | None:
     off_line = np.linalg.svd(centred, compute_uv=False)[-1] / math.sqrt(len(n))  # rms distance from the best line
     if off_line < COLLINEAR:
         slope = float(np.polyfit(ln, ld, 1)[0])
-        return (f"its points lie along D ∝ N^{slope:.2f} (within {off_line:.2g} of a line in log N–log D: the tokens "
-                f"per parameter were fixed, e.g. budget.tokens_per_param); train some sizes at several token counts "
-                f"(-m budget.tokens_per_param=5,10,20) or read the L(C) fit")
+        why = ("the tokens per parameter were fixed, e.g. budget.tokens_per_param" if slope > 0.5 else
+               "one compute budget, e.g. budget.flops" if slope < -0.5 else "N and D moved together")
+        return (f"its points lie along D ∝ N^{slope:.2f} (within {off_line:.2g} of a line in log N–log D: {why}); "
+                f"train some sizes at several token counts (-m budget.tokens_per_param=5,10,20)")
     return None
 
 

@@ -184,6 +184,8 @@ def test_the_nd_fit_refuses_a_ladder_that_does_not_vary_both() -> None:
     d = np.floor(10 * n / 1024) * 1024
     with pytest.raises(ValueError, match=r"varies both N and D.*D ∝ N\^1\.00"):
         fit_chinchilla(n, d, _chinchilla(n, d))
+    with pytest.raises(ValueError, match=r"D ∝ N\^-1\.00 .*one compute budget"):  # depth_width: one budget.flops
+        fit_chinchilla(n, 5e12 / (6 * n), _chinchilla(n, 5e12 / (6 * n)))
     with pytest.raises(ValueError, match="varies both N and D"):  # one size, several token counts: no N to fit α on
         fit_chinchilla(np.full(6, 1e7), np.logspace(8, 10, 6), _chinchilla(np.full(6, 1e7), np.logspace(8, 10, 6)))
     with pytest.raises(ValueError, match="5 parameters and needs at least 5 points .*got 4"):
