@@ -75,7 +75,7 @@ def nd_section(rows: Sequence[dict[str, Any]], n_and_d: Sequence[tuple[float | N
     for name, pts in points.items():
         row: dict[str, Any] = {"variant": name, "points": len(pts)}
         try:
-            fit = fit_chinchilla(*zip(*pts)) if pts else fit_chinchilla([], [], [])
+            fit = fit_chinchilla([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
         except ValueError as err:
             problems[name] = row["problem"] = str(err)
         else:
