@@ -16,6 +16,7 @@ from lmlab.cli import override_key
 from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
 from lmlab.model.gpt import validate
+from lmlab.targets import check_targets
 
 
 def _slurm_launched() -> bool:
@@ -52,6 +53,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
     budget.chosen(cfg)  # budget.*: one at most, > 0
+    check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():

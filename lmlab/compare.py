@@ -7,10 +7,12 @@ with a ± sd band. When `optim.lr` varies, `best_lr` marks with * the row of eac
 overrides (an architecture) with the lowest objective: best val loss, +inf for a diverged, collapsed or unfinished run
 (lmlab.summary.objective), over the mean of the seeds in the variants table.
 
-Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the highest best val loss of the
-sweep, which every run reached; lmlab.targets) are columns of both tables. With seeds, compare_significance.{md,csv}
+Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the first of the runs' own
+`targets` when they share them, else the highest best val loss of the sweep, which every run reached; lmlab.targets)
+are columns of both tables. With seeds, compare_significance.{md,csv}
 tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
-(lmlab.compare_stats). A ladder (runs that differ by model size) gets its scaling fits (lmlab.ladder).
+(lmlab.compare_stats). A ladder (runs that differ by model size or budget) gets its scaling fits, L(C) and, where it
+varies both N and D, L(N, D) (lmlab.ladder).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 from lmlab import names
 from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
-from lmlab.ladder import compute_spent, ladder_section, size_keys
-from lmlab.plots import plot_curves, plot_expert_load, plot_init_profile, read_metrics
+from lmlab.ladder import compute_spent, ladder_section, matmul_weights, size_keys
+from lmlab.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
@@ -120,15 +122,17 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     `ffn` shows the variants' match, and its train FLOPs per token (`flops_per_token`: the summary's, else
     lmlab.perf's count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device; None
     when it cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the
-    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's."""
+    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's. `n_matmul`: N of the 6·N
+    count (lmlab.perf.matmul_params), the budget's record or the rebuilt model's: the N of a ladder's L(N, D) fit."""
     import torch
 
     from lmlab.config import GPTConfig
     from lmlab.memory import check_model_fits
     from lmlab.model.gpt import GPT
-    from lmlab.perf import flops_per_token
+    from lmlab.perf import flops_per_token, matmul_params
 
     total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
+    n_matmul = matmul_weights(summary)
     flops = summary.get("flops_per_token")
     if isinstance(summary.get("model"), dict):
         try:
@@ -144,8 +148,9 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
                       for p in m.parameters())
             active = model.num_params(active=True)
             flops = flops or flops_per_token(model, cfg.max_seq_len)["train"]
+            n_matmul = n_matmul or matmul_params(model)
     return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active),
-            "flops_per_token": flops}
+            "flops_per_token": flops, "n_matmul": n_matmul}
 
 
 def _sort_key(value: str) -> tuple:
@@ -192,8 +197,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             ) -> tuple[list[dict[str, Any]], str]:
     """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
     seed varies, compare_variants.{md,csv} and compare_significance.{md,csv} (against `baseline`, a `key=value[,...]`
-    naming one variant). `target`: the val loss the *_to_target columns count to (None: the sweep's highest best val
-    loss). Returns the rows and the markdown of the tables."""
+    naming one variant). `target`: the val loss the *_to_target columns count to (None: the runs' first configured
+    target, else the sweep's highest best val loss). Returns the rows and the markdown of the tables."""
     sweep_dir = Path(sweep_dir)
     runs = find_runs(sweep_dir)
     if not runs:
@@ -221,11 +226,13 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
             "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
         })
-    target = default_target([row["best_val_loss"] for row in rows]) if target is None else float(target)
-    for r, row in zip(runs, rows):
-        series = read_metrics(r / METRICS) if (r / METRICS).exists() and target is not None else {}
-        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if series
-                   else dict.fromkeys(TARGET_FIGURES))
+    configured = [(s.get("config") or {}).get("targets") or [] for s in summaries.values()]
+    target = default_target([row["best_val_loss"] for row in rows], configured) if target is None else float(target)
+    for r, row in zip(runs, rows):  # the run's val_curve, else (an older run) its metrics.csv
+        curve = isinstance(summaries[r].get("val_curve"), list)
+        series = read_metrics(r / METRICS) if not curve and (r / METRICS).exists() and target is not None else {}
+        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if target is not None and (
+            curve or series) else dict.fromkeys(TARGET_FIGURES))
     values = [objective(s) for s in summaries.values()]
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
@@ -256,10 +263,10 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
                                   baseline, within=sizes)
             md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
+    logged = {r: read_metrics(r / METRICS) for r in runs if (r / METRICS).exists()}
     series: dict[str, list] = {}
-    for r in runs:  # the seeds of a variant share its name: plotted as their mean with a ± sd band
-        if (r / METRICS).exists():
-            series.setdefault(name(r, variant_keys), []).append(read_metrics(r / METRICS))
+    for r, metrics in logged.items():  # the seeds of a variant share its name: plotted as their mean with a ± sd band
+        series.setdefault(name(r, variant_keys), []).append(metrics)
     plots = sweep_dir / "plots"
     plot_curves(series, names.TRAIN_LOSS, plots / "train_loss.png", title="training loss")
     plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
@@ -267,13 +274,19 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
                 title="global gradient norm (before clipping)")
     routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
     if routed:  # an MoE's expert load by layer and step, one panel per run
-        plot_expert_load({name(r, varying): read_metrics(r / METRICS) for r in routed if (r / METRICS).exists()},
-                         plots / "expert_load.png")
+        plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    for at, stem, when in (("first", "jacobian_norms", "at its first measurement (step 0: init)"),
+                           ("last", "jacobian_norms_end", "at its last measurement")):  # jacobian.every_n_steps
+        jac = {name(r, varying): p for r, m in logged.items() if (p := layer_profile(m, names.JAC_NORM, at))}
+        if jac:
+            plot_init_profile(jac, plots / f"{stem}.png", ylabel="‖∂x_l+1/∂x_l‖ / √n (RMS gain)",
+                              title=f"Block Jacobian per layer, {when}")
     md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
-                         variant_keys, sweep_dir, baseline)
+                         variant_keys, sweep_dir, baseline,
+                         n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in zip(summaries.values(), rows)])
     for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
         md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
     return rows, md

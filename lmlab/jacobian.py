@@ -24,7 +24,7 @@ from torch import nn
 from lmlab import names
 from lmlab.tracking import log_at
 
-JAC_NORM = "jac/norm"
+JAC_NORM = names.JAC_NORM
 
 
 def block_inputs(model: nn.Module, idx: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:

@@ -35,16 +35,30 @@ def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "") -> Path:
-    """Gradient norm per part at initialisation (embed, layer_00 .. layer_NN, head), one line per run."""
+def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "",
+                      ylabel: str = "gradient norm at init") -> Path:
+    """A figure per layer (layer_00 .. layer_NN; other keys such as embed and head are left out), one line per run:
+    by default the gradient norm at initialisation."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, profile in profiles.items():
         layers = [k for k in profile if k.startswith("layer_")]
         ax.plot(range(len(layers)), [profile[k] for k in layers], marker="o", label=name)
     ax.set_yscale("log")
-    return _finish(fig, ax, path, "layer", "gradient norm at init",
+    return _finish(fig, ax, path, "layer", ylabel,
                    title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
+
+
+def layer_profile(series: Mapping[str, Sequence[tuple[int, float]]], prefix: str, at: str = "first"
+                  ) -> dict[str, float]:
+    """{layer_XX: value} of the per-layer figure `prefix`/layer_XX (e.g. jac/norm) at its first or last measured
+    step (`at`); {} when the run did not measure it."""
+    cols = sorted(k for k in series if k.startswith(f"{prefix}/layer_") and k.count("/") == prefix.count("/") + 1)
+    steps = sorted({s for k in cols for s, _ in series[k]})
+    if not steps:
+        return {}
+    step = steps[0] if at == "first" else steps[-1]
+    return {k.rsplit("/", 1)[1]: v for k in cols for s, v in series[k] if s == step}
 
 
 def plot_probe(results: Mapping[str, Mapping[str, list[float]]], path: str | Path, title: str = "") -> Path:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
 from lmlab.rundir import RunDir
+from lmlab.targets import ToTarget, run_targets
 
 STATUSES = ("completed", "diverged", "collapsed", "interrupted", "failed")
 FINISHED = ("completed", "diverged", "collapsed")  # results: a resume leaves them as they are, the job exits 0
@@ -35,6 +36,8 @@ class RunSummary(TypedDict, total=False):
     final_val_ppl: float | None
     best_val_loss: float | None
     best_val_ppl: float | None
+    val_curve: list[tuple[int, float | None]]  # (optimizer steps done, val loss) at every validation, resumes included
+    to_target: list[ToTarget]  # per `targets:` val loss, the steps, tokens, FLOPs and seconds to it (lmlab.targets)
     unigram_val_loss: float | None  # entropy of the val split's unigram distribution: the best unigram model's loss
     val_loss_vs_unigram: float | None
     diverged_at_step: int | None
@@ -77,6 +80,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "final_val_ppl": _ppl(final),
         "best_val_loss": min(vals) if vals else None,
         "best_val_ppl": _ppl(min(vals)) if vals else None,
+        "val_curve": [(int(step), loss) for step, loss in lit.val_history],
         "unigram_val_loss": unigram,  # entropy of the val split's unigram distribution: the best unigram model
         "val_loss_vs_unigram": (final / unigram) if final is not None and unigram else None,
         "diverged_at_step": lit.divergence.step,
@@ -97,10 +101,11 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
 
 
 def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: float,
-           previous: dict[str, Any] | None) -> RunSummary:
+           previous: dict[str, Any] | None, targets: Sequence[float] = ()) -> RunSummary:
     """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides), the
     earlier ones kept from the previous summary, so a failed resume says what failed and when without losing what
-    the run had reached."""
+    the run had reached; and what the run took to reach each of `targets` (its `to_target`, timed over every
+    attempt)."""
     attempts = list((previous or {}).get("attempts") or [])
     if previous and not attempts:  # a summary from before attempts were recorded
         attempts = [{"status": previous.get("status"), "from_step": 0, "to_step": previous.get("steps"),
@@ -110,6 +115,7 @@ def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: f
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
                      "wall_time_s": summary["wall_time_s"]})
     summary = RunSummary({**summary, "attempts": attempts})
+    summary["to_target"] = run_targets(summary, targets)
     run.write_summary(summary)
     return summary
 

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from lmlab.env import is_rank_zero
 from lmlab.rundir import LOGGER_DIRS, RunDir, strict_json
+from lmlab.targets import wandb_keys
 
 _DATE, _TIME = re.compile(r"\d{4}-\d{2}-\d{2}"), re.compile(r"\d{2}-\d{2}-\d{2}")
 # Keys of the W&B logger's config that are wandb.init's, not Lightning's (the rest go to Lightning's WandbLogger).
@@ -219,8 +220,7 @@ class Tracking:
 
         status, run, self.run = summary["status"], self.run, None
         try:
-            run.summary.update(strict_json({k: v for k, v in summary.items()
-                                            if v is None or isinstance(v, (str, int, float, bool))}))
+            run.summary.update(strict_json(_figures(summary)))
             run.tags = (*(t for t in run.tags if t not in STATUSES), status)
             if status in FINISHED:
                 code = 0
@@ -241,13 +241,20 @@ class Tracking:
 
         from lmlab.summary import STATUSES
 
-        figures = {f"summary/{k}": float(v) for k, v in summary.items()
+        figures = {f"summary/{k}": float(v) for k, v in _figures(summary).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
         figures.update({f"summary/status_{s}": float(summary.get("status") == s) for s in STATUSES})
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger) and logger.experiment is not None:
                 logger.log_metrics(figures, step=int(summary.get("steps") or 0))
                 logger.finalize("success")
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's scalars, and its `to_target` under one name per figure and target (lmlab.targets.wandb_keys):
+    what a run's W&B summary (and TensorBoard's summary/ scalars) show."""
+    return {**{k: v for k, v in summary.items() if v is None or isinstance(v, (str, int, float, bool))},
+            **wandb_keys(summary.get("to_target"))}
 
 
 # --- eval -------------------------------------------------------------------------------------------------------

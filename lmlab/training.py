@@ -32,6 +32,7 @@ from lmlab.plan import (  # noqa: F401  (check_same_arch, prepare_init_from, ...
     resume_mode,
 )
 from lmlab.rundir import RunDir, RunLock
+from lmlab.targets import check_targets
 
 
 def setup_env(cfg: DictConfig) -> None:
@@ -167,7 +168,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary["signal"] = stop.signum or None
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
         if trainer.is_global_zero:
-            summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous)
+            summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
+                             targets=check_targets(cfg.get("targets")))
         tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum

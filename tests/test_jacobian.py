@@ -55,3 +55,36 @@ def test_a_run_logs_the_jacobian_norms(corpus, tmp_path) -> None:
     for layer in ("layer_00", "layer_01"):  # tiny(): 2 layers
         logged = metric(run, f"jac/norm/{layer}")
         assert sorted(logged) == [0, 3] and all(0.1 < v < 10 for v in logged.values())
+
+
+def test_compare_draws_each_runs_jacobian_profile_at_init_and_at_the_end(tmp_path) -> None:
+    import json
+
+    from lmlab import names
+    from lmlab.compare import compare
+    from lmlab.plots import layer_profile, read_metrics
+
+    sweep = tmp_path / "sweep"
+    gains = {"pre": ([1.2, 1.1, 1.05], [1.5, 1.3, 1.2]), "post": ([0.6, 0.5, 0.45], [0.9, 0.8, 0.7])}
+    for placement, (init, end) in gains.items():
+        run = sweep / f"placement={placement}"
+        run.mkdir(parents=True)
+        run.joinpath("summary.json").write_text(json.dumps({
+            "status": "completed", "steps": 20, "overrides": [f"placement={placement}"], "final_val_loss": 2.0}))
+        cols = [f"{names.JAC_NORM}/{names.layer(i)}" for i in range(3)]
+        rows = [f"{step},{','.join(map(str, values))},{loss}" for step, values, loss in
+                ((0, init, 3.0), (5, [9.0] * 3, 2.5), (10, end, 2.0))]
+        run.joinpath("metrics.csv").write_text(",".join(["step", *cols, names.TRAIN_LOSS]) + "\n" + "\n".join(rows))
+        series = read_metrics(run / "metrics.csv")
+        assert layer_profile(series, names.JAC_NORM, "first") == dict(zip(("layer_00", "layer_01", "layer_02"), init))
+        assert layer_profile(series, names.JAC_NORM, "last") == dict(zip(("layer_00", "layer_01", "layer_02"), end))
+        assert layer_profile(series, names.PARAM_NORM, "last") == {}  # not measured: no profile
+    compare(sweep)
+    for png in ("jacobian_norms.png", "jacobian_norms_end.png"):
+        assert (sweep / "plots" / png).stat().st_size > 5000
+    plain = tmp_path / "plain"  # runs that measured no Jacobian: no such figure
+    (plain / "run").mkdir(parents=True)
+    (plain / "run" / "summary.json").write_text(json.dumps({"status": "completed", "steps": 2, "overrides": []}))
+    (plain / "run" / "metrics.csv").write_text(f"step,{names.TRAIN_LOSS}\n0,3.0\n1,2.9\n")
+    compare(plain)
+    assert not (plain / "plots" / "jacobian_norms.png").exists()
