@@ -111,11 +111,18 @@ def optim_table(sweep: str | Path, target: float | None = None, out: Path | None
         for i, (_, series) in enumerate(runs):
             xs, ys = zip(*series.get(names.VAL_LOSS, [(0, math.nan)]))
             ax.plot(xs, ys, color=f"C{order.index(name)}", label=name if i == 0 else None, alpha=0.8)
-    ax.axhline(target, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="step", ylabel="val loss", title="optim_compare (each seed a line)")
-    ax.legend(fontsize=8)
-    _save(fig, (out or Path(sweep)) / "optim_compare_val_loss.png")
+    _finish_curves(fig, ax, target, "val loss", "optim_compare (each seed a line)",
+                   (out or Path(sweep)) / "optim_compare_val_loss.png")
     return "\n".join(lines)
+
+
+def _finish_curves(fig, ax, target: float | None, ylabel: str, title: str, path: Path) -> None:
+    """A study's val-curve picture: the target as a dashed line, labels, legend, saved to `path`."""
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    _save(fig, path)
 
 
 def lr_transfer(sweep: str | Path, out: Path | None = None) -> str:
@@ -196,7 +203,8 @@ SPEEDRUN_RECORDS = {
 def speedrun_ladder(sweep: str | Path, target: float | None = None, out: Path | None = None) -> str:
     """One row per ladder step (its `speedrun_step`), in order: final val loss over seeds, its change from the row
     before (paired over seeds: mean and p), the steps to `target` (default: the first row's highest final loss over
-    its seeds, which each of them reaches at its end and the later rows sooner or not), the record's own gain; the picture: each row's mean val curve."""
+    its seeds, which each of them reaches at its end and the later rows sooner or not), the record's own gain; the
+    picture: each row's mean val curve."""
     by: dict[str, dict[str, tuple[dict, list]]] = defaultdict(dict)
     for summary, series in _runs(sweep):
         by[_override(summary, "speedrun_step", "?")][_override(summary, "seed", "0")] = (
@@ -205,7 +213,7 @@ def speedrun_ladder(sweep: str | Path, target: float | None = None, out: Path | 
     finals = {r: {seed: s["final_val_loss"] for seed, (s, _) in by[r].items()
                   if s.get("status") == "completed" and s.get("final_val_loss") is not None} for r in rows}
     if target is None and rows and finals[rows[0]]:
-        target = round(max(finals[rows[0]].values()), 3)  # every seed of the first row reaches it, at its end
+        target = math.ceil(max(finals[rows[0]].values()) * 1000) / 1000  # each seed of the first row reaches it
     lines = [f"target val loss {target}", "",
              "| row | speedrun record | final val loss | Δ vs row before (p) | steps to target | status |",
              "|---|---|---|---|---|---|"]
@@ -230,11 +238,8 @@ def speedrun_ladder(sweep: str | Path, target: float | None = None, out: Path | 
         if steps_logged:
             ax.plot(steps_logged, [statistics.mean(c[s] for c in curves) for s in steps_logged], label=row,
                     color=plt.cm.viridis(i / max(1, len(rows) - 1)))
-    if target is not None:
-        ax.axhline(target, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="step", ylabel="val loss (mean over seeds)", title="speedrun_ladder")
-    ax.legend(fontsize=7)
-    _save(fig, (out or Path(sweep)) / "speedrun_ladder_val_loss.png")
+    _finish_curves(fig, ax, target, "val loss (mean over seeds)", "speedrun_ladder",
+                   (out or Path(sweep)) / "speedrun_ladder_val_loss.png")
     return "\n".join(lines)
 
 

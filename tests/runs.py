@@ -55,6 +55,23 @@ class CtrlC(Callback):
             raise KeyboardInterrupt
 
 
+def straight_and_resumed(corpus: Path, tmp_path: Path, *extra: str, at: int = 17) -> tuple[Path, Path]:
+    """The tiny run with `extra` overrides trained straight through, and again with Ctrl-C before step `at` and a
+    resume=true: the two run directories (the pair a resume must make equal)."""
+    import pytest
+
+    from lmlab import compose
+    from lmlab.training import train
+
+    cache = tmp_path / "cache"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(compose(tiny(corpus, cache, *extra)), straight)
+    with pytest.raises(SystemExit):
+        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[CtrlC(at=at)])
+    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed)
+    return straight, resumed
+
+
 def lmlab_checkpoint() -> dict:
     """The shape of an lmlab checkpoint: weights, one optimizer, the model config."""
     import torch

@@ -180,16 +180,9 @@ def test_a_run_unties_at_its_step_and_resumes_across_it(corpus, tmp_path) -> Non
     reproduce the uninterrupted metrics; MTP's losses are logged apart from train/loss and val/loss."""
     import csv
 
-    from lmlab.training import train
-    from tests.runs import CtrlC, tiny
+    from tests.runs import straight_and_resumed
 
-    extra = ["model.untie_at_step=8", "head=mtp", "head.depth=2"]
-    cache = tmp_path / "cache"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(compose(tiny(corpus, cache, *extra)), straight)
-    with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[CtrlC(at=17)])
-    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed)
+    straight, resumed = straight_and_resumed(corpus, tmp_path, "model.untie_at_step=8", "head=mtp", "head.depth=2")
     rows = []
     for run in (straight, resumed):
         with open(run / "metrics.csv") as f:

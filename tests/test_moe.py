@@ -277,15 +277,9 @@ def _rows(run) -> dict[int, dict[str, str]]:
 def test_a_resumed_run_with_bias_balancing_reproduces_the_uninterrupted_metrics(corpus, tmp_path) -> None:
     """Ctrl-C at step 17, resume: every figure of metrics.csv (losses, gradients, routing figures) is the
     uninterrupted run's; the bias in the last checkpoint is the one the uninterrupted run ends with."""
-    from lmlab.training import train
-    from tests.runs import CtrlC, tiny
+    from tests.runs import straight_and_resumed
 
-    cache = tmp_path / "cache"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(compose(tiny(corpus, cache, *MOE)), straight)
-    with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache, *MOE)), resumed, callbacks=[CtrlC(at=17)])
-    train(compose(tiny(corpus, cache, *MOE, "resume=true")), resumed)
+    straight, resumed = straight_and_resumed(corpus, tmp_path, *MOE)
     a, b = _rows(straight), _rows(resumed)
     assert sorted(a) == sorted(b) == list(range(30))
     columns = [c for c in a[0] if not c.startswith("perf/")]
