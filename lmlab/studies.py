@@ -245,7 +245,7 @@ def speedrun_ladder(sweep: str | Path, target: float | None = None, out: Path | 
 
 def residual_placement(sweep: str | Path, out: Path | None = None) -> str:
     """A grid of residual option (rows; `scaled` with branch_init=0 is ReZero) × placement (columns): each cell the
-    run's final val loss, or how it ended (collapsed at step s, diverged); refused pairs are absent from the sweep."""
+    run's final val loss, or how it ended (collapsed at step s, diverged); a pair refused by key has no run: —."""
     cells: dict[tuple[str, str], list[str]] = defaultdict(list)
     for summary, _ in _runs(sweep):
         residual = "+".join(summary["config"]["residual"])
@@ -257,9 +257,10 @@ def residual_placement(sweep: str | Path, out: Path | None = None) -> str:
     placements = [p for p in ("pre", "post", "deepnorm") if any(k[1] == p for k in cells)]
     lines = ["| residual | " + " | ".join(placements) + " |", "|---|" + "---|" * len(placements)]
     for residual in sorted({k[0] for k in cells}, key=lambda r: (r != "standard", r)):
-        lines.append(f"| {residual} | " + " | ".join(", ".join(cells.get((residual, p), ["refused"]))
+        lines.append(f"| {residual} | " + " | ".join(", ".join(cells.get((residual, p), ["—"]))
                                                  for p in placements) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "—: no run in the sweep (experiment=residual_placement leaves out the pairs refused "
+                                   "by key: parallel and hyper under post and deepnorm, which normalise the sum)"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

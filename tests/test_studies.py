@@ -113,5 +113,5 @@ def test_residual_placement_grid_says_how_each_run_ended(tmp_path: Path) -> None
     table = residual_placement(tmp_path).splitlines()
     assert table[0] == "| residual | pre | post |"
     assert table[2] == "| standard | 2.500 | collapsed (step 150) |"
-    assert "| scaled (ReZero: branch_init=0) | refused | 2.000 |" in table  # absent from the sweep: refused by key
-    assert "| unet | refused | 2.600 |" in table
+    assert "| scaled (ReZero: branch_init=0) | — | 2.000 |" in table  # no run of that pair in the sweep
+    assert "| unet | — | 2.600 |" in table
