@@ -41,10 +41,24 @@ class RunPlan:
     budget: dict[str, Any] | None = None  # budget.*: what it is and the steps it gave (lmlab.budget; None: max_steps)
 
 
+def check_buildable(cfg: DictConfig) -> None:
+    """Every `_target_` of the trainer and the loggers one lmlab builds (lmlab.trusted), before any is imported."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import Logger
+
+    from lmlab.trusted import check_targets
+
+    check_targets(cfg.trainer, "trainer", Trainer)
+    for name, spec in (cfg.get("logger") or {}).items():
+        if spec is not None:
+            check_targets(spec, f"logger.{name}", Logger)
+
+
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan:
     """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
     naming the key or path for anything that refuses the start."""
     cfg = copy.deepcopy(cfg)
+    check_buildable(cfg)
     source = prepare_init_from(cfg)
     seed_everything(cfg.seed, workers=True, verbose=False)  # after the source's model was read, as always: same numbers
     data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,

@@ -218,15 +218,18 @@ def load_run(run_dir: str | Path, what: str = "run") -> SavedRun:
         raise FileNotFoundError(f"{what}={run.path}: no such run directory")
     if not run.last.exists():
         raise FileNotFoundError(f"{what}={run.path}: no checkpoints/last.ckpt (is this a run directory of train.py?)")
+    from lmlab.saved import check_config  # what the directory records is data (a `_target_` lmlab would build)
+
     state = load_checkpoint(run.last, f"{what}={run.path}")
     weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
     summary = run.read_summary()
     if isinstance(summary, dict) and summary.get("config"):  # the resolved config, written by every run
-        config = summary["config"]
+        config = check_config(summary["config"], run.summary)
     elif (run.path / HYDRA / "config.yaml").is_file():  # a run that is still going, or was killed
         from omegaconf import OmegaConf
 
-        config = OmegaConf.to_container(OmegaConf.load(run.path / HYDRA / "config.yaml"), resolve=False)
+        path = run.path / HYDRA / "config.yaml"
+        config = check_config(OmegaConf.to_container(OmegaConf.load(path), resolve=False), path)
     else:  # a checkpoint alone (copied without its records): its weights and model config are all there is
         config = {}
     return SavedRun(path=run.path, model=model_config(state), weights=weights, step=int(state.get("global_step", 0)),
@@ -304,15 +307,16 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary, dumps(summary))
 
-    def read_overrides(self) -> list[str] | None:
-        """The command-line overrides of the latest start (.hydra/overrides.yaml), or None when it has none."""
+    def read_overrides(self, base: Any = None) -> list[str] | None:
+        """The command-line overrides of the latest start (.hydra/overrides.yaml), or None when it has none. Each
+        is checked as data (lmlab.saved: no `_target_`, no resolver that builds; `base`, the command's composed
+        config, says where a mapping belongs); anything else raises SavedStateRefused naming the file and line."""
         path = self.path / HYDRA / "overrides.yaml"
         if not path.is_file():
             return None
-        from omegaconf import OmegaConf
+        from lmlab.saved import read_overrides
 
-        saved = OmegaConf.to_container(OmegaConf.load(path))
-        return [str(o) for o in saved] if isinstance(saved, list) else None
+        return read_overrides(path, base)
 
     def write_config(self, config: Any, overrides: list[str], hydra: Any = None) -> None:
         """.hydra/: the composed config, the overrides and (from the CLI) Hydra's own config, as Hydra writes them.

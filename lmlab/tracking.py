@@ -99,7 +99,11 @@ def code_version() -> dict[str, str | None]:
 def _is(spec: Any, cls: type) -> bool:
     from hydra.utils import get_class
 
+    from lmlab.trusted import TRUSTED_MODULES
+
     target = spec.get("_target_") if spec is not None else None
+    if not isinstance(target, str) or not target.startswith(TRUSTED_MODULES):  # nothing else is imported to ask
+        return False
     try:
         return bool(target) and issubclass(get_class(target), cls)
     except (ImportError, ValueError, TypeError):  # not a class here (a run's logger that is gone): not this one
@@ -156,18 +160,18 @@ class Tracking:
               n_params: int, n_active_params: int | None = None) -> Tracking:
         """The loggers of `cfg.logger` after lmlab's MetricsCSV. `resume_step`: the step a resumed run continues
         from (None: a fresh start, which gets a new W&B run; a resume continues the one the directory names)."""
-        from hydra.utils import instantiate
-        from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+        from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
         from omegaconf import OmegaConf
 
         from lmlab.metrics_csv import MetricsCSV
+        from lmlab.trusted import build
 
         # What the run is: the whole resolved config, its overrides, its size and the code that ran it.
         config = {**OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides), "n_params": n_params,
                   "n_active_params": n_params if n_active_params is None else n_active_params,
                   **code_version()}
         loggers, wandb_run = [MetricsCSV(run_dir.path, resume_step)], None
-        for spec in (cfg.logger or {}).values():
+        for name, spec in (cfg.logger or {}).items():
             extra: dict[str, Any] = {}
             if _is(spec, WandbLogger):  # the run is lmlab's: created here, Lightning's logger writes to it
                 wandb_run = cls._wandb_run(config, dict(spec), run_dir, overrides, group, resume_step)
@@ -177,7 +181,7 @@ class Tracking:
                 extra = {k: v for k, v in {"save_dir": str(run_dir.path), "name": LOGGER_DIRS["tensorboard"],
                                            "version": ""}.items()
                          if spec.get(k) is None}
-            logger = instantiate(spec, **extra)
+            logger = build(spec, f"logger.{name}", Logger, **extra)  # only a Lightning logger (lmlab.trusted)
             if not isinstance(logger, WandbLogger):
                 logger.log_hyperparams(config)  # W&B has it from wandb.init
             loggers.append(logger)

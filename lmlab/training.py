@@ -72,8 +72,6 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
 def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str | None, callbacks: list,
            hydra: Any, stop) -> dict[str, Any]:
     import lightning.pytorch as L
-    from hydra.utils import instantiate
-
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
@@ -85,6 +83,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.rundir import atomic_checkpoint_io
     from lmlab.summary import STATUSES, record, summarize
     from lmlab.tracking import Tracking
+    from lmlab.trusted import build
 
     # --- everything that can refuse the start, before the run directory is touched ---
     plan = make_plan(cfg, run, mode, strategy_name(cfg))
@@ -130,8 +129,9 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),
                               n_active_params=lit.model.num_params(active=True),
                               resume_step=resume_step if saved is not None else None)
-    trainer: L.Trainer = instantiate(cfg.trainer, default_root_dir=str(run.path), use_distributed_sampler=False,
-                                     logger=tracking.loggers, callbacks=callbacks, plugins=[atomic_checkpoint_io()])
+    trainer: L.Trainer = build(cfg.trainer, "trainer", L.Trainer, default_root_dir=str(run.path),  # lmlab.trusted
+                               use_distributed_sampler=False, logger=tracking.loggers, callbacks=callbacks,
+                               plugins=[atomic_checkpoint_io()])
     stop.take_over(trainer)
 
     start, status, error, at_once = time.time(), "completed", None, False

@@ -72,8 +72,10 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     from lmlab.rundir import RunDir
 
     overrides = list(hc.overrides.task)
-    saved = RunDir(hc.runtime.output_dir).read_overrides()
-    if saved is None or str(cfg.get("resume", "auto")).lower() == "false":
+    if str(cfg.get("resume", "auto")).lower() == "false":
+        return cfg, overrides
+    saved = RunDir(hc.runtime.output_dir).read_overrides(cfg)  # checked as data: refused before anything is built
+    if saved is None:
         return cfg, overrides
     merged = merge_overrides(saved, overrides)
     if merged == overrides:

@@ -1,0 +1,91 @@
+"""What lmlab builds from a config's `_target_`: classes of Lightning or lmlab, of the kinds a Trainer takes — never
+whatever callable a config names.
+
+The trainer and the loggers are the only configs lmlab hands to `hydra.utils.instantiate` (STYLE §13: third-party
+classes whose keys pass through). Hydra builds whatever `_target_` names, recursively, and its block-list stops
+`os.system`, not `torch.save` or lmlab's own atomic writer. So every `_target_` in those configs is checked first,
+before any module it names is imported: the module under `lightning.` or `lmlab.`, the object a class, the class a
+subclass of what that place takes (the root a Trainer or a Logger; inside it a strategy, plugin, callback, logger,
+accelerator or profiler). Anything else is refused naming the key and what is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TRUSTED_MODULES = ("lightning.pytorch.", "lightning.fabric.", "lmlab.")
+REFUSED_KEYS = ("_partial_", "_args_")  # a partial is a callable, not an object; positional args hide what they set
+
+
+def _nested_kinds() -> tuple[type, ...]:
+    """What a Trainer (or a logger) takes as an object built from its config."""
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch import Callback
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.plugins import Precision
+    from lightning.pytorch.profilers import Profiler
+    from lightning.pytorch.strategies import Strategy
+
+    return Strategy, Precision, CheckpointIO, ClusterEnvironment, Callback, Logger, Accelerator, Profiler
+
+
+def _names(kinds: Sequence[type]) -> str:
+    return ", ".join(k.__name__ for k in kinds)
+
+
+def check_targets(node: Any, key: str, root: type) -> None:
+    """Raise ValueError naming the key for a `_target_` in `node` (the config at `key`) that lmlab would not build:
+    `root` is the kind the node itself must build (lightning's Trainer, Logger)."""
+    _check(node, key, (root,), None)
+
+
+def _check(node: Any, key: str, kinds: tuple[type, ...], nested: tuple[type, ...] | None) -> None:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(node, DictConfig | ListConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        for i, item in enumerate(node):
+            _check(item, f"{key}[{i}]", kinds, nested)
+        return
+    if not isinstance(node, Mapping):
+        return
+    if "_target_" in node:
+        _check_class(node["_target_"], f"{key}._target_", kinds)
+        for special in REFUSED_KEYS:
+            if special in node:
+                raise ValueError(f"{key}.{special}: lmlab builds objects from a config, with keyword arguments only "
+                                 f"(refused: {', '.join(REFUSED_KEYS)})")
+        kinds = nested = nested or _nested_kinds()
+    elif nested is None:  # a plain mapping at the root: whatever it holds is what the root would take
+        kinds = nested = _nested_kinds()
+    for k, v in node.items():
+        if k != "_target_":
+            _check(v, f"{key}.{k}", kinds, nested)
+
+
+def _check_class(target: Any, key: str, kinds: tuple[type, ...]) -> None:
+    accepted = f"a class of {' or '.join(m.rstrip('.') for m in TRUSTED_MODULES)} that is a {_names(kinds)}"
+    if not isinstance(target, str) or not target.startswith(TRUSTED_MODULES):
+        raise ValueError(f"{key}={target!r} is not something lmlab builds: {accepted}")  # nothing imported
+    from hydra._internal.utils import _locate  # get_class's lookup, without its error log
+
+    try:
+        cls = _locate(target)
+    except ImportError as err:
+        lines = [s.strip() for s in str(err).splitlines() if s.strip()] or ["not found"]
+        found = next((s for s in lines if "Error(" in s), lines[-1])  # Hydra's message: the line naming the miss
+        raise ValueError(f"{key}={target!r} is not something lmlab builds ({found}): {accepted}") from None
+    if not isinstance(cls, type) or not issubclass(cls, kinds):
+        what = cls.__name__ if isinstance(cls, type) else f"not a class but a {type(cls).__name__}"
+        raise ValueError(f"{key}={target!r} is not something lmlab builds ({what}): {accepted}")
+
+
+def build(node: Any, key: str, root: type, **kwargs: Any) -> Any:
+    """`hydra.utils.instantiate(node, **kwargs)` once every `_target_` in `node` has passed `check_targets`."""
+    from hydra.utils import instantiate
+
+    check_targets(node, key, root)
+    return instantiate(node, **kwargs)
