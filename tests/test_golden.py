@@ -1,5 +1,7 @@
 """Golden files (tests/golden/): the default corpus's char and BPE token ids and a tiny run's first 50 train losses and
-its val losses, as pinned by `python -m tests.golden.regenerate`. A change of one token id or one loss digit fails."""
+its val losses, as pinned by `python -m tests.golden.regenerate`. A change of one token id fails, and of a loss by more
+than one unit of its last pinned decimal (the float32 kernels of another x86 CPU move 4 of the 50 losses by one unit
+of the 6th decimal: AVX-512 against the AVX2 machine that pinned them)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ pytestmark = pytest.mark.e2e  # prepares the default corpus (pip fetch on first 
 
 
 def same_losses(expected: dict[str, dict[str, float]], actual: dict[str, dict[str, float]]) -> list[str]:
-    """The (figure, step) pairs whose loss differs in any pinned decimal."""
-    tol = 0.5 * 10 ** -golden.DIGITS
+    """The (figure, step) pairs whose loss differs by more than one unit of the last pinned decimal (both rounded)."""
+    tol = 1.5 * 10 ** -golden.DIGITS
     return [f"{name} step {step}: {actual[name].get(step)} != {value}" for name in ("train/loss", "val/loss")
             for step, value in expected[name].items()
             if actual[name].get(step) is None or abs(actual[name][step] - value) > tol] + [
@@ -39,6 +41,6 @@ def test_a_tiny_run_logs_the_pinned_losses() -> None:
     assert actual["overrides"] == expected["overrides"]
     assert same_losses(expected, actual) == []
     step, value = next(iter(expected["train/loss"].items()))
-    for digit in range(1, golden.DIGITS + 1):  # one digit changed, in any pinned decimal, is caught
+    for digit in range(1, golden.DIGITS):  # one digit changed, in any decimal but the last, is caught
         bumped = {**actual, "train/loss": {**actual["train/loss"], step: round(value + 10 ** -digit, 8)}}
         assert same_losses(expected, bumped) == [f"train/loss step {step}: {bumped['train/loss'][step]} != {value}"]
