@@ -342,3 +342,18 @@ def test_a_summary_that_is_not_an_object_is_refused_with_its_path(tmp_path: Path
             run.read_summary()
     run.summary.write_text('{"status": "completed"}')
     assert run.read_summary() == {"status": "completed"}
+
+
+def test_a_value_from_the_environment_is_recorded_as_its_interpolation(corpus: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """`${oc.env:...}` values (tokens, passwords) were written in clear to summary.json: the record keeps the
+    interpolation (as .hydra/config.yaml does), and the run itself used the value."""
+    secret = tmp_path / "hunter2-cache"
+    monkeypatch.setenv("LMLAB_TEST_SECRET", str(secret))
+    run = tmp_path / "run"
+    overrides = tiny(corpus, "${oc.env:LMLAB_TEST_SECRET}", "trainer.max_steps=2")
+    summary = train(compose(overrides), run, overrides=overrides)
+    assert summary["status"] == "completed" and (secret / "shards").is_dir()  # the value was used
+    assert "hunter2" not in (run / "summary.json").read_text()
+    assert "hunter2" not in (run / ".hydra" / "config.yaml").read_text()
+    assert summary["config"]["data"]["cache_dir"] == "${oc.env:LMLAB_TEST_SECRET}"
