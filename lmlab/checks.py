@@ -35,7 +35,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
 
     import torch
 
-    from lmlab.memory import check_attention_fits
+    from lmlab.memory import check_attention_fits, check_batch_fits
     from lmlab.optim import validate_optim
     from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
@@ -46,6 +46,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
+        "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
         **{f"data.{k}": t for k, t in DATA_KEYS.items()},
     }
     absent = object()
@@ -71,6 +72,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,
                          gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
+    check_batch_fits(int(cfg.data.get("batch_size", 1)), gcfg.max_seq_len, gcfg.d_model, gcfg.n_layer,
+                     "cuda" if on_gpu else "cpu")
 
     warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
     chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)

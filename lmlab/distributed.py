@@ -125,15 +125,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         good one, as lmlab's single-file writer does)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from lmlab.rundir import temporary
+
         path = Path(self.broadcast(str(filepath)))
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp, old = (Path(p) for p in self.broadcast((str(temporary(path)), str(temporary(path, "old")))))  # rank 0's
         if self.global_rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         self.barrier()
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier()  # every rank's shard is written
-        if self.global_rank == 0:  # two renames: a crash between them leaves the previous checkpoint as .<name>.old
-            old = path.with_name(f".{path.name}.old")
+        if self.global_rank == 0:  # two renames: a crash between them leaves the previous checkpoint as `old`
             shutil.rmtree(old, ignore_errors=True)
             if path.is_dir():
                 os.replace(path, old)

@@ -94,3 +94,30 @@ def check_generation_fits(cfg: GPTConfig, prompt: int, new_tokens: int, batch: i
                          f"~{need / GiB:.1f} GiB ({cfg.n_layer} layers x {cfg.cache_width} numbers per token); "
                          f"available memory is ~{free / GiB:.1f} GiB ({device}), room for ~{free // per_token} "
                          f"tokens. Lower max_new_tokens or n")
+
+
+def batch_bytes(batch: int, seq_len: int, d_model: int, n_layer: int) -> tuple[int, int]:
+    """What one batch takes at least, (host, device): its token ids as the data loader assembles them (each
+    sequence's int64 block, then the stacked inputs and targets, ~200 bytes of tensor objects per sequence) and, on
+    the device, the residual stream every layer keeps for the backward pass (2 bytes a number, bf16's, at least)."""
+    ids = batch * ((seq_len + 1) * 8 * 3 + 200)
+    return ids, batch * seq_len * d_model * 2 * n_layer
+
+
+def check_batch_fits(batch: int, seq_len: int, d_model: int, n_layer: int, device: str = "cpu") -> None:
+    """Refuse a `data.batch_size` whose one batch cannot fit, before the loader allocates it (a batch of 10^8
+    sequences grew to 13.5 GB, ignoring signals, until the kernel killed it), naming the largest that could."""
+    host, dev = batch_bytes(batch, seq_len, d_model, n_layer)
+    free = {"cpu": available_bytes("cpu")}
+    if device != "cpu":
+        free[device] = available_bytes(device)
+    need = {"cpu": host + (dev if device == "cpu" else 0), **({device: dev} if device != "cpu" else {})}
+    for where, n in need.items():
+        if n > free[where]:
+            per = n // batch
+            raise ValueError(
+                f"data.batch_size={batch} needs at least ~{n / GiB:.1f} GiB for one batch of {batch} x "
+                f"model.max_seq_len={seq_len} tokens ({per} bytes a sequence: its ids, and the activations of "
+                f"{n_layer} layers of {d_model}), more than the ~{free[where] / GiB:.1f} GiB available ({where}): "
+                f"the limit here is data.batch_size={max(1, free[where] // per)}; use a smaller one (and "
+                f"trainer.accumulate_grad_batches for a larger batch per step)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,34 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lmlab.rundir import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.csv, steps as integers (one row per step), without the tail a killed or crashed write
+    left: a last row with no line end (the append was cut) or NUL bytes (a crash before the data reached the disk)
+    is dropped with a warning naming the file, and the file is rewritten whole at the resumed run's first save."""
+    data = path.read_bytes()
+    kept = data.rstrip(b"\0")
+    if kept and not kept.endswith(b"\n"):
+        kept = kept[: kept.rfind(b"\n") + 1]
+    if b"\0" in kept:
+        line = kept[: kept.index(b"\0")].count(b"\n") + 1
+        raise ValueError(f"{path}: NUL bytes at line {line}, before its last row: a damaged file (restore it, or "
+                         f"remove it to continue without the curve so far)")
+    if len(kept) != len(data):
+        dropped = data[len(kept):]
+        what = f"{dropped.count(0)} NUL bytes" if dropped.strip(b"\0") == b"" else f"a torn last row {dropped[:60]!r}"
+        log.warning(f"{path}: dropped {what} at its end, which an interrupted write left")
+    rows = []
+    for n, row in enumerate(csv.DictReader(io.StringIO(kept.decode(errors="replace"), newline="")), start=2):
+        try:
+            rows.append({**row, "step": int(float(row["step"]))})
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"{path}: line {n} has no step ({row.get('step')!r}): not a metrics.csv of lmlab, or "
+                             f"damaged") from None
+    return rows
 
 
 class MetricsCSV(Logger):
@@ -30,8 +59,7 @@ class MetricsCSV(Logger):
         self.rows: list[dict[str, Any]] = []
         self._resume_step = resume_step  # rows from here on are replaced once this run logs (None: a fresh start)
         if resume_step is not None and self.path.exists():
-            with open(self.path, newline="") as f:  # steps as integers, as Lightning logs them: one row per step
-                self.rows = [{**r, "step": int(float(r["step"]))} for r in csv.DictReader(f)]
+            self.rows = read_rows(self.path)
         self._keys = {k for row in self.rows for k in row} - {"step"}
         self._header: list[str] | None = None  # the columns of the file on disk; None: rewrite at the next save
         self._on_disk = 0  # rows[:_on_disk] are in the file

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import socket
 import sys
 import time
@@ -44,6 +45,7 @@ METRICS = "metrics.csv"
 TOKENIZER = "tokenizer.json"
 HYDRA = ".hydra"
 LOCK = ".lmlab.lock"
+HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 WANDB = "wandb"
 WANDB_RUN = "lmlab.json"  # in wandb/: the W&B run of this directory, continued on resume (lmlab/tracking.py)
 # The logger backends that write into the run directory, and the subfolder each writes (lmlab.tracking builds them)
@@ -62,13 +64,28 @@ class RunDirBusy(RuntimeError):
 
 # --- writing ---
 
+# lmlab's own temporaries carry this marker and the writer's pid (`.<name>.lmlab-<pid>.tmp`, and `.<name>.lmlab-<pid>.old`
+# for a sharded checkpoint moved aside), so that cleaning up after a killed writer never touches a user's `.notes.tmp`.
+MARK = "lmlab"
+_OURS = re.compile(rf"^\.(?P<target>.+)\.{MARK}-\d+\.(?P<kind>tmp|old)$")
+# Names lmlab wrote before the marker (`.<name>.<pid>.tmp`), cleaned only for the files lmlab writes there.
+_LEGACY = re.compile(r"^\.(?P<target>.+)\.\d+\.tmp$")
+
+
+def temporary(path: str | Path, kind: str = "tmp") -> Path:
+    """The temporary beside `path` that this process writes it through (`kind` "tmp"), or moves the old one aside
+    to ("old"): `.<name>.lmlab-<pid>.<kind>`, a name `RunDir.clean_temporaries` can tell from anyone else's."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{MARK}-{os.getpid()}.{kind}")
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
-    """A file to write `path` through: a temporary beside it (`.<name>.<pid>.tmp`, which `RunDir.clean_temporaries`
+    """A file to write `path` through: a temporary beside it (`temporary(path)`, which `RunDir.clean_temporaries`
     removes when a kill leaves one), flushed to disk and renamed over `path` once the block ends without an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary(path)
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -329,22 +346,29 @@ class RunDir:
             atomic_write(self.path / HYDRA / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})))
 
     def clean_temporaries(self) -> list[Path]:
-        """Remove the temporary files and directories a process killed mid-write left beside their targets (every
-        writer of lmlab writes `.<name>...tmp` next to the file it replaces); call with the lock held. A sharded
-        checkpoint caught between its two renames (`.last.ckpt.old` and no `last.ckpt`) gets its old name back."""
+        """Remove the temporaries a process killed mid-write left beside their targets, and only those: lmlab's own
+        names (`temporary()`: the marker and a pid), in the run directory, checkpoints/, .hydra/ and wandb/; call
+        with the lock held. A user's `.notes.tmp` or `.project.old/` is never touched. A sharded checkpoint caught
+        between its two renames (`.last.ckpt.lmlab-<pid>.old` and no `last.ckpt`) gets its old name back.
+
+        Names from before the marker are cleaned where they cannot be anyone else's: `.<name>.<pid>.tmp` of a file
+        lmlab writes there (summary.json, metrics.csv, tokenizer.json, a `.ckpt`), and in checkpoints/ a sharded
+        checkpoint moved aside or half-written (`.<name>.ckpt.old` / `.<name>.ckpt.tmp` holding DCP's files)."""
         import shutil
 
         found = []
-        for directory in (self.path, self.path / CHECKPOINTS):
+        for directory in (self.path, self.path / CHECKPOINTS, self.path / HYDRA, self.wandb):
             if not directory.is_dir():
                 continue
-            for old in directory.glob(".*.old"):
-                target = old.with_name(old.name[1:].removesuffix(".old"))
-                if not target.exists():
-                    os.replace(old, target)
-                    continue
-                found.append(old)
-            found += directory.glob(".*.tmp")
+            for path in sorted(directory.iterdir()):
+                kind = _temporary_kind(path, directory.name == CHECKPOINTS)
+                if kind == "old":
+                    target = path.with_name(re.sub(rf"\.({MARK}-\d+\.)?old$", "", path.name[1:]))
+                    if not target.exists():
+                        os.replace(path, target)
+                        continue
+                if kind is not None:
+                    found.append(path)
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         return found
@@ -369,6 +393,20 @@ class RunDir:
         if summary is not None:
             return summary.get("status", "unknown")
         return "killed" if self.holds_run() else "empty"
+
+
+def _temporary_kind(path: Path, in_checkpoints: bool) -> str | None:
+    """"tmp" or "old" for a temporary lmlab wrote (RunDir.clean_temporaries), None for anything else."""
+    if match := _OURS.match(path.name):
+        return match["kind"]
+    legacy = _LEGACY.match(path.name)
+    if legacy and path.is_file() and (legacy["target"] in (SUMMARY, METRICS, TOKENIZER, WANDB_RUN, *HYDRA_FILES)
+                                      or legacy["target"].endswith(".ckpt")):
+        return "tmp"
+    sharded = (path / "meta.pt").is_file() and (path / ".metadata").is_file()  # lmlab.distributed.is_sharded
+    if in_checkpoints and sharded and re.fullmatch(r"\..+\.ckpt\.(tmp|old)", path.name):
+        return path.name.rpartition(".")[2]
+    return None
 
 
 class RunLock:

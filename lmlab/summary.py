@@ -25,6 +25,22 @@ def objective(summary: Mapping[str, Any] | None) -> float:
     return float(best)
 
 
+def recorded(cfg: Any) -> dict[str, Any]:
+    """`cfg` resolved for the record (summary.json's `config`), except what comes from the environment: a value
+    `${oc.env:NAME}` (a token, a password) is recorded as that text, never in clear, wherever it is used (directly
+    or through another key's interpolation); .hydra/config.yaml keeps interpolations unresolved anyway."""
+    from omegaconf import OmegaConf
+    from omegaconf.basecontainer import BaseContainer
+
+    original = BaseContainer._resolvers.get("oc.env")
+    OmegaConf.register_new_resolver("oc.env", lambda key, default=None: "${oc.env:" + str(key) + "}", replace=True)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    finally:
+        if original is not None:
+            BaseContainer._resolvers["oc.env"] = original
+
+
 class RunSummary(TypedDict, total=False):
     """summary.json, key by key: what every reader (eval, compare, search, tracking, the studies) may rely on. A task
     adds its own figures (`data.figures()`: probe_accuracy, ...); a record of an older lmlab may lack newer keys."""

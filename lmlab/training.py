@@ -81,13 +81,12 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.perf import Throughput, flops_per_token
     from lmlab.progress import progress_bar
     from lmlab.rundir import atomic_checkpoint_io
-    from lmlab.summary import STATUSES, record, summarize
+    from lmlab.summary import STATUSES, record, recorded, summarize
     from lmlab.tracking import Tracking
     from lmlab.trusted import build
 
     # --- everything that can refuse the start, before the run directory is touched ---
     plan = make_plan(cfg, run, mode, strategy_name(cfg))
-    stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
     if plan.ended:  # a no-op: every file stays as it was
@@ -137,6 +136,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     start, status, error, at_once = time.time(), "completed", None, False
     tokens_at_start = lit.tokens_seen
     try:
+        stop.prepared(trainer.world_size)  # until here a signal stopped the process at once; now it ends the run
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
         stop.record()
         if lit.divergence.status is not None:
@@ -164,7 +164,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary = summarize(status=status, lit=lit, trainer=trainer, data=data, monitor=monitor,
                             steps=max(int(trainer.global_step), resume_step), wall_time=wall,
                             tokens_at_start=tokens_at_start, overrides=overrides,
-                            config=OmegaConf.to_container(cfg, resolve=True), error=error)
+                            config=recorded(cfg), error=error)  # ${oc.env:...} as written, not in clear
         summary["signal"] = stop.signum or None
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
         if trainer.is_global_zero:
@@ -174,7 +174,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum
         requeued = requeue_on_slurm(signum)
-        print(f"interrupted by signal {signum} at step {summary['steps']}: checkpoint {run.last}"
+        saved_at = f"checkpoint {run.last}" if run.checkpoint() else "no checkpoint yet (no step was trained)"
+        print(f"interrupted by signal {signum} at step {summary['steps']}: {saved_at}"
               + (f"; {requeued}" if requeued else "")
               + f"\n  to continue: {continue_command(run.path)}  (its own overrides are taken again)")
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)

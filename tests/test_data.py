@@ -132,6 +132,10 @@ def test_corpus_errors_name_the_key(tmp_path: Path) -> None:
         text_files([])
     with pytest.raises(ValueError, match=r"data\.paths is required"):
         text_files("???")  # an unset `paths: ???` after OmegaConf.to_container
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"data\.paths: '.*/s\*' does not exist; data\.paths takes files and "
+                                                r"directories .*not globs"):
+        text_files([tmp_path / "s*"])  # a glob (which would match the directory sub/): said to be one
     (tmp_path / "empty1.txt").write_text("")
     (tmp_path / "empty2.txt").write_text("")
     with pytest.raises(ValueError, match=r"data\.paths.*empty"):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from pathlib import Path
+
+import pytest
 
 from lmlab.metrics_csv import MetricsCSV
 
@@ -74,3 +77,34 @@ def test_a_resumed_log_joins_the_row_of_a_step_read_back_from_the_file(tmp_path)
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
     assert rows[2]["train/loss"] == "3.0" and rows[2]["val/loss"] == "2.5" and rows[3]["train/loss"] == "2.0"
+
+
+@pytest.mark.parametrize(("tail", "kept"), [(b"10,0.", 5), (b"1", 5), (b"\0" * 4096, 5),
+                                           (b"5,0.2\r\n" + b"\0" * 100, 6)])  # a whole row before the NULs: kept
+def test_a_torn_tail_is_dropped_naming_the_file_and_the_file_is_repaired(tmp_path: Path, tail: bytes, kept: int,
+                                                                        caplog) -> None:
+    """A kill mid-append left digits with no line end (kept as a junk row), a crash left NUL bytes (the resume
+    failed on csv's "line contains NUL" without naming the file): the tail is dropped with a warning naming
+    metrics.csv, and the resumed run's first save rewrites the file whole."""
+    first = MetricsCSV(tmp_path)
+    for step in range(5):
+        first.log_metrics({"loss": 5.0 - step}, step=step)
+    first.save()
+    with open(first.path, "ab") as f:
+        f.write(tail)
+    with caplog.at_level(logging.WARNING, logger="lmlab.metrics_csv"):
+        resumed = MetricsCSV(tmp_path, resume_step=5)
+    assert [r["step"] for r in resumed.rows] == list(range(kept))
+    assert f"{first.path}: dropped " in caplog.text
+    resumed.log_metrics({"loss": 0.5}, step=5)
+    resumed.save()
+    data = first.path.read_bytes()
+    assert b"\0" not in data and data.endswith(b"\n")
+    with open(first.path, newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_nul_bytes_before_the_last_row_are_refused_naming_the_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "metrics.csv").write_bytes(b"step,loss\r\n0,1.0\r\n1,\0\0\r\n2,0.5\r\n")
+    with pytest.raises(ValueError, match=r"metrics.csv: NUL bytes at line 3, before its last row"):
+        MetricsCSV(tmp_path, resume_step=2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -258,20 +259,72 @@ def test_a_checkpoint_write_killed_midway_leaves_its_temporary_beside_it_and_the
     proc.wait()
     assert list(tmpdir.iterdir()) == []
     assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"the previous checkpoint"
-    (run / "checkpoints" / ".last.ckpt.old").mkdir()  # a sharded save killed between its two renames:
-    (run / "checkpoints" / ".best.ckpt.old").mkdir()  # best.ckpt/ was moved aside and not yet replaced
-    (run / ".summary.json.123.tmp").write_text("{")
     (killed,) = (run / "checkpoints").glob(".last.ckpt.*.tmp")
+    assert killed.name == f".last.ckpt.lmlab-{proc.pid}.tmp"  # lmlab's marker and the writer's pid
+    (run / "checkpoints" / ".last.ckpt.lmlab-99.old").mkdir()  # a sharded save killed between its two renames:
+    (run / "checkpoints" / ".best.ckpt.lmlab-99.old").mkdir()  # best.ckpt/ was moved aside and not yet replaced
+    (run / ".summary.json.123.tmp").write_text("{")  # the name lmlab wrote before the marker
+    users = plant_users_files(run)
     removed = RunDir(run).clean_temporaries()
-    assert sorted(p.name for p in removed) == sorted([".last.ckpt.old", ".summary.json.123.tmp", killed.name])
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in removed) == sorted([".last.ckpt.lmlab-99.old", ".summary.json.123.tmp",
+                                                      killed.name])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
+        ["best.ckpt", "last.ckpt", *(p.name for p in users if p.parent.name == "checkpoints")])
     assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"the previous checkpoint"
+    assert_users_files(users)
+
+
+def plant_users_files(run: Path) -> list[Path]:
+    """A user's own hidden files in the run directory and checkpoints/, named as temporaries once were."""
+    users = []
+    for directory in (run, run / "checkpoints"):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / ".notes.tmp").write_text("my notes")
+        (directory / ".project.old").mkdir()
+        (directory / ".project.old" / "a.txt").write_text("kept")
+        (directory / ".draft.ckpt.old").mkdir()  # not a sharded checkpoint: not lmlab's
+        (directory / ".notes.123.tmp").write_text("my notes")  # a pid-like number, but not a file lmlab writes
+        users += [directory / n for n in (".notes.tmp", ".project.old", ".draft.ckpt.old", ".notes.123.tmp")]
+    return users
+
+
+def assert_users_files(users: list[Path]) -> None:
+    for path in users:
+        assert path.exists(), path
+    for path in users:
+        if path.name.startswith(".notes"):
+            assert path.read_text() == "my notes"
+        if path.name == ".project.old":
+            assert (path / "a.txt").read_text() == "kept"
+
+
+def test_a_start_and_a_resume_leave_a_users_hidden_files_alone(finished, corpus: Path, tmp_path: Path) -> None:
+    """Starting a run used to delete or rename every `.*.tmp` / `.*.old` in the run directory and checkpoints/:
+    a user's `.notes.tmp` and `.project.old/` survive a start and a resume, while a killed writer's temporary
+    (lmlab's marker) still goes."""
+    _, cache = finished
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".notes.tmp").write_text("my notes")
+    (run / ".project.old").mkdir()
+    (run / ".project.old" / "a.txt").write_text("kept")
+    train(compose(tiny(corpus, cache, "trainer.max_steps=10")), run)  # a start: the directory held no run
+    assert (run / ".notes.tmp").read_text() == "my notes" and (run / ".project.old" / "a.txt").read_text() == "kept"
+    (run / ".notes.tmp").unlink()
+    shutil.rmtree(run / ".project.old")
+    users = plant_users_files(run)
+    stale = run / "checkpoints" / ".last.ckpt.lmlab-4242.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    summary = train(compose(tiny(corpus, cache, "trainer.max_steps=12")), run)  # a resume
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    assert not stale.exists()
+    assert_users_files(users)
 
 
 def test_a_run_start_cleans_the_temporaries(finished, corpus: Path, tmp_path: Path) -> None:
     src, cache = finished
     run = copy_run(src, tmp_path / "run")
-    stale = run / "checkpoints" / ".last.ckpt.4242.tmp"
+    stale = run / "checkpoints" / ".last.ckpt.lmlab-4242.tmp"
     stale.write_bytes(b"half a checkpoint")
     summary = train(compose(tiny(corpus, cache, "trainer.max_steps=22")), run)  # continues the finished run
     assert summary["status"] == "completed" and summary["steps"] == 22 and not stale.exists()
@@ -289,3 +342,18 @@ def test_a_summary_that_is_not_an_object_is_refused_with_its_path(tmp_path: Path
             run.read_summary()
     run.summary.write_text('{"status": "completed"}')
     assert run.read_summary() == {"status": "completed"}
+
+
+def test_a_value_from_the_environment_is_recorded_as_its_interpolation(corpus: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """`${oc.env:...}` values (tokens, passwords) were written in clear to summary.json: the record keeps the
+    interpolation (as .hydra/config.yaml does), and the run itself used the value."""
+    secret = tmp_path / "hunter2-cache"
+    monkeypatch.setenv("LMLAB_TEST_SECRET", str(secret))
+    run = tmp_path / "run"
+    overrides = tiny(corpus, "${oc.env:LMLAB_TEST_SECRET}", "trainer.max_steps=2")
+    summary = train(compose(overrides), run, overrides=overrides)
+    assert summary["status"] == "completed" and (secret / "shards").is_dir()  # the value was used
+    assert "hunter2" not in (run / "summary.json").read_text()
+    assert "hunter2" not in (run / ".hydra" / "config.yaml").read_text()
+    assert summary["config"]["data"]["cache_dir"] == "${oc.env:LMLAB_TEST_SECRET}"

@@ -32,6 +32,20 @@ def test_the_parameter_estimate_is_a_lower_bound_within_one_percent(block: str, 
     assert estimate <= built <= 1.01 * estimate  # norms and gains aside
 
 
+@pytest.mark.parametrize("position", ["learned", "rope", "none"])
+def test_the_estimate_counts_a_learned_position_table(position: str) -> None:
+    """The HF size bound missed the learned table: a config of n_positions=10^9 passed it (10^9 x n_embd weights)."""
+    cfg = GPTConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, max_seq_len=8192, position={"name": position})
+    with torch.device("meta"):
+        built = GPT(validate(cfg)).num_params()
+    assert n_params_estimate(cfg) <= built and n_params_estimate(cfg) == pytest.approx(built, rel=0.01)
+    if position == "learned":  # the table is most of this model
+        assert n_params_estimate(cfg) > 8192 * 32
+    huge = GPTConfig(vocab_size=64, n_layer=1, d_model=1024, n_head=2, max_seq_len=10**9, position={"name": "learned"})
+    with pytest.raises(ValueError, match=r"needs at least ~381\d\.\d GiB to build"):
+        check_model_fits(huge, what="config.json")
+
+
 def test_cache_width_is_what_the_cache_holds(tiny_cfg) -> None:
     from lmlab.model.cache import KVCache
 

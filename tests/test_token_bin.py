@@ -94,6 +94,39 @@ def test_validation_is_the_first_val_tokens_and_training_reads_every_shard(tmp_p
     assert HEADER_BYTES == 1024
 
 
+def test_every_train_id_is_checked_against_the_vocabulary_once_per_shard(tmp_path: Path, monkeypatch) -> None:
+    """Only the first 10M train tokens were checked: a bad id past them was a raw IndexError in training. Each
+    shard's largest id is read once (memory-mapped, in chunks) and remembered by its path, size and mtime."""
+    monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "shards"
+    d.mkdir()
+    write_shard(d / "fineweb_train_000000.bin", np.zeros(10_000_001, dtype=np.uint16))
+    write_shard(d / "fineweb_train_000001.bin", [1, 2, 3, 299, 4])
+    write_shard(d / "fineweb_val_000000.bin", np.arange(400) % 50)
+    spec = {"name": "token_bin", "train": str(d / "fineweb_train_*.bin"), "val": str(d / "fineweb_val_*.bin"),
+            "val_tokens": 330, "vocab_size": 100}
+    with pytest.raises(ValueError, match=r"data.train: .*fineweb_train_000001.bin holds token id 299, not below "
+                                         r"data.vocab_size=100"):
+        TokenBinDataModule(spec, seq_len=32, seed=1).setup()
+    assert len(list((tmp_path / "cache" / "token_bin_max").glob("*.json"))) == 2  # one memo per shard
+    TokenBinDataModule({**spec, "vocab_size": 300}, seq_len=32, seed=1).setup()  # the memos answer
+    write_shard(d / "fineweb_train_000001.bin", [1, 2, 3, 4])  # rewritten: read again, not the old memo
+    TokenBinDataModule(spec, seq_len=32, seed=1).setup()
+
+
+def test_val_tokens_0_and_a_glob_matching_a_directory_are_refused(tmp_path: Path) -> None:
+    """data.val_tokens=0 silently meant the speedrun's 10,485,760; a glob matching a directory was a raw
+    IsADirectoryError."""
+    d = _shards(tmp_path / "shards")
+    spec = {"name": "token_bin", "train": str(d / "fineweb_train_*.bin"), "val": str(d / "fineweb_val_*.bin")}
+    with pytest.raises(ValueError, match=r"data.val_tokens=0 is less than one block"):
+        TokenBinDataModule({**spec, "val_tokens": 0}, seq_len=32, seed=1)
+    (d / "fineweb_train_dir.bin").mkdir()
+    with pytest.raises(TokenBinError, match=r"data.train=.* matches the directory .*fineweb_train_dir.bin: the glob "
+                                            r"must match .bin shard files"):
+        TokenBinDataModule({**spec, "val_tokens": 330}, seq_len=32, seed=1).setup()
+
+
 @pytest.mark.e2e
 def test_a_run_trains_on_bin_shards(tmp_path: Path) -> None:
     from lmlab import compose

@@ -86,6 +86,10 @@ def test_non_finite_floats_are_refused(overrides: list[str], message: str) -> No
     (["optim.grad_clip=-1"], "optim.grad_clip=-1 must be a float >= 0"),
     (["threads=0"], "threads=0 must be an integer >= 1 or null"),
     (["malloc=jemalloc"], "malloc='jemalloc' must be one of ['system', 'keep']"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be an integer >= 1"),  # was a
+    (["trainer.val_check_interval=0.5"], "trainer.val_check_interval=0.5 must be an integer >= 1"),  # traceback
+    (["head=mtp", "head.depth=128"], "head.depth=128 must be less than model.max_seq_len=128 (the context)"),
+    (["head=mtp", "head.depth=500"], "head.depth=500 must be less than model.max_seq_len=128 (the context)"),
 ])
 def test_a_value_out_of_range_names_the_key_and_the_range(overrides: list[str], message: str) -> None:
     assert message in _refused(overrides)

@@ -125,6 +125,9 @@ def text_files(paths: str | Path | Iterable[str | Path] | None) -> list[Path]:
             files.update(f.resolve() for f in p.glob("*.txt") if f.is_file())
         elif p.is_file():
             files.add(p.resolve())
+        elif any(c in str(p) for c in "*?["):  # read as a name, which no file has: say what the key takes
+            raise FileNotFoundError(f"data.paths: {str(p)!r} does not exist; data.paths takes files and directories "
+                                    f"(a directory: its *.txt files), not globs (data=token_bin's data.train does)")
         else:
             raise FileNotFoundError(f"data.paths: {str(p)!r} does not exist")
     if not files or all(f.stat().st_size == 0 for f in files):

@@ -77,12 +77,46 @@ def open_shards(pattern: str, key: str) -> TokenStream:
         raise FileNotFoundError(f"{key}={pattern}: no .bin shard matches")
     arrays = []
     for p in paths:
+        if Path(p).is_dir():
+            raise TokenBinError(f"{key}={pattern} matches the directory {p}: the glob must match .bin shard files "
+                                f"(e.g. {Path(p) / '*.bin'})")
         n = read_header(p)
         if n:
             arrays.append(np.memmap(p, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)))
     if not arrays:
         raise ValueError(f"{key}={pattern}: the shards hold no tokens")
     return TokenStream(arrays)
+
+
+def shard_max(path: str | Path) -> int:
+    """The largest token id of the shard at `path`, read in chunks of its memory map once and remembered in lmlab's
+    cache by the shard's path, size and mtime, so that every id of a 10B-token corpus is checked against the
+    vocabulary at a start (a bad id past the first ones was a raw IndexError in training)."""
+    import json
+    import os
+
+    from lmlab.rundir import remember
+
+    path = Path(path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = Path(os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser() / "token_bin_max" / f"{key}.json"
+    try:
+        return int(json.loads(memo.read_text())["max"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    n = read_header(path)
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, "<u2")
+    top = max((int(tokens[i: i + (1 << 24)].max()) for i in range(0, n, 1 << 24)), default=-1)
+    remember(memo, json.dumps({"max": top, "path": str(path)}))
+    return top
+
+
+def check_ids(pattern: str, key: str, vocab_size: int) -> None:
+    """Refuse shards matching `pattern` that hold an id >= `vocab_size`, naming the shard (`shard_max`)."""
+    for p in sorted(glob.glob(str(Path(pattern).expanduser()))):
+        if (top := shard_max(p)) >= vocab_size:
+            raise ValueError(f"{key}: {p} holds token id {top}, not below data.vocab_size={vocab_size}")
 
 
 def stand_in_tokenizer(vocab_size: int):
@@ -108,7 +142,8 @@ class TokenBinDataModule(pl.LightningDataModule):
         for key in ("train", "val"):
             if not data.get(key):
                 raise ValueError(f"data.{key} is required with data=token_bin: a glob of .bin shards")
-        self.val_tokens_n = int(data.get("val_tokens") or SPEEDRUN_VAL_TOKENS)
+        val_tokens = data.get("val_tokens")  # null: the speedrun's; 0 is refused below, not taken as the default
+        self.val_tokens_n = SPEEDRUN_VAL_TOKENS if val_tokens is None else int(val_tokens)
         self.vocab_size = int(data.get("vocab_size") or 50257)
         self.tokenizer_kind = str(data.get("tokenizer") or NAME)
         self.batch_size, self.num_workers = int(data.get("batch_size", 8)), int(data.get("num_workers", 0))
@@ -133,11 +168,10 @@ class TokenBinDataModule(pl.LightningDataModule):
             raise ValueError(f"data.val_tokens={self.val_tokens_n}: the val shards ({self.val_pattern}) hold only "
                              f"{len(val)} tokens")
         self.train_tokens, self.val_tokens = train, val[: self.val_tokens_n]
-        for key, stream, n in (("data.val", self.val_tokens, len(self.val_tokens)),
-                               ("data.train", train, min(len(train), UNIGRAM_SAMPLE))):
-            top = int(stream.read(0, n).max())
-            if top >= self.vocab_size:
-                raise ValueError(f"{key}: the shards hold token id {top}, not below data.vocab_size={self.vocab_size}")
+        top = int(self.val_tokens.read(0, len(self.val_tokens)).max())  # the val tokens read: all of them
+        if top >= self.vocab_size:
+            raise ValueError(f"data.val: the shards hold token id {top}, not below data.vocab_size={self.vocab_size}")
+        check_ids(self.train_pattern, "data.train", self.vocab_size)  # every train id, not only the first ones
         if len(train) < self.seq_len + 1:
             raise ValueError(f"data.train={self.train_pattern}: {len(train)} tokens, less than one block of "
                              f"model.max_seq_len + 1 = {self.seq_len + 1}")

@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmlab.data.corpus import fingerprint
+from lmlab.rundir import temporary
 
 UNK = "<unk>"
 
@@ -88,7 +89,7 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write atomically: ranks and sweep jobs may write the same file at once, and none may read half of it."""
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary(path)  # lmlab's own name, which RunDir.clean_temporaries removes after a kill
     tok.save(str(tmp))
     os.replace(tmp, path)
 

@@ -66,6 +66,10 @@ class MTP(nn.Module):
         if weights is not None and (len(weights) != depth or any(w < 0 for w in weights)):
             raise ValueError(f"head.weights={list(weights)} must give one weight >= 0 per depth (head.depth={depth}), "
                              f"or be null for head.weight / depth each")
+        if depth >= cfg.max_seq_len:  # at depth k position i predicts t_{i+k+1}: no position has a target then
+            raise ValueError(f"head.depth={depth} must be less than model.max_seq_len={cfg.max_seq_len} (the context): "
+                             f"the depth-k module predicts the token k+1 positions further, so a depth of the "
+                             f"context or more leaves it no position with a target")
         self.depth, self.style = depth, style
         self.weights = tuple(float(w) for w in weights) if weights is not None else (weight / depth,) * depth
         last = cfg.n_layer - 1  # each module's block takes the last layer's settings

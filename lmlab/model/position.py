@@ -39,6 +39,11 @@ class Position(nn.Module):
         super().__init__()
         self.max_seq_len, self.train_len = max_seq_len, train_len
 
+    @classmethod
+    def n_params(cls, dim: int, max_seq_len: int) -> int:
+        """The weights the scheme learns, from the sizes alone (lmlab.model.resolve.n_params_estimate)."""
+        return 0
+
     per_document = False  # positions count from each document's start (the schemes that take `per_document`)
 
     def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,6 +117,10 @@ class Learned(Position):
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.wpe = nn.Embedding(max_seq_len, dim)
         self.per_document = per_document
+
+    @classmethod
+    def n_params(cls, dim: int, max_seq_len: int) -> int:
+        return max_seq_len * dim  # the table: an HF config's n_positions=10^9 is 10^9 x n_embd of it
 
     def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         at = self.positions(x.size(1), offset, doc)

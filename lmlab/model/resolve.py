@@ -93,10 +93,11 @@ def _fill(cfg: GPTConfig, name: str, value: Any) -> None:
 
 
 def n_params_estimate(cfg: GPTConfig) -> int:
-    """Weights from the sizes alone: the blocks' (each kind's `n_params`) and the embeddings' (norms, gains and
-    position tables aside: a lower bound within 1% of the built model's count)."""
+    """Weights from the sizes alone: the blocks' (each kind's `n_params`), the embeddings' and a learned position
+    table's (norms and gains aside: a lower bound within 1% of the built model's count)."""
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
     head, params = option_params("head", HEADS, cfg.head)
     untied = not cfg.tie_embeddings or cfg.untie_at_step is not None  # model.untie_at_step: a head matrix of its own
     return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (2 if untied else 1)
-            + residual_params(cfg) + HEADS[head].n_params(cfg, **params))
+            + residual_params(cfg) + HEADS[head].n_params(cfg, **params)
+            + POSITIONS[option_params("position", POSITIONS, cfg.position)[0]].n_params(cfg.d_model, cfg.max_seq_len))
