@@ -167,7 +167,9 @@ class Tracking:
         from lmlab.trusted import build
 
         # What the run is: the whole resolved config, its overrides, its size and the code that ran it.
-        config = {**OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides), "n_params": n_params,
+        from lmlab.summary import recorded  # `${oc.env:...}` values as their text, never in clear
+
+        config = {**recorded(cfg), "overrides": list(overrides), "n_params": n_params,
                   "n_active_params": n_params if n_active_params is None else n_active_params,
                   **code_version()}
         loggers, wandb_run = [MetricsCSV(run_dir.path, resume_step)], None

@@ -189,3 +189,27 @@ def test_a_sweep_continued_with_one_hostile_job_exits_non_zero_and_runs_nothing_
     again = cli(str(ROOT / "train.py"), "-m", *args, "trainer.max_steps=6", cwd=tmp_path)
     assert again.returncode != 0 and f"{saved}:" in again.stderr, again.stderr[-3000:]
     assert not marker.exists() and _files(jobs[0]) == before
+
+
+@pytest.mark.e2e
+def test_a_secret_from_the_environment_is_in_no_file_of_the_run(corpus: Path, tmp_path: Path) -> None:
+    """`${oc.env:...}` on the command line: the run uses the value, and neither the saved overrides, the summary nor
+    the W&B run's files hold it (they keep the interpolation); the continued run reads it from the environment."""
+    import os
+
+    secret, run = tmp_path / "hunter2-cache", tmp_path / "run"
+    os.environ["LMLAB_TEST_SECRET"] = str(secret)
+    try:
+        args = [a for a in tiny(corpus, tmp_path / "unused") if not a.startswith(("data.cache_dir", "logger"))]
+        res = cli(str(ROOT / "train.py"), *args, "data.cache_dir=${oc.env:LMLAB_TEST_SECRET}", "logger=wandb",
+                  "trainer.max_steps=2", f"hydra.run.dir={run}", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert (secret / "shards").is_dir()  # the value was used
+        leaked = [str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and b"hunter2" in p.read_bytes()]
+        assert leaked == [] and (run / "wandb").is_dir()
+        assert "data.cache_dir=${oc.env:LMLAB_TEST_SECRET}" in (run / ".hydra/overrides.yaml").read_text()
+        again = cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=3", cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    finally:
+        del os.environ["LMLAB_TEST_SECRET"]

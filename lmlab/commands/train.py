@@ -71,7 +71,9 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     from lmlab.cli import merge_overrides
     from lmlab.rundir import RunDir
 
-    overrides = list(hc.overrides.task)
+    from omegaconf import OmegaConf
+
+    overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # `${oc.env:KEY}` kept, not its secret
     if str(cfg.get("resume", "auto")).lower() == "false":
         return cfg, overrides
     saved = RunDir(hc.runtime.output_dir).read_overrides(cfg)  # checked as data: refused before anything is built
