@@ -187,8 +187,25 @@ def test_a_sweep_continued_with_one_hostile_job_exits_non_zero_and_runs_nothing_
     _write(saved, [*OmegaConf.to_container(OmegaConf.load(saved)), _hostile(marker)["nested_in_strategy"]])
     before = _files(jobs[0])
     again = cli(str(ROOT / "train.py"), "-m", *args, "trainer.max_steps=6", cwd=tmp_path)
-    assert again.returncode != 0 and f"{saved}:" in again.stderr, again.stderr[-3000:]
+    assert again.returncode == 1 and f"{saved}:" in again.stderr, again.stderr[-3000:]
     assert not marker.exists() and _files(jobs[0]) == before
+    assert json.loads((jobs[1] / "summary.json").read_text())["steps"] == 6  # the sweep went on with the next job
+    last = again.stderr.strip().splitlines()  # and says, last, which job did not run
+    assert last[-2] == "train.py: 1 job(s) of the sweep did not run to an end:", last
+    assert last[-1].startswith(f"  {jobs[0]}: {saved}:"), last
+
+
+@pytest.mark.e2e
+def test_a_sweep_with_a_refused_job_goes_on_and_exits_non_zero(corpus: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = [*tiny(corpus, tmp_path / "cache", "model.n_layer=1", "trainer.max_steps=2", "trainer.val_check_interval=2"),
+            "model.n_head=2,3", f"hydra.sweep.dir={sweep}"]  # d_model=32: 3 heads do not divide it
+    res = cli(str(ROOT / "train.py"), "-m", *args, cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    done = [json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")]
+    assert done == ["completed"]
+    last = res.stderr.strip().splitlines()
+    assert last[-2] == "train.py: 1 job(s) of the sweep did not run to an end:" and "n_head=3" in last[-1], last
 
 
 @pytest.mark.e2e

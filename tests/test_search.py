@@ -69,8 +69,9 @@ def test_the_search_config_searches_lr_and_warmup_in_the_sweep_dir() -> None:
 def test_optuna_search_runs_end_to_end_and_bad_trials_are_the_worst(corpus: Path, tmp_path: Path) -> None:
     """3 trials through the real CLI, the learning rate a choice of a diverging 1e3, a sane 3e-3 and an invalid
     'abc' (that job raises before training): the diverged and the failed trial are complete trials with the value
-    +inf, not errors; the search finishes and Hydra writes the best trial; re-running the same command on the same
-    sweep dir adds to the same study."""
+    +inf, not errors; the search finishes and Hydra writes the best trial, and exits 1 naming the refused trial (a
+    sweep whose jobs did not all run says so); re-running the same command on the same sweep dir adds to the same
+    study."""
     optuna = _needs_optuna()
     sweep = tmp_path / "search"
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.val_"))]
@@ -78,7 +79,8 @@ def test_optuna_search_runs_end_to_end_and_bad_trials_are_the_worst(corpus: Path
                "trainer.max_steps=10", "trainer.val_check_interval=5", "optim.grad_clip=0",
                "optim.lr=choice(1000,0.003,abc)", "hydra.sweeper.sampler.seed=1", f"hydra.sweep.dir={sweep}"]
     res = cli(*command, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-2] == "train.py: 1 job(s) of the sweep did not run to an end:"
     trials = _study(sweep).trials
     assert sorted(map(str, (t.params["optim.lr"] for t in trials))) == ["0.003", "1000", "abc"], \
         "sampler seed 1 draws each choice once in the first 3 trials (optuna==2.10.1)"
@@ -94,8 +96,9 @@ def test_optuna_search_runs_end_to_end_and_bad_trials_are_the_worst(corpus: Path
     assert best.best_params["optim.lr"] == 0.003 and best.best_value == pytest.approx(completed["best_val_loss"])
 
     res = cli(*[a.replace("n_trials=3", "n_trials=1") for a in command], cwd=tmp_path)  # resume the search
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert len(_study(sweep).trials) == 4
+    trials = _study(sweep).trials
+    assert len(trials) == 4
+    assert res.returncode == (1 if str(trials[-1].params["optim.lr"]) == "abc" else 0), res.stderr[-3000:]
 
 
 @pytest.mark.e2e

@@ -24,6 +24,14 @@ def run(prog: str, argv: Sequence[str]) -> None:
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
     main()
+    if FAILED_JOBS:  # a sweep went on past them (the basic launcher's jobs run in this process): now it says so
+        print(f"{prog.removeprefix('python ')}: {len(FAILED_JOBS)} job(s) of the sweep did not run to an end:\n  " + "\n  ".join(FAILED_JOBS),
+              file=sys.stderr)
+        raise SystemExit(1)
+
+
+# The jobs of this process's sweep that were refused or raised (directory: why); run() exits 1 when there are any.
+FAILED_JOBS: list[str] = []
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -34,25 +42,31 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
-    cfg, overrides = continued(cfg, hc)
-    if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it and goes on)
-        from lmlab.checks import check_config
-
-        check_config(cfg, overrides)
     from lmlab.summary import objective
-    from lmlab.tracking import hydra_group
-    from lmlab.training import train
 
-    group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
     try:
+        cfg, overrides = continued(cfg, hc)
+        if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it, goes on)
+            from lmlab.checks import check_config
+
+            check_config(cfg, overrides)
+        from lmlab.tracking import hydra_group
+        from lmlab.training import train
+
+        group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
         summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
-    except Exception:
+    except Exception as err:
         if not sweeping:
             raise
-        import traceback  # a failed job is recorded in its summary.json; the sweep goes on with the next one
+        # a refusal (nothing written) is one line; a failure is recorded in its summary.json, with its traceback here
+        if isinstance(err, ValueError | FileNotFoundError):
+            print(f"{PROG['train'].removeprefix('python ')}: {hc.runtime.output_dir}: {err}", file=sys.stderr)
+        else:
+            import traceback
 
-        traceback.print_exc()
-        return math.inf  # the worst value a search can see, not an error that ends it
+            traceback.print_exc()
+        FAILED_JOBS.append(f"{hc.runtime.output_dir}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        return math.inf  # the worst value a search can see, not an error that ends it; the sweep goes on
     print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
           f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
     from lmlab.env import is_rank_zero
