@@ -150,8 +150,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Lightning's sharded load (each rank reads its shards into the sharded model and optimizer), through
         lmlab's reader and planner: no plain unpickling. Returns the rest of the checkpoint (meta.pt)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not is_sharded(path):  # a single file (a consolidated checkpoint): Lightning's own loader
-            return super().load_checkpoint(path, weights_only=weights_only)
+        if not is_sharded(path):  # one file: consolidated in place (python -m lmlab.consolidate), or another trainer's
+            return self._load_one_file(path)
         from torch.distributed.checkpoint import load
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -170,6 +170,29 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / META, map_location="cpu", weights_only=True)
+
+    def _load_one_file(self, path: Path) -> dict[str, Any]:
+        """A one-file checkpoint into the sharded model and optimizer: every rank reads the file (weights_only) and
+        keeps its own shards. Its optimizer state is keyed by position in the optimizer's param groups, which lmlab
+        splits by weight decay; Lightning's loader re-keys it by the module's parameter order instead, so shapes
+        mismatch (torch's RuntimeError). Re-keyed here by the optimizer's own order."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        module = self.model
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+        names = {p: n for n, p in module.named_parameters()}
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            order = [names[p] for g in optimizer.param_groups for p in g["params"]]  # position -> parameter name
+            keyed = {"state": {order[i]: s for i, s in state["state"].items()},
+                     "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=keyed, options=options)
+        return checkpoint
 
 
 # --- reading DCP directories without running code ----------------------------------------------------------------

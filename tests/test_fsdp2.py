@@ -199,6 +199,29 @@ def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
 
 
 @pytest.mark.e2e
+def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs) -> None:
+    """The README's "consolidate in place, then continue with any trainer" with trainer=fsdp2 (it ended in torch's
+    RuntimeError: the one file's optimizer state re-keyed by the module's parameter order, not the optimizer's).
+    Interrupted at step 3 of 6, made one file in place, continued on 2 FSDP2 ranks: the uninterrupted run's figures,
+    and the run's checkpoint is sharded again."""
+    base, args = runs["base"], [*runs["args"], "data.batch_size=4", *FSDP2]
+    run = base / "consolidated_then_fsdp2"
+    res = drive(args, run, base, at=2)
+    assert res.returncode == 3, res.stderr[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    res = cli("-m", "lmlab.consolidate", str(run), str(ckpt), cwd=ROOT)
+    assert res.returncode == 0 and ckpt.is_file(), res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in FIGURES:
+        a, b = metric(runs["two"], name), metric(run, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-7), (name, step)
+    assert (ckpt / "meta.pt").is_file() and json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.e2e
 def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
     from lmlab.training import train
 
