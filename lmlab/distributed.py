@@ -15,18 +15,21 @@
 
 Safety: DCP's own reader unpickles its `.metadata` file and non-tensor entries (optimizer hyper-parameters) with
 plain pickle, which can run code. lmlab reads both through `weights_only` rules instead: the metadata through an
-unpickler that builds only DCP's metadata records and torch's size/dtype types, every entry with
+unpickler that builds only DCP's metadata records and torch's size/dtype types and writes state only into objects it
+built (never a class: pickle's BUILD on one sets its attributes for the whole process), every entry with
 `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import importlib
 import io
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -148,8 +151,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Lightning's sharded load (each rank reads its shards into the sharded model and optimizer), through
         lmlab's reader and planner: no plain unpickling. Returns the rest of the checkpoint (meta.pt)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not is_sharded(path):  # a single file (a consolidated checkpoint): Lightning's own loader
-            return super().load_checkpoint(path, weights_only=weights_only)
+        if not is_sharded(path):  # one file: consolidated in place (python -m lmlab.consolidate), or another trainer's
+            return self._load_one_file(path)
         from torch.distributed.checkpoint import load
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -168,6 +171,29 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / META, map_location="cpu", weights_only=True)
+
+    def _load_one_file(self, path: Path) -> dict[str, Any]:
+        """A one-file checkpoint into the sharded model and optimizer: every rank reads the file (weights_only) and
+        keeps its own shards. Its optimizer state is keyed by position in the optimizer's param groups, which lmlab
+        splits by weight decay; Lightning's loader re-keys it by the module's parameter order instead, so shapes
+        mismatch (torch's RuntimeError). Re-keyed here by the optimizer's own order."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        module = self.model
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+        names = {p: n for n, p in module.named_parameters()}
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            order = [names[p] for g in optimizer.param_groups for p in g["params"]]  # position -> parameter name
+            keyed = {"state": {order[i]: s for i, s in state["state"].items()},
+                     "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=keyed, options=options)
+        return checkpoint
 
 
 # --- reading DCP directories without running code ----------------------------------------------------------------
@@ -188,9 +214,73 @@ _METADATA_GLOBALS = frozenset({
 _DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# What an allowed class builds when it is called (REDUCE, OBJ, INST) or its `__new__` is (NEWOBJ): a new object,
+# the only kind the metadata may then write into. Enums are left out: calling one returns an existing member.
+_CONSTRUCTED = frozenset(c for c in (getattr(importlib.import_module(m), n) for m, n in _METADATA_GLOBALS)
+                         if isinstance(c, type) and not issubclass(c, enum.Enum)) | {dict, list}
+
+
+def _made_by(op: bytes, callee: Callable[[Any], Any] | None = None) -> Callable[[Any], None]:
+    """Pickle's own handler for `op`, then the object it pushed recorded as built by this load when it is a new
+    object (`callee(self)`, read before the handler runs: the class or callable it calls, which must be its type)."""
+    load = pickle._Unpickler.dispatch[op[0]]
+
+    def handler(self: _MetadataUnpickler) -> None:
+        cls = callee(self) if callee is not None else None
+        load(self)
+        made = self.stack[-1]
+        if type(made) in _CONSTRUCTED and (callee is None or type(made) is cls):
+            self._made[id(made)] = made  # kept alive: an id is never reused during the load
+    return handler
+
+
+def _writes_into(op: bytes, target: Callable[[Any], Any]) -> Callable[[Any], None]:
+    """Pickle's own handler for `op` (BUILD, SETITEM(S), APPEND(S), ADDITEMS), run only when the object it writes
+    into (`target(self)`) was built by this load: never a class, a module-level object or an enum member."""
+    load, name = pickle._Unpickler.dispatch[op[0]], _OP_NAMES[op]
+
+    def handler(self: _MetadataUnpickler) -> None:
+        try:
+            obj = target(self)
+        except IndexError:
+            raise pickle.UnpicklingError(f"{name} with nothing to write into") from None
+        if id(obj) not in self._made:
+            what = f"the class {obj.__module__}.{obj.__qualname__}" if isinstance(obj, type) else \
+                f"a {type(obj).__qualname__} it did not build"
+            raise pickle.UnpicklingError(f"{name} on {what} is not allowed in a checkpoint's metadata")
+        load(self)
+    return handler
+
+
+_OP_NAMES = {pickle.BUILD: "BUILD", pickle.SETITEM: "SETITEM", pickle.SETITEMS: "SETITEMS", pickle.APPEND: "APPEND",
+             pickle.APPENDS: "APPENDS", pickle.ADDITEMS: "ADDITEMS"}
+
+
+class _MetadataUnpickler(pickle._Unpickler):
     """Builds only DCP's metadata records, torch's sizes, dtypes and layouts, paths and plain containers: what DCP's
-    `.metadata` holds, and nothing that runs code. Each global is resolved by its exact (module, name) pair."""
+    `.metadata` holds, and nothing that runs code. Each global is resolved by its exact (module, name) pair, and an
+    allowed class is a constructor only: state is written (BUILD, SETITEM, APPEND, ...) into objects this load built,
+    never into a class or any object that existed before (pickle's BUILD on a class sets its attributes for the whole
+    process). Python's unpickler, not C's: its opcodes can be checked one by one (the file is a few kB per layer)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    for _op in (pickle.EMPTY_DICT, pickle.DICT, pickle.EMPTY_LIST, pickle.LIST, pickle.EMPTY_SET):
+        dispatch[_op[0]] = _made_by(_op)
+    dispatch[pickle.NEWOBJ[0]] = _made_by(pickle.NEWOBJ, lambda self: self.stack[-2])
+    dispatch[pickle.NEWOBJ_EX[0]] = _made_by(pickle.NEWOBJ_EX, lambda self: self.stack[-3])
+    dispatch[pickle.REDUCE[0]] = _made_by(pickle.REDUCE, lambda self: self.stack[-2])
+    dispatch[pickle.OBJ[0]] = _made_by(pickle.OBJ, lambda self: self.stack[0])
+    dispatch[pickle.INST[0]] = _made_by(pickle.INST)
+    dispatch[pickle.BUILD[0]] = _writes_into(pickle.BUILD, lambda self: self.stack[-2])
+    dispatch[pickle.SETITEM[0]] = _writes_into(pickle.SETITEM, lambda self: self.stack[-3])
+    dispatch[pickle.APPEND[0]] = _writes_into(pickle.APPEND, lambda self: self.stack[-2])
+    for _op in (pickle.SETITEMS, pickle.APPENDS, pickle.ADDITEMS):  # after a MARK: the object below it
+        dispatch[_op[0]] = _writes_into(_op, lambda self: self.metastack[-1][-1])
+    del _op
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._made: dict[int, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:

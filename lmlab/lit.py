@@ -205,7 +205,8 @@ class LitGPT(L.LightningModule):
         elif "_batches_that_stepped" in loop:
             loop["_batches_that_stepped"] = self.global_step - 1
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
-                                "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict()}
+                                "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict(),
+                                "launch": self.launch()}
         opt = self._modal_optimizer()
         if opt is not None and opt.training and "state_dict" in checkpoint:
             # Written while training: the weights are the evaluation weights x (what eval.py, init_from and generation
@@ -215,6 +216,17 @@ class LitGPT(L.LightningModule):
             checkpoint["lmlab"]["train_weights"] = {k: v for k, v in weights.items() if v.data_ptr() in x}
             checkpoint["state_dict"] = {k: x[v.data_ptr()].clone() if v.data_ptr() in x else v
                                         for k, v in weights.items()}
+
+    def launch(self) -> dict[str, Any] | None:
+        """What decides the global batch of a step, as a checkpoint records it: a resume is checked against it
+        (lmlab.plan.check_same_launch)."""
+        if self._trainer is None:
+            return None
+        t = self.trainer
+        world, nodes = int(t.world_size), int(t.num_nodes)
+        return {"world_size": world, "num_nodes": nodes, "devices": world // nodes,
+                "strategy": type(t.strategy).__name__, "accumulate_grad_batches": int(t.accumulate_grad_batches),
+                "batch_size": getattr(t.datamodule, "batch_size", None)}
 
     def _val_due(self, progress: dict) -> bool:
         """Whether Lightning's batch-based validation check fires after the last finished batch (its rule)."""

@@ -18,8 +18,10 @@ from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab import budget
+from lmlab.cli import continue_command
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
 from lmlab.data import build_datamodule
+from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
@@ -39,6 +41,7 @@ class RunPlan:
     previous: dict[str, Any] | None  # the summary a resume continues
     ended: bool  # a resume of a run that has ended: nothing to do, every file stays as it is
     budget: dict[str, Any] | None = None  # budget.*: what it is and the steps it gave (lmlab.budget; None: max_steps)
+    changed: dict[str, list[Any]] | None = None  # a resume's launch against the checkpoint's: key -> [was, now]
 
 
 def check_buildable(cfg: DictConfig) -> None:
@@ -68,22 +71,24 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan
     model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
     spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
-    saved, resume_step, previous, ended = None, 0, None, False
+    saved, resume_step, previous, ended, changed = None, 0, None, False, None
     if ckpt is not None:
         what = f"resume={mode} ({ckpt})"
         if ckpt.is_dir() and strategy != "FSDP2Strategy":
             raise ValueError(f"{what}: the checkpoint is sharded (written by trainer=fsdp2); continue it with "
                              f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
         saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
-        check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
+        check_same_data(what, data, saved, run.path)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, model.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))
+        changed = check_same_launch(what, (saved.get("lmlab") or {}).get("launch"), planned_launch(cfg, strategy),
+                                    run.path)
         resume_step = int(saved["global_step"])
         previous = run.read_summary()
         status = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
             "completed" if resume_step >= cfg.trainer.max_steps else None)
         ended = bool(status) and (previous or {}).get("status") in FINISHED
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
-                   previous=previous, ended=ended, budget=spend)
+                   previous=previous, ended=ended, budget=spend, changed=changed)
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
@@ -151,13 +156,103 @@ def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_d
         raise ValueError(f"{what}: the checkpoint's architecture doesn't match the config ({detail})")
 
 
-def check_same_data(what: str, data, saved: dict[str, Any]) -> None:
-    """Refuse a checkpoint trained with another tokenizer than the config builds now (it would read other ids)."""
+def check_same_data(what: str, data, saved: dict[str, Any], run: Path | None = None) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the config builds now (it would read other ids), or
+    on other data: a text corpus's fingerprint, data=token_bin's shards (each compared only where the checkpoint
+    recorded it: a checkpoint of an older lmlab has the tokenizer's at most)."""
     state = saved.get(type(data).__qualname__) or {}
     if state.get("tokenizer_sha256") not in (None, data.tokenizer_sha256):
         raise ValueError(f"{what}: the checkpoint was trained with another tokenizer than data.tokenizer="
                          f"{data.tokenizer_kind!r} builds now (different corpus, data.val_fraction or "
                          f"data.vocab_size?); resume with the run's own data config")
+    was = {**{k: v for k, v in (state.get("shards") or {}).items()},
+           **({f"data={data.corpus}": {"sha256": state["corpus_sha256"]}} if state.get("corpus_sha256") else {})}
+    now = {**getattr(data, "shards", {}),
+           **({f"data={data.corpus}": {"sha256": data.corpus_sha256}} if getattr(data, "corpus_sha256", None) else {})}
+    for key, old in was.items():
+        if key in now and old.get("sha256") != now[key]["sha256"]:
+            fix = f"put back the data it was trained on and continue with {continue_command(run)}" if run else \
+                "put back the data it was trained on"
+            raise ValueError(f"{what}: {key} is not the data the checkpoint was trained on (checkpoint: "
+                             f"{_data(old)}; now: {_data(now[key])}), so the run would go on with other batches; "
+                             f"{fix}, or start a new run from its weights with init_from={run or '<run dir>'}")
+
+
+def _data(record: dict[str, Any]) -> str:
+    counts = [f"{record[k]:,} {k}" for k in ("shards", "tokens") if k in record]
+    return ", ".join([*counts, f"sha256 {record['sha256'][:12]}"])
+
+
+# --- the launch: what decides the global batch a step takes, recorded in each checkpoint (LitGPT, `lmlab.launch`) ---
+
+LAUNCH_KEYS = {"batch_size": "data.batch_size", "devices": "trainer.devices", "num_nodes": "trainer.num_nodes",
+               "accumulate_grad_batches": "trainer.accumulate_grad_batches"}
+
+
+def planned_launch(cfg: DictConfig, strategy: str) -> dict[str, Any]:
+    """The launch the config asks for, in the terms a checkpoint records it (`LitGPT.launch`), before any trainer exists (None where it can't tell:
+    that key is not compared). `devices: auto` (or -1) is every GPU of the node, one process on CPU, as Lightning
+    counts them; under torchrun or srun `trainer.devices` is a number already (lmlab.checks.check_launch)."""
+    import torch
+
+    trainer, nodes = cfg.trainer, int(cfg.trainer.get("num_nodes", 1))
+    devices, accelerator = trainer.get("devices", 1), str(trainer.get("accelerator", "auto"))
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, str) and "," in devices:
+        devices = [d for d in devices.split(",") if d.strip()]
+    if devices in ("auto", -1):
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        devices = torch.cuda.device_count() if gpu else 1
+    per_node = len(devices) if OmegaConf.is_list(devices) or isinstance(devices, list) else \
+        devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+    world = per_node * nodes if per_node else None
+    single = {"auto": "SingleDeviceStrategy" if world == 1 else "DDPStrategy", "single_device": "SingleDeviceStrategy",
+              "fsdp": "FSDPStrategy"}
+    return {"world_size": world, "num_nodes": nodes, "devices": per_node,
+            "strategy": single.get(strategy, "DDPStrategy" if strategy.startswith("ddp") else strategy),
+            "accumulate_grad_batches": int(trainer.get("accumulate_grad_batches", 1)),
+            "batch_size": int(cfg.data.batch_size) if cfg.data.get("batch_size") is not None else None}
+
+
+def global_batch(launch: dict[str, Any]) -> int | None:
+    """Sequences per optimizer step: data.batch_size x ranks x trainer.accumulate_grad_batches (None: unknown)."""
+    parts = [launch.get(k) for k in ("batch_size", "world_size", "accumulate_grad_batches")]
+    return None if None in parts else parts[0] * parts[1] * parts[2]
+
+
+def check_same_launch(what: str, saved: dict[str, Any] | None, planned: dict[str, Any],
+                      run: Path) -> dict[str, list[Any]] | None:
+    """A resume continues at the checkpoint's global batch and gradient accumulation, or is refused naming the keys
+    that change them and the command that continues the run as it was (and, where one exists, the one at the same
+    global batch on this launch: another world size is legitimate when data.batch_size makes up for it, the data
+    order being a function of (step, global batch) alone). Accumulation may not change: Lightning counts its loops
+    (the accumulation window, validation, logging) in micro-batches, so the first step after such a resume would
+    take part of a global batch. Returns what changed, key -> [was, now] (None: nothing, or a checkpoint of an
+    lmlab that recorded no launch)."""
+    if not saved:
+        return None
+    changed = {k: [saved.get(k), v] for k, v in planned.items() if v is not None and saved.get(k) != v}
+    was, now = global_batch(saved), global_batch(planned)
+    if "accumulate_grad_batches" not in changed and (was is None or now is None or was == now):
+        if changed and is_rank_zero():
+            print(f"{what}: continuing at the same global batch ({was}) with "
+                  f"{', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())} (recorded in summary.json)")
+        return changed or None
+    keys = [k for k in LAUNCH_KEYS if k in changed]
+    detail = ", ".join(f"{LAUNCH_KEYS.get(k, k)}: checkpoint {changed[k][0]}, now {changed[k][1]}"
+                       for k in [*keys, *(["strategy"] if "strategy" in changed else [])])
+    as_was = " ".join([continue_command(run), *(f"{LAUNCH_KEYS[k]}={changed[k][0]}" for k in keys)])
+    per_rank = planned["world_size"] * saved["accumulate_grad_batches"]  # data.batch_size keeps the global batch
+    kept = [f"{LAUNCH_KEYS[k]}={planned[k]}" for k in keys if k not in ("batch_size", "accumulate_grad_batches")]
+    same = f"; or at the same global batch on {planned['world_size']} rank(s): " + " ".join(
+        [continue_command(run), *kept, f"data.batch_size={was // per_rank}"]) if was % per_rank == 0 else ""
+    raise ValueError(f"{what}: the run's global batch is {was} sequences per step (data.batch_size x ranks x "
+                     f"trainer.accumulate_grad_batches = {saved['batch_size']} x {saved['world_size']} x "
+                     f"{saved['accumulate_grad_batches']}), this launch's {now} ({planned['batch_size']} x "
+                     f"{planned['world_size']} x {planned['accumulate_grad_batches']}: {detail}), which would change "
+                     f"the run (a resume keeps the global batch and its accumulation); continue it as it was: "
+                     f"{as_was}{same}")
 
 
 def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:

@@ -74,6 +74,8 @@ class RunSummary(TypedDict, total=False):
     config: dict[str, Any]  # the whole resolved config
     signal: int | None  # the signal an interrupted run stopped for
     attempts: list[dict[str, Any]]  # one per start or resume: status, from_step, to_step, overrides, error, ...
+    relaunched: str | None  # each resume that went on at the same global batch on another launch (world size,
+    #   strategy, accumulation): "at step 3: world_size 2 -> 4, ..."; that attempt's `changed` has key -> [was, now]
 
 
 def _ppl(loss: float | None) -> float | None:
@@ -117,11 +119,12 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
 
 
 def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: float,
-           previous: dict[str, Any] | None, targets: Sequence[float] = ()) -> RunSummary:
-    """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides), the
-    earlier ones kept from the previous summary, so a failed resume says what failed and when without losing what
-    the run had reached; and what the run took to reach each of `targets` (its `to_target`, timed over every
-    attempt)."""
+           previous: dict[str, Any] | None, targets: Sequence[float] = (),
+           changed: dict[str, list[Any]] | None = None) -> RunSummary:
+    """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides, and
+    `changed`: what a resume's launch changed against its checkpoint, lmlab.plan.check_same_launch), the earlier ones
+    kept from the previous summary, so a failed resume says what failed and when without losing what the run had
+    reached; and what the run took to reach each of `targets` (its `to_target`, timed over every attempt)."""
     attempts = list((previous or {}).get("attempts") or [])
     if previous and not attempts:  # a summary from before attempts were recorded
         attempts = [{"status": previous.get("status"), "from_step": 0, "to_step": previous.get("steps"),
@@ -129,8 +132,11 @@ def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: f
     attempts.append({"status": summary["status"], "from_step": started_at_step, "to_step": summary["steps"],
                      "overrides": summary["overrides"], "error": summary["error"],
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-                     "wall_time_s": summary["wall_time_s"]})
-    summary = RunSummary({**summary, "attempts": attempts})
+                     "wall_time_s": summary["wall_time_s"], **({"changed": changed} if changed else {})})
+    relaunched = "; ".join(f"at step {a['from_step']}: " + ", ".join(f"{k} {was} -> {now}" for k, (was, now) in
+                                                                      a["changed"].items())
+                           for a in attempts if a.get("changed"))
+    summary = RunSummary({**summary, "attempts": attempts, "relaunched": relaunched or None})  # a string: W&B's too
     summary["to_target"] = run_targets(summary, targets)
     run.write_summary(summary)
     return summary

@@ -169,7 +169,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
-                             targets=check_targets(cfg.get("targets")))
+                             targets=check_targets(cfg.get("targets")), changed=plan.changed)
         tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum

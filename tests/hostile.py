@@ -4,7 +4,9 @@ Written opcode by opcode (the way an attacker writes them, not with `pickle.dump
 mechanism a restricted unpickler must refuse is covered: GLOBAL and STACK_GLOBAL lookups with REDUCE, INST, OBJ,
 NEWOBJ + BUILD (`__setstate__` of an importable class), dotted names that walk attributes from an allowed module to
 `operator.attrgetter`/`itemgetter`/`methodcaller` (which reach `os` through a function's `__globals__`), and a
-payload placed in front of the genuine data so that a reader which runs it still returns normal results.
+payload placed in front of the genuine data so that a reader which runs it still returns normal results; and
+writes into what the unpickler did not build (`STATE_WRITES`: BUILD on an allowed class, or on an enum member, which
+set attributes for the whole process).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"  # imports `operator`: the reported chain starts here
 
@@ -100,3 +102,25 @@ def hidden_in_tuple(marker: Path, genuine: object) -> bytes:
     inner = pickle.dumps(genuine, protocol=2)[2:-1]  # no PROTO, no STOP: the genuine record's ops
     pick = _stack_global(_DCP_PLANNER, "operator.itemgetter") + _int(1) + b"\x85R"
     return b"\x80\x04" + pick + b"(" + _operator_chain(marker) + inner + b"t\x85R."
+
+
+_ENCODING = "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"  # an allowed enum: calling it returns a member
+
+# name -> (the object written into, its attribute, the payload's body): each BUILD sets the attribute to `builtins.set`
+STATE_WRITES: dict[str, tuple[Callable[[], object], str, bytes]] = {
+    "build_on_a_class": (lambda: PosixPath, "exists", _global("pathlib", "PosixPath") + b"N}" + _str("exists") +
+                         _global("builtins", "set") + b"s\x86b"),  # setattr(PosixPath, "exists", set)
+    "build_dict_on_an_enum_member": (lambda: _enum_member(), "_value_", _global(*_ENCODING) + b"(" + _int(0) +
+                                     b"tR}" + _str("_value_") + _global("builtins", "set") + b"sb"),
+}
+
+
+def _enum_member() -> object:
+    import importlib
+
+    return getattr(importlib.import_module(_ENCODING[0]), _ENCODING[1])(0)
+
+
+def state_write(name: str, genuine: bytes) -> bytes:
+    """The write `name` in front of the genuine pickle (its value dropped): a reader that runs it returns normal data."""
+    return b"\x80\x04" + STATE_WRITES[name][2] + b"0" + genuine

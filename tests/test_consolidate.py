@@ -1,4 +1,5 @@
-"""`python -m lmlab.consolidate`: never deletes a directory it did not write; in place replaces the shards."""
+"""`python -m lmlab.consolidate`: never deletes a directory it did not write; in place replaces the shards; a
+`.metadata` that writes into a class is refused with a non-zero exit."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from lmlab.consolidate import consolidate
 from lmlab.rundir import load_checkpoint
+from tests.hostile import STATE_WRITES, state_write
 from tests.runs import ROOT, cli, sharded_checkpoint
 
 # e2e: starts lmlab.consolidate; DCP warns "assuming the intent is ... single process"
@@ -36,3 +38,14 @@ def test_consolidated_into_a_file_and_in_place(tmp_path) -> None:
     assert consolidate(ckpt, ckpt) == ckpt and ckpt.is_file()  # the run's own shards: replaced by the one file
     assert load_checkpoint(ckpt, "test")["state_dict"]["model.wte.weight"].equal(one["state_dict"]["model.wte.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "one.ckpt"]  # no .old or .tmp left
+
+
+@pytest.mark.parametrize("write", sorted(STATE_WRITES))
+def test_metadata_that_writes_into_a_class_fails_the_command(tmp_path, write: str) -> None:
+    """BUILD on pathlib.PosixPath (or an enum member) in front of the genuine metadata: consolidate wrote the file
+    and exited 0 with the class changed in its process; now it names the file and writes nothing."""
+    ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
+    (ckpt / ".metadata").write_bytes(state_write(write, (ckpt / ".metadata").read_bytes()))
+    res = cli("-m", "lmlab.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
+    assert res.returncode != 0 and f"refused {ckpt}" in res.stderr and "BUILD on" in res.stderr, res.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -199,6 +199,66 @@ def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
 
 
 @pytest.mark.e2e
+def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs) -> None:
+    """The README's "consolidate in place, then continue with any trainer" with trainer=fsdp2 (it ended in torch's
+    RuntimeError: the one file's optimizer state re-keyed by the module's parameter order, not the optimizer's).
+    Interrupted at step 3 of 6, made one file in place, continued on 2 FSDP2 ranks: the uninterrupted run's figures,
+    and the run's checkpoint is sharded again."""
+    base, args = runs["base"], [*runs["args"], "data.batch_size=4", *FSDP2]
+    run = base / "consolidated_then_fsdp2"
+    res = drive(args, run, base, at=2)
+    assert res.returncode == 3, res.stderr[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    res = cli("-m", "lmlab.consolidate", str(run), str(ckpt), cwd=ROOT)
+    assert res.returncode == 0 and ckpt.is_file(), res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in FIGURES:
+        a, b = metric(runs["two"], name), metric(run, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-7), (name, step)
+    assert (ckpt / "meta.pt").is_file() and json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.e2e
+def test_a_resume_on_fewer_ranks_is_refused_unless_the_global_batch_is_kept(runs, tmp_path) -> None:
+    """FSDP2 2 -> 1 rank and the consolidated checkpoint -> one process, at the same per-rank batch (half the global
+    batch): refused with exit 2, one line naming trainer.devices, both values and the commands, nothing written.
+    On 1 FSDP2 rank at data.batch_size=8 the run goes on (DCP reshards 2 -> 1) on the 2-rank run's curve, and
+    summary.json says what changed."""
+    base, args = runs["base"], [*runs["args"], "data.batch_size=4"]
+    one_rank = [a for a in FSDP2 if not a.startswith("trainer.devices")] + ["trainer.devices=1"]
+    run = base / "fewer_ranks"
+    res = drive([*args, *FSDP2], run, base, at=2)
+    assert res.returncode == 3, res.stderr[-3000:]
+    consolidated = tmp_path / "consolidated"
+    shutil.copytree(runs["two"], consolidated)
+    consolidate(consolidated, consolidated / "checkpoints" / "last.ckpt")
+    for where, launch in ((run, one_rank), (consolidated, ["trainer.max_steps=8"])):
+        before = sorted((p.relative_to(where), p.stat().st_mtime_ns) for p in where.rglob("*"))
+        res = cli(str(ROOT / "train.py"), *args, *launch, f"hydra.run.dir={where}", cwd=base)
+        error = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and "global batch is 8 sequences per step" in error, res.stderr[-3000:]
+        assert "this launch's 4" in error and "trainer.devices: checkpoint 2, now 1" in error, error
+        assert f"as it was: python train.py hydra.run.dir={where} trainer.devices=2" in error, error
+        assert error.endswith("data.batch_size=8"), error
+        assert sorted((p.relative_to(where), p.stat().st_mtime_ns) for p in where.rglob("*")) == before
+    res = cli(str(ROOT / "train.py"), *args, *one_rank, "data.batch_size=8",
+              f"hydra.run.dir={run}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("grad/norm", "val/loss", "param/norm/layer_01"):
+        a, b = metric(runs["two"], name), metric(run, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-7), (name, step)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["attempts"][-1]["changed"] == {
+        "world_size": [2, 1], "devices": [2, 1], "batch_size": [4, 8]}
+    assert summary["relaunched"] == "at step 3: world_size 2 -> 1, devices 2 -> 1, batch_size 4 -> 8"
+
+
+@pytest.mark.e2e
 def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
     from lmlab.training import train
 

@@ -1,6 +1,7 @@
 """Every reader of a checkpoint lmlab has, fed hostile pickles (tests/hostile.py): a single-file checkpoint, a
 sharded checkpoint's `meta.pt`, its DCP `.metadata` and its non-tensor (bytes) entries. Each payload, alone and in
-front of the genuine data, is refused with the path named and creates no file; the genuine data loads."""
+front of the genuine data, is refused with the path named and creates no file; the genuine data loads. A `.metadata`
+that writes into a class (or an object it did not build) is refused with the object unchanged."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from lmlab.distributed import META
 from lmlab.rundir import CheckpointError, load_checkpoint
-from tests.hostile import PAYLOADS, hidden_in_tuple, hostile
+from tests.hostile import PAYLOADS, STATE_WRITES, hidden_in_tuple, hostile, state_write
 from tests.runs import lmlab_checkpoint, sharded_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "assuming the intent is ... single process"
@@ -88,6 +89,33 @@ def test_dcp_metadata_that_is_not_dcps_record_is_refused(tmp_path) -> None:
         (ckpt / ".metadata").write_bytes(bad)
         with pytest.raises(CheckpointError, match=rf"refused {ckpt}.*{reason}"):
             load_checkpoint(ckpt, "run=x")
+
+
+@pytest.fixture
+def put_back():
+    """Whatever a state write changed, put back afterwards (a reader that lets one through changes it for the whole
+    process: every later test would see `Path.exists` replaced)."""
+    saved = {name: (target(), attr, getattr(target(), attr)) for name, (target, attr, _) in STATE_WRITES.items()}
+    yield
+    for obj, attr, value in saved.values():
+        if getattr(obj, attr) is not value:
+            setattr(obj, attr, value) if isinstance(obj, type) else vars(obj).__setitem__(attr, value)
+
+
+@pytest.mark.parametrize("write", sorted(STATE_WRITES))
+def test_dcp_metadata_that_writes_into_a_class_is_refused_and_the_class_is_unchanged(tmp_path, put_back,
+                                                                                      write: str) -> None:
+    """BUILD on `pathlib.PosixPath` itself (setattr(PosixPath, "exists", set): every path "absent" afterwards) or on
+    an enum member calling the enum returned, in front of the genuine metadata: an allowed class is a constructor only,
+    state goes into objects the load built."""
+    target, attr, _ = STATE_WRITES[write]
+    before = getattr(target(), attr)
+    ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
+    (ckpt / ".metadata").write_bytes(state_write(write, (ckpt / ".metadata").read_bytes()))
+    with pytest.raises(CheckpointError, match=rf"refused {ckpt}: .*\(BUILD on (the class pathlib\.PosixPath|a "
+                                              rf"_MEM_FORMAT_ENCODING it did not build) is not allowed"):
+        load_checkpoint(ckpt, "run=x")
+    assert getattr(target(), attr) == before and ckpt.exists()
 
 
 @GENUINE

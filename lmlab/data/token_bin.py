@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack
 from lmlab.data.shards import TokenStream
-from lmlab.rundir import atomic_write
+from lmlab.rundir import atomic_write, remember
 
 NAME = "token_bin"
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
@@ -70,11 +71,38 @@ def read_header(path: str | Path) -> int:
     return n
 
 
-def open_shards(pattern: str, key: str) -> TokenStream:
-    """The shards matching `pattern` (sorted), checked and memory-mapped as one stream; `key` names the option."""
+def shard_paths(pattern: str, key: str) -> list[str]:
+    """The shards matching `pattern`, in reading (sorted) order; `key` names the option."""
     paths = sorted(glob.glob(str(Path(pattern).expanduser())))
     if not paths:
         raise FileNotFoundError(f"{key}={pattern}: no .bin shard matches")
+    return paths
+
+
+def fingerprint(paths: Sequence[str], cache_dir: Path) -> str:
+    """sha256 over the shards' contents in reading order: moving or renaming them keeps it; adding, removing,
+    reordering or changing one does not. Each shard's digest is remembered under `<cache_dir>/fingerprints/` by its
+    path, size, mtime, ctime and inode, as a text corpus's fingerprint is: a later start only reads `stat`."""
+    h = hashlib.sha256()
+    for path in map(Path, paths):
+        st = path.stat()
+        meta = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        memo = cache_dir / "fingerprints" / f"bin-{hashlib.sha256(repr(meta).encode()).hexdigest()[:32]}"
+        digest = memo.read_text().strip() if memo.is_file() else None
+        if digest is None:
+            content = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    content.update(chunk)
+            digest = content.hexdigest()
+            remember(memo, digest + "\n")
+        h.update(bytes.fromhex(digest))
+    return h.hexdigest()
+
+
+def open_shards(pattern: str, key: str) -> TokenStream:
+    """The shards matching `pattern` (sorted), checked and memory-mapped as one stream; `key` names the option."""
+    paths = shard_paths(pattern, key)
     arrays = []
     for p in paths:
         if Path(p).is_dir():
@@ -148,6 +176,7 @@ class TokenBinDataModule(pl.LightningDataModule):
         self.tokenizer_kind = str(data.get("tokenizer") or NAME)
         self.batch_size, self.num_workers = int(data.get("batch_size", 8)), int(data.get("num_workers", 0))
         self.seq_len, self.seed = int(seq_len), int(seed)
+        self.cache_dir = Path(os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()  # the shards' digests
         if not 0 < self.vocab_size <= 2**16:
             raise ValueError(f"data.vocab_size={self.vocab_size} must be in [1, 65536]: .bin shards hold uint16 ids")
         if self.val_tokens_n < self.seq_len + 1:
@@ -175,6 +204,11 @@ class TokenBinDataModule(pl.LightningDataModule):
         if len(train) < self.seq_len + 1:
             raise ValueError(f"data.train={self.train_pattern}: {len(train)} tokens, less than one block of "
                              f"model.max_seq_len + 1 = {self.seq_len + 1}")
+        paths = shard_paths(self.train_pattern, "data.train")
+        val_sha256 = hashlib.sha256(self.val_tokens.read(0, len(self.val_tokens)).tobytes()).hexdigest()
+        self.shards = {  # what a resume checks it reads again (lmlab.plan.check_same_data); val: the tokens it reads
+            "data.train": {"shards": len(paths), "tokens": len(train), "sha256": fingerprint(paths, self.cache_dir)},
+            "data.val": {"tokens": len(self.val_tokens), "sha256": val_sha256}}
         self.train_dataset = TrainBlocks(pack(train, self.seq_len + 1), self.seed)
         self.val_blocks = pack(self.val_tokens, self.seq_len + 1)
         if self.tokenizer_kind == NAME:
@@ -225,7 +259,7 @@ class TokenBinDataModule(pl.LightningDataModule):
         return ""  # a corpus: compare's tables are the whole story
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer is not None else {}
+        return {"tokenizer_sha256": self.tokenizer_sha256, "shards": self.shards} if self.tokenizer is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass  # plan.check_same_data compares the tokenizer before the fit
+        pass  # plan.check_same_data compares the tokenizer and the shards before the fit
