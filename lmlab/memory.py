@@ -107,11 +107,13 @@ def batch_bytes(batch: int, seq_len: int, d_model: int, n_layer: int) -> tuple[i
 def check_batch_fits(batch: int, seq_len: int, d_model: int, n_layer: int, device: str = "cpu") -> None:
     """Refuse a `data.batch_size` whose one batch cannot fit, before the loader allocates it (a batch of 10^8
     sequences grew to 13.5 GB, ignoring signals, until the kernel killed it), naming the largest that could."""
+    import torch
+
     host, dev = batch_bytes(batch, seq_len, d_model, n_layer)
     free = {"cpu": available_bytes("cpu")}
-    if device != "cpu":
-        free[device] = available_bytes(device)
-    need = {"cpu": host + (dev if device == "cpu" else 0), **({device: dev} if device != "cpu" else {})}
+    need = {"cpu": host + (dev if device == "cpu" else 0)}
+    if device != "cpu" and torch.cuda.is_initialized():  # asking the GPU otherwise would start CUDA in a process
+        free[device], need[device] = available_bytes(device), dev  # that may launch ranks, or has none (a login node)
     for where, n in need.items():
         if n > free[where]:
             per = n // batch
