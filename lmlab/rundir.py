@@ -421,6 +421,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK
         self.wait = wait  # False: a held lock is refused at once (RunDirBusy); True: wait for the holder to let go
         self._fd: int | None = None
+        self.stale: str | None = None  # after acquire: the line of a holder that was killed holding it (or None)
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -445,6 +446,8 @@ class RunLock:
             os.close(fd)  # the holder removed the file between our open and our lock: take the new one
         info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} " \
                f"({' '.join(sys.argv)[:300]})"
+        # a line left in the file: its holder died holding the lock (a release removes the file), killed mid-run
+        self.stale = os.pread(fd, 4096, 0).decode(errors="replace").strip() or None
         os.ftruncate(fd, 0)
         os.write(fd, info.encode())
         self._fd = fd

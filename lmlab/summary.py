@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -120,15 +121,24 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
 
 def record(run: RunDir, summary: RunSummary, *, started_at_step: int, started: float,
            previous: dict[str, Any] | None, targets: Sequence[float] = (),
-           changed: dict[str, list[Any]] | None = None) -> RunSummary:
+           changed: dict[str, list[Any]] | None = None, killed: str | None = None) -> RunSummary:
     """Write `summary` with the run's history: one entry per start or resume (status, steps, error, overrides, and
     `changed`: what a resume's launch changed against its checkpoint, lmlab.plan.check_same_launch), the earlier ones
     kept from the previous summary, so a failed resume says what failed and when without losing what the run had
-    reached; and what the run took to reach each of `targets` (its `to_target`, timed over every attempt)."""
+    reached; and what the run took to reach each of `targets` (its `to_target`, timed over every attempt).
+    `killed`: the lock line of an attempt that ended without a summary (SIGKILL, the OOM killer, a lost node), which
+    is recorded before this one as `killed`, from where the previous attempt ended to this start's checkpoint."""
     attempts = list((previous or {}).get("attempts") or [])
     if previous and not attempts:  # a summary from before attempts were recorded
         attempts = [{"status": previous.get("status"), "from_step": 0, "to_step": previous.get("steps"),
                      "overrides": previous.get("overrides"), "error": previous.get("error")}]
+    if killed:
+        since = re.search(r"since (\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)", killed)
+        attempts.append({"status": "killed", "from_step": attempts[-1]["to_step"] if attempts else 0,
+                         "to_step": started_at_step, "overrides": None, "holder": killed,
+                         "error": f"ended without a summary (killed: SIGKILL, out of memory, a lost node); its last "
+                                  f"checkpoint was at step {started_at_step}",
+                         **({"started": f"{since[1]}T{since[2]}"} if since else {})})
     attempts.append({"status": summary["status"], "from_step": started_at_step, "to_step": summary["steps"],
                      "overrides": summary["overrides"], "error": summary["error"],
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),

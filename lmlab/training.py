@@ -61,7 +61,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
         if lock is not None:
             run.clean_temporaries()  # what a killed writer left: ours now that we hold the lock
         try:
-            return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop)
+            return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop,
+                          killed=lock.stale if lock is not None else None)
         finally:
             if lock is not None:
                 lock.release()
@@ -70,7 +71,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
 
 
 def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str | None, callbacks: list,
-           hydra: Any, stop) -> dict[str, Any]:
+           hydra: Any, stop, killed: str | None = None) -> dict[str, Any]:
     import lightning.pytorch as L
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -169,7 +170,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
-                             targets=check_targets(cfg.get("targets")), changed=plan.changed)
+                             targets=check_targets(cfg.get("targets")), changed=plan.changed, killed=killed)
         tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run
     if status == "interrupted" and trainer.is_global_zero:
         signum = stop.signum

@@ -357,3 +357,31 @@ def test_a_value_from_the_environment_is_recorded_as_its_interpolation(corpus: P
     assert "hunter2" not in (run / "summary.json").read_text()
     assert "hunter2" not in (run / ".hydra" / "config.yaml").read_text()
     assert summary["config"]["data"]["cache_dir"] == "${oc.env:LMLAB_TEST_SECRET}"
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_attempt_is_in_the_attempts(corpus: Path, tmp_path: Path) -> None:
+    """SIGKILL leaves no summary, only the lock's line: the resume records that attempt as `killed`, from 0 to the
+    checkpoint it continues from, before its own."""
+    run = tmp_path / "run"
+    args = [str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache", "trainer.max_steps=100000"), f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").is_file():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert not (run / "summary.json").exists() and RunLock.holder(run) is None  # the lock's line is still there
+    step = torch_step(run / "checkpoints" / "last.ckpt")
+    res = cli(*args[:-2], f"hydra.run.dir={run}", "trainer.max_steps=" + str(step + 5), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    attempts = json.loads((run / "summary.json").read_text())["attempts"]
+    assert [(a["status"], a["from_step"], a["to_step"]) for a in attempts] == [
+        ("killed", 0, step), ("completed", step, step + 5)]
+    assert f"pid {proc.pid} " in attempts[0]["holder"] and attempts[0]["started"]
+
+
+def torch_step(ckpt: Path) -> int:
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
