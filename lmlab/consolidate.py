@@ -19,14 +19,15 @@ import shutil
 from pathlib import Path
 
 from lmlab.distributed import is_sharded
-from lmlab.rundir import BEST, CHECKPOINTS, LAST, RunLock, load_checkpoint
+from lmlab.rundir import BEST, CHECKPOINTS, LAST, RunLock, load_checkpoint, temporary
 
 CONSOLIDATED = "last.consolidated.ckpt"
 
 
-def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
+def consolidate(source: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the sharded checkpoint `source` (a run directory: its last.ckpt; or a checkpoint directory) to `out`
-    as one file, atomically; return `out`."""
+    as one file, atomically; return `out`. An existing file named as `out` is refused unless `overwrite` (the
+    default name beside the checkpoint is lmlab's own: consolidating again replaces it)."""
     import torch
 
     source = Path(source)
@@ -34,8 +35,11 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
     if not is_sharded(ckpt):
         raise ValueError(f"{ckpt} is not a sharded checkpoint (a directory with meta.pt and .metadata, written by "
                          f"trainer=fsdp2); a single-file checkpoint needs no consolidation")
+    named = out is not None
     out = Path(out) if out is not None else ckpt.parent / (CONSOLIDATED if ckpt.name == LAST else
                                                             f"{ckpt.name.removesuffix('.ckpt')}.consolidated.ckpt")
+    if named and not overwrite and (out.is_file() or out.is_symlink()):  # never replace what lmlab did not write
+        raise ValueError(f"out={out} exists; name another file, remove it, or pass --overwrite to replace it")
     in_place = out.is_dir() and out.resolve() == ckpt.resolve()
     if out.is_dir() and not in_place:  # never delete what lmlab did not write
         raise ValueError(f"out={out} is an existing directory, not the sharded checkpoint being consolidated "
@@ -44,10 +48,10 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
     with RunLock(ckpt.parent.parent) if ckpt.parent.name == CHECKPOINTS else contextlib.nullcontext():
         state = load_checkpoint(ckpt, f"consolidate {source}")  # weights_only rules, the full state
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tmp = temporary(out)  # lmlab's marker and pid: RunDir.clean_temporaries removes it after a kill
         torch.save(state, tmp)  # then renamed over `out`: a crash never leaves half a file under its name
         if in_place:  # `out` is the sharded checkpoint itself: the one file takes its place
-            old = out.with_name(f".{out.name}.old")
+            old = temporary(out, "old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out, old)
             os.replace(tmp, out)
@@ -62,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", help=f"a run directory (its {CHECKPOINTS}/{LAST}) or a sharded checkpoint "
                                        f"directory ({LAST}, {BEST})")
     parser.add_argument("out", nargs="?", help=f"the file to write (default: {CHECKPOINTS}/{CONSOLIDATED} beside it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file named as out")
     args = parser.parse_args(argv)
     try:
-        print(f"-> {consolidate(args.source, args.out)}")
+        print(f"-> {consolidate(args.source, args.out, args.overwrite)}")
     except (ValueError, RuntimeError) as err:  # not sharded, not loadable, or a run trains into the directory
         raise SystemExit(str(err)) from None
 

@@ -49,3 +49,15 @@ def test_metadata_that_writes_into_a_class_fails_the_command(tmp_path, write: st
     res = cli("-m", "lmlab.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
     assert res.returncode != 0 and f"refused {ckpt}" in res.stderr and "BUILD on" in res.stderr, res.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_an_existing_file_as_out_is_kept_unless_overwrite(tmp_path) -> None:
+    ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
+    mine = tmp_path / "mine.ckpt"
+    mine.write_bytes(b"a week of work")
+    res = cli("-m", "lmlab.consolidate", str(ckpt), str(mine), cwd=ROOT)
+    assert res.returncode != 0 and f"out={mine} exists" in res.stderr and "--overwrite" in res.stderr, res.stderr
+    assert mine.read_bytes() == b"a week of work"
+    res = cli("-m", "lmlab.consolidate", str(ckpt), str(mine), "--overwrite", cwd=ROOT)
+    assert res.returncode == 0 and load_checkpoint(mine, "test")["global_step"] == 3, res.stderr[-2000:]
+    assert consolidate(ckpt) == consolidate(ckpt)  # the default name is lmlab's own: consolidating again replaces it
