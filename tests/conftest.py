@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# torch.compile's on-disk cache is not keyed on ATEN_CPU_CAPABILITY: kernels compiled under AVX-512 and reused under
+# avx2 (or the other way) gave NaN losses and a segfault here. One cache per capability (subprocesses inherit it),
+# unless the user chose one (torch writes its own default into the environment when it first asks: that is replaced).
+_DEFAULT_CACHE = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+if os.environ.get("TORCHINDUCTOR_CACHE_DIR", _DEFAULT_CACHE) == _DEFAULT_CACHE:
+    capability = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_DEFAULT_CACHE}-lmlab-tests-{capability}"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from lmlab.config import GPTConfig
 from lmlab.model.resolve import resolve
