@@ -119,10 +119,15 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
     def decorate(main: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(main)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            from lmlab.rundir import RunDirBusy
+            from lmlab.rundir import DiskFull, RunDirBusy
 
             try:
                 return main(*args, **kwargs)
+            except DiskFull as err:  # not a usage error (exit 1), but one line too: what is full and what to do
+                if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
+                    raise
+                print(f"{PROG[command].removeprefix('python ')}: {err.strerror}", file=sys.stderr)
+                raise SystemExit(1) from None
             except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
                 if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
                     raise

@@ -20,6 +20,7 @@ Layout:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -27,6 +28,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import socket
 import sys
 import time
@@ -92,8 +94,27 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch's zip writer says "unexpected pos" when the disk is full
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or _nearly_full(path.parent):
+            raise DiskFull(errno.ENOSPC, f"no space left on the device of {path.parent} to write {path.name} "
+                                         f"({type(err).__name__}: {str(err).splitlines()[0][:120]}); the previous "
+                                         f"{path.name} is kept: free space there, or continue the run elsewhere "
+                                         f"(copy the directory, hydra.run.dir=<copy>)") from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)  # an error: the old file stays, the temporary goes
+
+
+class DiskFull(OSError):
+    """A write that failed because its filesystem is full (named: directory, file, what to do); the CLI prints it as
+    one line."""
+
+
+def _nearly_full(directory: Path, margin: int = 1 << 20) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < margin
+    except OSError:
+        return False
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:

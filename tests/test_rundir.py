@@ -385,3 +385,29 @@ def test_a_sigkilled_attempt_is_in_the_attempts(corpus: Path, tmp_path: Path) ->
 
 def torch_step(ckpt: Path) -> int:
     return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 192 KiB filesystem (tmpfs; root only): room for a run's records, not for its checkpoint."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mount)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({res.stderr.decode().strip()[:200]})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.e2e
+def test_a_full_disk_is_one_line_naming_the_directory(corpus: Path, tmp_path: Path, small_disk: Path) -> None:
+    """torch's zip writer says `unexpected pos 576 vs 534` when the disk fills: the run says which directory is full
+    and what to do, in one line, exit 1; the records it could write are kept."""
+    run = small_disk / "run"
+    res = cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache", "trainer.max_steps=4",
+                                            "trainer.val_check_interval=2"), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"train.py: no space left on the device of {run / 'checkpoints'} to write "), last
+    assert "the previous" in last and "hydra.run.dir=" in last
+    assert (run / "metrics.csv").is_file() and not list(run.rglob(".*.tmp"))
