@@ -257,3 +257,25 @@ def test_off_a_terminal_progress_is_plain_lines(corpus: Path, tmp_path: Path) ->
     steps = re.findall(r"^step (\d+)/40  loss \d+\.\d{4}.*eta \d+s$", res.stdout, flags=re.M)
     assert steps == [str(s) for s in range(2, 41, 2)], res.stdout[-2000:]  # every 40 // 20 = 2 steps
     assert re.findall(r"^val at step (\d+): loss \d+\.\d{4}$", res.stdout, flags=re.M) == ["10", "20", "30", "40"]
+
+
+def test_progress_lines_show_each_figure_once_when_it_is_fresh(corpus: Path, tmp_path: Path, capsys) -> None:
+    """Logged every 7 steps, printed every step: a line shows the loss and speed only when they were logged since the
+    line before (tagged with their step when it is not the line's), never a stale figure again; the losses printed
+    are metrics.csv's."""
+    import re
+
+    from lmlab import compose
+    from lmlab.training import train
+
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=30", "trainer.log_every_n_steps=7",
+                       "trainer.enable_progress_bar=true")), run)
+    lines = re.findall(r"^step (\d+)/30(.*)$", capsys.readouterr().out, flags=re.M)
+    assert [int(s) for s, _ in lines] == list(range(1, 31))  # every 30 // 20 = 1 step
+    shown = {int(s): rest for s, rest in lines if "loss" in rest}
+    logged = {step + 1: v for step, v in metric(run, "train/loss").items()}  # the line counts steps done, the csv from 0
+    assert sorted(shown) == sorted(logged) == [7, 14, 21, 28], (shown, logged)
+    for step, rest in shown.items():
+        assert re.search(rf"loss {logged[step]:.4f}  [\d,]+ tok/s  eta", rest), (step, rest)
+    assert sum("tok/s" in rest for _, rest in lines) == len(shown)  # the speed too: once per logging step
