@@ -21,11 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from lmlab import budget
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
 from lmlab.data import build_datamodule
+from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
 from lmlab.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.summary import FINISHED
+from lmlab.warmup import fit_warmup
 
 
 @dataclass
@@ -43,10 +45,11 @@ class RunPlan:
 
 
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
-              announce: Callable[[int], None] | None = None) -> RunPlan:
+              announce: Callable[[int], None] | None = None, overrides: list[str] | None = None) -> RunPlan:
     """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
     naming the key or path for anything that refuses the start. `announce(step)` is called once a resume's checkpoint
-    is read, before the data is prepared (its line comes first), unless the run has ended."""
+    is read, before the data is prepared (its line comes first), unless the run has ended. `overrides`: the command's,
+    which tell a warmup it chose from the schedule's default (lmlab.warmup; None: unknown, kept as it is)."""
     cfg = copy.deepcopy(cfg)
     source = prepare_init_from(cfg)
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
@@ -67,6 +70,8 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
     data.setup("fit")
     model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
     spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
+    if (said := fit_warmup(cfg, overrides, saved)) and is_rank_zero():  # after the budget: the run's own length
+        print(said, flush=True)
     if saved is not None:
         check_same_data(what, data, saved)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, model.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))

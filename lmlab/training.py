@@ -89,7 +89,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.tracking import Tracking
 
     # --- everything that can refuse the start, before the run directory is touched ---
-    plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra))
+    plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra),
+                     overrides=overrides)
     stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
