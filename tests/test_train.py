@@ -278,7 +278,8 @@ def test_progress_lines_show_each_figure_once_when_it_is_fresh(corpus: Path, tmp
     lines = re.findall(r"^step (\d+)/30(.*)$", capsys.readouterr().out, flags=re.M)
     assert [int(s) for s, _ in lines] == list(range(1, 31))  # every 30 // 20 = 1 step
     shown = {int(s): rest for s, rest in lines if "loss" in rest}
-    logged = {step + 1: v for step, v in metric(run, "train/loss").items()}  # the line counts steps done, the csv from 0
+    # a line counts the steps done, metrics.csv numbers them from 0
+    logged = {step + 1: v for step, v in metric(run, "train/loss").items()}
     assert sorted(shown) == sorted(logged) == [7, 14, 21, 28], (shown, logged)
     for step, rest in shown.items():
         assert re.search(rf"loss {logged[step]:.4f}  [\d,]+ tok/s  eta", rest), (step, rest)
