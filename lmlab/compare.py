@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
+from lmlab.compare_gaps import CURVES, gaps, validations
 from lmlab.compare_stats import significance
 from lmlab.data.tasks import TASKS
 from lmlab.ladder import compute_spent, ladder_section, matmul_weights, size_keys
 from lmlab.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
-from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock
+from lmlab.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
 from lmlab.summary import objective
 from lmlab.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
 from lmlab.targets import TARGET_FIGURES, default_target, to_target
@@ -242,8 +243,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
             *TARGET_FIGURES, "run",
             *(["problem"] if any(row["problem"] for row in rows) else [])]
-    md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + write_table(
-        rows, cols, sweep_dir / "compare")
+    table = write_table(rows, cols, sweep_dir / "compare")
+    md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + table
 
     variant_keys = [k for k in varying if k != SEED]
 
@@ -268,10 +269,14 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     for r, metrics in logged.items():  # the seeds of a variant share its name: plotted as their mean with a ± sd band
         series.setdefault(name(r, variant_keys), []).append(metrics)
     plots = sweep_dir / "plots"
-    plot_curves(series, names.TRAIN_LOSS, plots / "train_loss.png", title="training loss")
-    plot_curves(series, names.VAL_LOSS, plots / "val_loss.png", title="validation loss")
-    plot_curves(series, names.GRAD_NORM, plots / "grad_norm.png", log=True,
-                title="global gradient norm (before clipping)")
+    drawn = {metric: plot_curves(series, metric, plots / png, log=metric == names.GRAD_NORM, title=title)
+             for (metric, png), title in zip(CURVES.items(), ("training loss", "validation loss",
+                                                                "global gradient norm (before clipping)"))}
+    notes = gaps(drawn, [validations(s, logged.get(r, {})) for r, s in summaries.items()], target)
+    if notes:  # above the tables, printed and in compare.md
+        said = "".join(f"Note: {n}\n" for n in notes) + "\n"
+        md = said + md
+        atomic_write(sweep_dir / "compare.md", said + table)
     routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
     if routed:  # an MoE's expert load by layer and step, one panel per run
         plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")

@@ -10,6 +10,7 @@ accepts the plan (writes the run directory), fits and records.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
 from lmlab.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.summary import FINISHED
+from lmlab.warmup import fit_warmup
 
 
 @dataclass
@@ -57,19 +59,15 @@ def check_buildable(cfg: DictConfig) -> None:
             check_targets(spec, f"logger.{name}", Logger)
 
 
-def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan:
+def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
+              announce: Callable[[int], None] | None = None, overrides: list[str] | None = None) -> RunPlan:
     """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
-    naming the key or path for anything that refuses the start."""
+    naming the key or path for anything that refuses the start. `announce(step)` is called once a resume's checkpoint
+    is read, before the data is prepared (its line comes first), unless the run has ended. `overrides`: the command's,
+    which tell a warmup it chose from the schedule's default (lmlab.warmup; None: unknown, kept as it is)."""
     cfg = copy.deepcopy(cfg)
     check_buildable(cfg)
     source = prepare_init_from(cfg)
-    seed_everything(cfg.seed, workers=True, verbose=False)  # after the source's model was read, as always: same numbers
-    data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                            seed=cfg.seed)
-    data.prepare_data()
-    data.setup("fit")
-    model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
-    spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
     saved, resume_step, previous, ended, changed = None, 0, None, False, None
     if ckpt is not None:
@@ -78,17 +76,55 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str) -> RunPlan
             raise ValueError(f"{what}: the checkpoint is sharded (written by trainer=fsdp2); continue it with "
                              f"trainer=fsdp2, or make it one file first: python -m lmlab.consolidate {run.path} {ckpt}")
         saved = load_checkpoint(ckpt, what, mmap=True, weights=False)  # Lightning loads the weights
+        resume_step, previous = int(saved["global_step"]), run.read_summary()
+        if announce is not None and not _ended(saved, previous, resume_step, _planned_steps(cfg, saved)):
+            announce(resume_step)
+    seed_everything(cfg.seed, workers=True, verbose=False)  # after the source's model was read, as always: same numbers
+    data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
+                            seed=cfg.seed)
+    data.prepare_data()
+    data.setup("fit")
+    model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
+    spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
+    if (said := fit_warmup(cfg, overrides, saved)) and is_rank_zero():  # after the budget: the run's own length
+        print(said, flush=True)
+    if saved is not None:
         check_same_data(what, data, saved, run.path)  # first: another tokenizer also shows as another vocab_size
         check_same_arch(what, model.to_dict(), model_config(saved), ("dropout", *COMPUTE_KEYS))
         changed = check_same_launch(what, (saved.get("lmlab") or {}).get("launch"), planned_launch(cfg, strategy),
                                     run.path)
-        resume_step = int(saved["global_step"])
-        previous = run.read_summary()
-        status = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
-            "completed" if resume_step >= cfg.trainer.max_steps else None)
-        ended = bool(status) and (previous or {}).get("status") in FINISHED
+        ended = _ended(saved, previous, resume_step, cfg.trainer.max_steps)
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
                    previous=previous, ended=ended, budget=spend, changed=changed)
+
+
+def continuing(run: RunDir, step: int, overrides: list[str] | None) -> str:
+    """The first line of a continued run: its directory, the step it continues from and the overrides of its own it
+    keeps (`overrides`: the merged ones it runs with, None from library use, which gave a config and no command),
+    with those this command adds or changes. Read before the start rewrites .hydra/overrides.yaml."""
+    line = f"continuing {run.path} from step {step}"
+    if overrides is None:
+        return line
+    saved = run.read_overrides() or []
+    kept = [o for o in overrides if o in saved]
+    new = [o for o in overrides if o not in saved]
+    line += f", its overrides kept: {' '.join(kept)}" if kept else ", with no overrides of its own"
+    return line + (f"; this command's: {' '.join(new)}" if new else "")
+
+
+def _ended(saved: dict[str, Any], previous: dict[str, Any] | None, step: int, max_steps: int) -> bool:
+    """Whether the run a checkpoint belongs to has ended (diverged, or done its steps, and recorded so)."""
+    status = (saved.get("lmlab") or {}).get("divergence", {}).get("status") or (
+        "completed" if step >= max_steps else None)
+    return bool(status) and (previous or {}).get("status") in FINISHED
+
+
+def _planned_steps(cfg: DictConfig, saved: dict[str, Any]) -> int:
+    """The run's steps as far as they are known before the model is built: a budget's are the checkpoint's (the same
+    budget buys the same steps), otherwise trainer.max_steps."""
+    if budget.chosen(cfg) is not None:
+        return int((saved.get("hyper_parameters") or {}).get("max_steps") or cfg.trainer.max_steps)
+    return cfg.trainer.max_steps
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).

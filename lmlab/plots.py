@@ -39,14 +39,24 @@ def plot_init_profile(profiles: Mapping[str, Mapping[str, float]], path: str | P
                       ylabel: str = "gradient norm at init") -> Path:
     """A figure per layer (layer_00 .. layer_NN; other keys such as embed and head are left out), one line per run:
     by default the gradient norm at initialisation."""
+    fig, ax = init_profile_axes(profiles)
+    return _finish(fig, ax, path, "layer", ylabel,
+                   title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
+
+
+def init_profile_axes(profiles: Mapping[str, Mapping[str, float]]) -> tuple[Any, Any]:
+    """plot_init_profile's figure before it is labelled and saved: layers are counted, so the ticks are integers
+    (matplotlib's default locator put 0.5, 1.5, ... between the layers of a 4-layer model)."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, profile in profiles.items():
         layers = [k for k in profile if k.startswith("layer_")]
         ax.plot(range(len(layers)), [profile[k] for k in layers], marker="o", label=name)
     ax.set_yscale("log")
-    return _finish(fig, ax, path, "layer", ylabel,
-                   title or "Gradient norm per layer at initialisation (Xiong et al. 2020, Fig. 3)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
 
 
 def layer_profile(series: Mapping[str, Sequence[tuple[int, float]]], prefix: str, at: str = "first"

@@ -27,12 +27,18 @@ class StepsRichProgressBar(RichProgressBar):
 
 class PlainProgress(ProgressBar):
     """One line every `every` steps (None: about 20 lines a run) and one at each validation, to stdout:
-    `step 120/600  loss 2.3140  12,345 tok/s  eta 1m20s` and `val at step 200: loss 2.1000`."""
+    `step 120/600  loss 2.3140  12,345 tok/s  eta 1m20s` and `val at step 200: loss 2.1000`.
+
+    The loss and speed are measured on the steps Lightning logs (every trainer.log_every_n_steps), which need not be
+    the steps a line is printed at: a line shows them only when they were logged since the line before, with the
+    step they are of when it is not the line's (`loss 2.3140 @100`); in between a line has the step and eta alone,
+    so a figure is never repeated as if it were new."""
 
     def __init__(self, every: int | None = None) -> None:
         super().__init__()
         self.every, self._enabled = every, True
         self._start: tuple[float, int] | None = None
+        self._logged = self._shown = -1  # the last step whose figures were logged, and the last one printed
 
     def disable(self) -> None:
         self._enabled = False
@@ -45,15 +51,20 @@ class PlainProgress(ProgressBar):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         step, total = trainer.global_step, trainer.max_steps
+        if trainer._logger_connector.should_update_logs:  # this step's figures reached callback_metrics
+            self._logged = step
         every = self.every or max(1, total // 20)
         if not (self._enabled and trainer.is_global_zero) or (step % every and step != total):
             return
         metrics = trainer.callback_metrics
         parts = [f"step {step}/{total}"]
-        if (loss := metrics.get(names.TRAIN_LOSS)) is not None:
-            parts.append(f"loss {float(loss):.4f}")
-        if (rate := metrics.get(names.TOKENS_PER_S)) is not None:
-            parts.append(f"{float(rate):,.0f} tok/s")
+        if self._logged > self._shown:
+            at = "" if self._logged == step else f" @{self._logged}"
+            if (loss := metrics.get(names.TRAIN_LOSS)) is not None:
+                parts.append(f"loss {float(loss):.4f}{at}")
+            if (rate := metrics.get(names.TOKENS_PER_S)) is not None:
+                parts.append(f"{float(rate):,.0f} tok/s{at}")
+            self._shown = self._logged
         if self._start is not None and step > self._start[1]:
             per_step = (time.monotonic() - self._start[0]) / (step - self._start[1])
             parts.append(f"eta {_duration(per_step * (total - step))}")

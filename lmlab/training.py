@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from lmlab.plan import (  # noqa: F401  (check_same_arch, prepare_init_from, ...
     RESUME_MODES,
     check_same_arch,
     check_same_data,
+    continuing,
     load_init_from,
     make_plan,
     prepare_init_from,
@@ -87,7 +89,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lmlab.trusted import build
 
     # --- everything that can refuse the start, before the run directory is touched ---
-    plan = make_plan(cfg, run, mode, strategy_name(cfg))
+    plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra),
+                     overrides=overrides)
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
     if plan.ended:  # a no-op: every file stays as it was
@@ -182,3 +185,14 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
         raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
     return summary
+
+
+def _announce(run: RunDir, overrides: list[str], hydra: Any):
+    """What a resume says first (lmlab.plan.continuing), on rank 0; Lightning's "Checkpoint directory ... exists and
+    is not empty", which read like a fault, is not shown then. Library use without overrides has no command to name."""
+    def say(step: int) -> None:
+        warnings.filterwarnings("ignore", message=r".*Checkpoint directory .* exists and is not empty.*")
+        if is_rank_zero():
+            print(continuing(run, step, overrides if hydra is not None or overrides else None), flush=True)
+
+    return say

@@ -115,3 +115,45 @@ def test_lmlab_train_starts_ddp_ranks_as_itself(corpus: Path, tmp_path: Path) ->
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["world_size"] == 2
+
+
+@pytest.mark.parametrize("config, args, said", [
+    ("train", ["optim.lrr=1e-3"], "optim.lrr=1e-3: optim has no key 'lrr'; did you mean optim.lr?"),
+    ("train", ["norm=rsm"], "norm=rsm: norm has no option 'rsm'; did you mean rms? (the options: batch, layer, none, "
+                            "rms, scale)"),
+    ("train", ["-m", "norm=rms,rsm"], "norm=rms,rsm: norm has no option 'rsm'; did you mean rms? (the options: batch, "
+                                      "layer, none, rms, scale)"),
+    ("train", ["nrom=rms"], "nrom=rms: there is no config group or key 'nrom'; did you mean norm or init_from?"),
+    ("train", ["norm=layer", "norm.epss=1e-5"], "norm.epss=1e-5: norm has no key 'epss'; did you mean norm.eps?"),
+    ("train", ["data=text_files", "data.pathz=[a]"], "data.pathz=[a]: data has no key 'pathz'; did you mean "
+                                                     "data.paths?"),
+    ("generate", ["run=x", "promt=hi"], "promt=hi: there is no config group or key 'promt'; did you mean prompt?"),
+    ("eval", ["run=x", "lenghts=[256]"], "lenghts=[256]: there is no config group or key 'lenghts'; did you mean "
+                                         "lengths?"),
+])
+def test_an_unknown_group_option_or_key_is_named_with_the_closest(config: str, args: list[str], said: str) -> None:
+    from lmlab.cli import unknown_override
+
+    assert unknown_override(config, [a for a in args if not a.startswith("-")]) == said
+
+
+@pytest.mark.parametrize("args", [
+    ["data=text_files", "data.paths=[/a,/b]", "norm.eps=1e-5", "model.n_layer=2", "+optim.new_key=1"],  # ??? paths
+    ["experiment=postnorm_warmup", "schedule.warmup_steps=0,150", "hydra.sweep.dir=S", "hydra/launcher=slurm"],
+    ["experiment=glob(*)", "~optim.lr", "trainer.max_steps=range(1,3)", "norm=null"],
+])
+def test_what_hydra_accepts_passes_the_check(args: list[str]) -> None:
+    from lmlab.cli import unknown_override
+
+    assert unknown_override("train", args) is None
+
+
+@pytest.mark.parametrize("script, args", [("train.py", ["optim.lrr=1e-3"]), ("train.py", ["norm=rsm"]),
+                                          ("eval.py", ["run=x", "lenghts=[256]"]),
+                                          ("generate.py", ["run=x", "promt=hi"])])
+def test_a_misspelt_option_or_key_is_one_line_and_exit_2(tmp_path: Path, script: str, args: list[str]) -> None:
+    """Instead of Hydra's several lines, exit 1 and, for a key, the hint `+optim.lrr`, which would add it."""
+    res = cli(str(ROOT / script), *args, cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"{script}: {args[-1]}: ") and "did you mean" in res.stderr
+    assert "+optim" not in res.stderr and not (tmp_path / "outputs").exists()

@@ -169,3 +169,44 @@ def test_malformed_summaries_are_flagged_and_the_rest_compared(tmp_path: Path) -
     table = {r["run"]: r for r in _read(sweep / "compare.csv")}
     assert table["no_status"]["status"] == "malformed" and table["no_status"]["problem"] == "summary.json has no status"
     assert "malformed" in md and "placement=pre" in md
+
+
+def _validated(sweep: Path, name: str, val: list[tuple[int, float]]) -> Path:
+    """A fake run whose summary's val_curve and metrics.csv's val/loss rows are `val`."""
+    run = _fake_run(sweep, [name], best=min(v for _, v in val), final=val[-1][1])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "val_curve": val, "tokens_per_step": 256,
+                                                  "flops_per_token": 1e5}))
+    rows = "".join(f"{s},{3.0 - s / 100},\n" for s in range(40)) + "".join(f"{s - 1},,{v}\n" for s, v in val)
+    (run / "metrics.csv").write_text("step,train/loss,val/loss\n" + rows)
+    return run
+
+
+def test_compare_says_why_val_loss_png_and_the_to_target_columns_are_empty_of_information(tmp_path: Path) -> None:
+    """Each run validated once (at its last step): no val_loss.png and *_to_target columns that only repeat each
+    run's length; compare says both, in what it prints and in compare.md, and the next sweep, validated 4 times,
+    draws the plot and says nothing."""
+    once = tmp_path / "once"
+    _validated(once, "norm=layer", [(40, 2.0)])
+    _validated(once, "norm=rms", [(40, 2.6)])
+    _, md = compare(once, target=2.7)
+    assert not (once / "plots" / "val_loss.png").exists() and (once / "plots" / "train_loss.png").exists()
+    notes = [line for line in md.splitlines() if line.startswith("Note: ")]
+    assert len(notes) == 3, md
+    assert notes[0].startswith("Note: plots/val_loss.png not drawn: each run validated once") and \
+        "trainer.val_check_interval" in notes[0]
+    assert notes[1] == "Note: plots/grad_norm.png not drawn: no run logged grad/norm at two steps or more"
+    assert notes[2].startswith("Note: steps_to_target, tokens_to_target, flops_to_target, time_to_target_s carry no "
+                               "information: each run validated once")
+    assert (once / "compare.md").read_text().startswith("\n".join(notes) + "\n\n| norm |")
+    rows = {r["norm"]: r for r in _read(once / "compare.csv")}
+    assert rows["layer"]["steps_to_target"] == rows["rms"]["steps_to_target"] == "40.0"  # 0.6 nats apart, the same
+
+    often = tmp_path / "often"
+    _validated(often, "norm=layer", [(10, 2.9), (20, 2.5), (30, 2.2), (40, 2.0)])
+    _validated(often, "norm=rms", [(10, 3.0), (20, 2.9), (30, 2.8), (40, 2.6)])
+    _, md = compare(often, target=2.7)
+    assert [line for line in md.splitlines() if line.startswith("Note: ")] == [notes[1]]  # the grad norm alone
+    assert (often / "plots" / "val_loss.png").exists()
+    rows = {r["norm"]: r for r in _read(often / "compare.csv")}
+    assert float(rows["layer"]["steps_to_target"]) < 20 < 30 < float(rows["rms"]["steps_to_target"]) < 40

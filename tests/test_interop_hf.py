@@ -464,3 +464,21 @@ def test_the_plan_adopts_an_init_from_source_into_its_own_copy_of_the_config(cor
     assert plan.cfg.rope_scaling.original_max_len == 32  # the source's trained length
     assert plan.model.ffn_hidden == 64 and plan.model.n_layer == 2 and plan.source["path"] == str(source)
     assert plan.ckpt is None and not plan.ended and not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_export_is_readable_as_the_umask_says(corpus: Path, tmp_path: Path, umask: int) -> None:
+    """safetensors writes model.safetensors 0600 whatever the umask; the export gives it the mode of every other file
+    it writes (0644 under umask 022, 0640 under 027), so colleagues who can read config.json can load the weights."""
+    from lmlab.interop.hf import export
+
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2", "trainer.val_check_interval=2")), run)
+    old = os.umask(umask)
+    try:
+        out = export(run, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == 0o666 & ~umask
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -57,3 +57,14 @@ def test_lengths_reads_each_runs_unscaled_eval_rows(tmp_path: Path, monkeypatch)
     assert sorted((r["run"], r["length"], r["loss"]) for r in drawn["rows"]) == [
         ("block.score=relu2", 64, 2.0), ("block.score=relu2", 128, 3.0),
         ("block.score=softmax", 64, 2.0), ("block.score=softmax", 128, 2.5)]
+
+
+def test_the_init_profile_has_a_tick_per_layer_and_no_fractional_ones() -> None:
+    """Layers are counted: a 4-layer profile gets ticks 0, 1, 2, 3 (matplotlib's default put 0.5, 1.5, ... between)."""
+    from lmlab.plots import init_profile_axes
+
+    fig, ax = init_profile_axes({"pre": {f"layer_0{i}": 1.0 + i for i in range(4)} | {"embed": 3.0}})
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert ticks == [0.0, 1.0, 2.0, 3.0], ticks
+    fig.clf()

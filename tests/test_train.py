@@ -238,6 +238,10 @@ def test_a_run_continues_from_its_own_directory_with_its_own_overrides(corpus: P
     assert sorted(metric(run, "train/loss")) == list(range(40))
     assert "trainer.max_steps=40" in summary["overrides"] and "norm=rms" in summary["overrides"]
     assert "trainer.max_steps=30" not in summary["overrides"]
+    said = again.stdout.splitlines()[0]  # the first line says what happens, naming what it kept and changed
+    assert said.startswith(f"continuing {run} from step 30, its overrides kept: ") and \
+        " norm=rms ffn=swiglu;" in said and said.endswith("; this command's: trainer.max_steps=40"), again.stdout[:2000]
+    assert "Checkpoint directory" not in again.stderr
     changed = _cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "norm=layer", "trainer.max_steps=50", cwd=tmp_path)
     assert changed.returncode != 0 and "model/norm: checkpoint has {'name': 'rms'" in changed.stderr, \
         changed.stderr[-3000:]
@@ -257,3 +261,48 @@ def test_off_a_terminal_progress_is_plain_lines(corpus: Path, tmp_path: Path) ->
     steps = re.findall(r"^step (\d+)/40  loss \d+\.\d{4}.*eta \d+s$", res.stdout, flags=re.M)
     assert steps == [str(s) for s in range(2, 41, 2)], res.stdout[-2000:]  # every 40 // 20 = 2 steps
     assert re.findall(r"^val at step (\d+): loss \d+\.\d{4}$", res.stdout, flags=re.M) == ["10", "20", "30", "40"]
+
+
+def test_progress_lines_show_each_figure_once_when_it_is_fresh(corpus: Path, tmp_path: Path, capsys) -> None:
+    """Logged every 7 steps, printed every step: a line shows the loss and speed only when they were logged since the
+    line before (tagged with their step when it is not the line's), never a stale figure again; the losses printed
+    are metrics.csv's."""
+    import re
+
+    from lmlab import compose
+    from lmlab.training import train
+
+    run = tmp_path / "run"
+    train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=30", "trainer.log_every_n_steps=7",
+                       "trainer.enable_progress_bar=true")), run)
+    lines = re.findall(r"^step (\d+)/30(.*)$", capsys.readouterr().out, flags=re.M)
+    assert [int(s) for s, _ in lines] == list(range(1, 31))  # every 30 // 20 = 1 step
+    shown = {int(s): rest for s, rest in lines if "loss" in rest}
+    # a line counts the steps done, metrics.csv numbers them from 0
+    logged = {step + 1: v for step, v in metric(run, "train/loss").items()}
+    assert sorted(shown) == sorted(logged) == [7, 14, 21, 28], (shown, logged)
+    for step, rest in shown.items():
+        assert re.search(rf"loss {logged[step]:.4f}  [\d,]+ tok/s  eta", rest), (step, rest)
+    assert sum("tok/s" in rest for _, rest in lines) == len(shown)  # the speed too: once per logging step
+
+
+def test_a_continued_run_first_says_where_from_which_step_and_what_it_kept(corpus: Path, tmp_path: Path,
+                                                                         capsys) -> None:
+    """Continued with the run's own overrides and one of the command's: the first line names the directory, the step
+    and both; Lightning's "Checkpoint directory ... exists and is not empty", which read like a fault, is not shown. A
+    fresh start says nothing of the kind."""
+    import warnings
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    own = ["norm=rms", "ffn=swiglu"]
+    train(compose(tiny(corpus, cache, *own)), run, overrides=own)
+    assert "continuing" not in capsys.readouterr().out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(compose(tiny(corpus, cache, *own, "trainer.max_steps=40")), run, overrides=[*own, "trainer.max_steps=40"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"continuing {run} from step 30, its overrides kept: norm=rms ffn=swiglu; this command's: " \
+                     f"trainer.max_steps=40", out[:3]
+    assert not [w for w in caught if "Checkpoint directory" in str(w.message)]
+    train(compose(tiny(corpus, cache, *own, "trainer.max_steps=50")), run)  # library use: no command to name
+    assert capsys.readouterr().out.splitlines()[0] == f"continuing {run} from step 40"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.cli import PROG, as_lists, quote_paths, usage_errors
+from lmlab.cli import PROG, as_lists, quote_paths, refuse_unknown, usage_errors
 
 # `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
 LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
@@ -18,6 +18,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...`."""
     PROG["eval"] = prog
     sys.argv = [sys.argv[0], *quote_paths(as_lists(argv, LISTS), ("run", "compare", "out", "hf"))]
+    refuse_unknown("eval", "eval", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
 
 

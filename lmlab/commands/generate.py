@@ -8,13 +8,14 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig
 
-from lmlab.cli import PROG, quote_paths, usage_errors
+from lmlab.cli import PROG, quote_paths, refuse_unknown, usage_errors
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',')."""
     PROG["generate"] = prog
     sys.argv = [sys.argv[0], *quote_paths(argv, ("run",))]
+    refuse_unknown("generate", "generate", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
 
 

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
-from lmlab.cli import PROG, dirname_exclusions, quote_paths, usage_errors
+from lmlab.cli import PROG, dirname_exclusions, quote_paths, refuse_unknown, usage_errors
 from lmlab.early_signals import catch_early
 
 
@@ -23,6 +23,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
     PROG["train"] = prog
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
+    refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
     if FAILED_JOBS:  # a sweep went on past them (the basic launcher's jobs run in this process): now it says so
         print(f"{prog.removeprefix('python ')}: {len(FAILED_JOBS)} job(s) of the sweep did not run to an end:\n  " + "\n  ".join(FAILED_JOBS),

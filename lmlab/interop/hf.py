@@ -26,6 +26,8 @@ never exported as something it is not. `transformers` is imported lazily (the `d
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -322,11 +324,22 @@ def export(run_dir: str | Path, out: str | Path) -> Path:
         setattr(hf.generation_config, key, getattr(tokenizer, key, None))
     hf.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    readable_as_umask(out.glob("*.safetensors"))
     if tokenizer.eos_token is None:
         log.warning("%s was trained without an end-of-document token (data.eod), so the export has no eos, bos or pad "
                     "token: batched generate() needs an attention_mask (with pad_token_id=<id> alone, every prompt "
                     "token of that id is masked). Train with data.eod='<|endoftext|>' for one.", run.path)
     return out
+
+
+def readable_as_umask(paths: Iterable[Path]) -> None:
+    """Give `paths` the mode a plain open() gives a new file, 0666 less the umask: safetensors writes its files 0600
+    whatever the umask (through a private temporary file), so colleagues on a shared file system could read the
+    export's config.json but not its weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in paths:
+        path.chmod(0o666 & ~mask)
 
 
 def tokenizer_fast(path: str | Path, eod: str | None = None) -> Any:
