@@ -26,7 +26,8 @@ def run(prog: str, argv: Sequence[str]) -> None:
     refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
     if FAILED_JOBS:  # a sweep went on past them (the basic launcher's jobs run in this process): now it says so
-        print(f"{prog.removeprefix('python ')}: {len(FAILED_JOBS)} job(s) of the sweep did not run to an end:\n  " + "\n  ".join(FAILED_JOBS),
+        jobs = "\n  ".join(FAILED_JOBS)
+        print(f"{prog.removeprefix('python ')}: {len(FAILED_JOBS)} job(s) of the sweep did not run to an end:\n  {jobs}",
               file=sys.stderr)
         raise SystemExit(1)
 
