@@ -10,11 +10,6 @@ Before the run starts (its checks and data preparation, which can take minutes o
 process at once, with the signal's exit code: there is nothing to save, and a token-shard preparation goes on from
 its finished shards next time. SIGUSR1 in a SLURM job requeues it first, so the job starts again (lmlab.early_signals
 keeps a signal that comes even earlier, while the entry point imports, and `install()` takes it over here).
-Between the start of `trainer.fit` and the first step (Lightning's set-up, the resume's restore, the sanity check
-and the assembly of the first batches, which a large `data.batch_size` makes long) a signal ends the run at once in
-a one-process run: `RunInterrupted` is raised from the handler, nothing of this attempt is trained so nothing is
-saved, and the run is recorded `interrupted` at the step it started from. With more than one rank the signal waits
-for the step boundary as in training (a rank leaving alone would leave the others waiting in a collective).
 A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
 checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
@@ -56,8 +51,6 @@ class StopOnSignal(Callback):
         self.signum: int = 0  # the signal the run stopped for, the same on every rank
         self.recording = False  # set by record(): training is over, what it did is being written
         self.preparing = True  # until prepared(): before the run starts, a signal stops the process at once
-        self.starting = False  # from prepared() to the first step: a signal ends the run at once (one process)
-        self.world_size = 1
         self._original: dict[int, Any] = {}
 
     @property
@@ -69,17 +62,14 @@ class StopOnSignal(Callback):
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             stop_before_start(signum)
-        if self.starting and self.world_size == 1 and not self.recording:  # nothing of this attempt to save yet
-            self.received = self.signum = signum
-            raise RunInterrupted(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
 
-    def prepared(self, world_size: int = 1) -> None:
-        """`trainer.fit` is about to start: from here on a signal ends the run as `interrupted`, at once until the
-        first step starts (one process), then at the step boundary it comes in, with its checkpoint."""
-        self.preparing, self.starting, self.world_size = False, True, int(world_size)
+    def prepared(self) -> None:
+        """The run's plan is made (its data prepared) and the run is about to start: from here on a signal ends the
+        step it comes in and the run stops at that step boundary, with its checkpoint."""
+        self.preparing = False
 
     def record(self) -> None:
         """From here on the run is being saved and recorded (checkpoint, metrics, summary): a second Ctrl-C no longer
@@ -126,7 +116,6 @@ class StopOnSignal(Callback):
         self.signum = signum
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starting = False  # the first step of this attempt begins: a signal now waits for its end
         if self.signum:
             trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
             raise RunInterrupted(self.signum)

@@ -91,6 +91,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     # --- everything that can refuse the start, before the run directory is touched ---
     plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra),
                      overrides=overrides)
+    stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
     if plan.ended:  # a no-op: every file stays as it was
@@ -140,7 +141,6 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     start, status, error, at_once = time.time(), "completed", None, False
     tokens_at_start = lit.tokens_seen
     try:
-        stop.prepared(trainer.world_size)  # until here a signal stopped the process at once; now it ends the run
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
         stop.record()
         if lit.divergence.status is not None:

@@ -4,7 +4,6 @@ the signal's exit code and a line that says so, instead of the signal's default 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -47,47 +46,6 @@ def test_a_signal_before_torch_is_imported_stops_the_run_before_it_starts(signum
     assert proc.returncode == 128 + signum, err[-2000:]
     assert f"interrupted by signal {signum} before the run started: nothing to save" in out, out + err[-2000:]
     assert not (tmp_path / "run" / "summary.json").exists()  # nothing was started, so nothing to continue
-
-
-def rss_mib(pid: int) -> int:
-    """The process's resident memory (VmRSS), 0 when it has gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) // 1024
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_the_first_batchs_assembly_ends_the_run_within_seconds(signum, corpus: Path,
-                                                                             tmp_path: Path) -> None:
-    """A batch of 2^18 sequences takes the loader tens of seconds to assemble (and its step far longer): a signal
-    then used to wait for the first step's end, and the next batch's assembly. It ends the run at once now, recorded
-    `interrupted` at step 0 with the signal's exit code."""
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"),
-                             "data.batch_size=262144", f"hydra.run.dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.time() + 240
-        while not (run / ".hydra" / "config.yaml").exists():  # the plan is made: the trainer starts next
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        base = rss_mib(proc.pid)
-        while rss_mib(proc.pid) < base + 150:  # the loader is assembling the first batch (~600 MB when done)
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        sent = time.time()
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=10)
-        took = time.time() - sent
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signum, err[-3000:]
-    assert took < 10
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["steps"] == 0 and summary["signal"] == signum
-    assert f"interrupted by signal {signum} at step 0: no checkpoint yet" in out, out + err[-2000:]
 
 
 def test_an_oversized_batch_is_refused_before_it_is_allocated(corpus: Path, tmp_path: Path) -> None:
