@@ -128,7 +128,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         good one, as lmlab's single-file writer does)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        from lmlab.rundir import temporary
+        from lmlab.temporaries import temporary
 
         path = Path(self.broadcast(str(filepath)))
         tmp, old = (Path(p) for p in self.broadcast((str(temporary(path)), str(temporary(path, "old")))))  # rank 0's

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lmlab.env import is_rank_zero  # noqa: F401  (importable from here, as in earlier lmlab)
+from lmlab.temporaries import MARK, temporary  # noqa: F401  (temporary: importable from here, as its writers use it)
+from lmlab.temporaries import OURS as _OURS
 
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"
@@ -66,19 +68,9 @@ class RunDirBusy(RuntimeError):
 
 # --- writing ---
 
-# lmlab's own temporaries carry this marker and the writer's pid (`.<name>.lmlab-<pid>.tmp`, and `.<name>.lmlab-<pid>.old`
-# for a sharded checkpoint moved aside), so that cleaning up after a killed writer never touches a user's `.notes.tmp`.
-MARK = "lmlab"
-_OURS = re.compile(rf"^\.(?P<target>.+)\.{MARK}-\d+\.(?P<kind>tmp|old)$")
+# lmlab's own temporaries (lmlab.temporaries: `.<name>.lmlab-<pid>.tmp`, `.old`) are what cleaning up removes.
 # Names lmlab wrote before the marker (`.<name>.<pid>.tmp`), cleaned only for the files lmlab writes there.
 _LEGACY = re.compile(r"^\.(?P<target>.+)\.\d+\.tmp$")
-
-
-def temporary(path: str | Path, kind: str = "tmp") -> Path:
-    """The temporary beside `path` that this process writes it through (`kind` "tmp"), or moves the old one aside
-    to ("old"): `.<name>.lmlab-<pid>.<kind>`, a name `RunDir.clean_temporaries` can tell from anyone else's."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.{MARK}-{os.getpid()}.{kind}")
 
 
 @contextlib.contextmanager
