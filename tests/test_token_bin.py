@@ -108,7 +108,7 @@ def test_every_train_id_is_checked_against_the_vocabulary_once_per_shard(tmp_pat
     with pytest.raises(ValueError, match=r"data.train: .*fineweb_train_000001.bin holds token id 299, not below "
                                          r"data.vocab_size=100"):
         TokenBinDataModule(spec, seq_len=32, seed=1).setup()
-    assert len(list((tmp_path / "cache" / "token_bin_max").glob("*.json"))) == 2  # one memo per shard
+    assert len(list((tmp_path / "cache" / "token_bin_shards").glob("*.json"))) == 2  # one memo per shard
     TokenBinDataModule({**spec, "vocab_size": 300}, seq_len=32, seed=1).setup()  # the memos answer
     write_shard(d / "fineweb_train_000001.bin", [1, 2, 3, 4])  # rewritten: read again, not the old memo
     TokenBinDataModule(spec, seq_len=32, seed=1).setup()

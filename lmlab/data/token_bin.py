@@ -79,25 +79,48 @@ def shard_paths(pattern: str, key: str) -> list[str]:
     return paths
 
 
+def shard_facts(path: str | Path, cache_dir: Path) -> dict[str, Any]:
+    """A shard's sha256 (of the whole file) and largest token id, from one chunked read, remembered under
+    `<cache_dir>/token_bin_shards/` by its path, size, mtime, ctime and inode (as a text corpus's fingerprint is): a
+    later start only reads `stat`, and a shard rewritten in place is read again."""
+    import json
+
+    path = Path(path).resolve()
+    st = path.stat()
+    meta = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    memo = cache_dir / "token_bin_shards" / f"{hashlib.sha256(repr(meta).encode()).hexdigest()[:32]}.json"
+    try:
+        facts = json.loads(memo.read_text())
+        return {"sha256": str(facts["sha256"]), "max": int(facts["max"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    n = read_header(path)
+    content, top, chunk = hashlib.sha256(), -1, 1 << 24
+    with open(path, "rb") as f:
+        content.update(f.read(HEADER_BYTES))
+        while block := f.read(2 * chunk):
+            content.update(block)
+            ids = np.frombuffer(block[: len(block) // 2 * 2], dtype="<u2")
+            top = max(top, int(ids.max())) if len(ids) else top
+    facts = {"sha256": content.hexdigest(), "max": top if n else -1}
+    remember(memo, json.dumps({**facts, "path": str(path)}))
+    return facts
+
+
 def fingerprint(paths: Sequence[str], cache_dir: Path) -> str:
-    """sha256 over the shards' contents in reading order: moving or renaming them keeps it; adding, removing,
-    reordering or changing one does not. Each shard's digest is remembered under `<cache_dir>/fingerprints/` by its
-    path, size, mtime, ctime and inode, as a text corpus's fingerprint is: a later start only reads `stat`."""
+    """sha256 over the shards' contents in reading order (shard_facts): moving or renaming them keeps it; adding,
+    removing, reordering or changing one does not."""
     h = hashlib.sha256()
-    for path in map(Path, paths):
-        st = path.stat()
-        meta = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-        memo = cache_dir / "fingerprints" / f"bin-{hashlib.sha256(repr(meta).encode()).hexdigest()[:32]}"
-        digest = memo.read_text().strip() if memo.is_file() else None
-        if digest is None:
-            content = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    content.update(chunk)
-            digest = content.hexdigest()
-            remember(memo, digest + "\n")
-        h.update(bytes.fromhex(digest))
+    for path in paths:
+        h.update(bytes.fromhex(shard_facts(path, cache_dir)["sha256"]))
     return h.hexdigest()
+
+
+def check_ids(paths: Sequence[str], key: str, vocab_size: int, cache_dir: Path) -> None:
+    """Refuse shards that hold an id >= `vocab_size`, naming the shard (every id: shard_facts' largest)."""
+    for p in paths:
+        if (top := shard_facts(p, cache_dir)["max"]) >= vocab_size:
+            raise ValueError(f"{key}: {p} holds token id {top}, not below data.vocab_size={vocab_size}")
 
 
 def open_shards(pattern: str, key: str) -> TokenStream:
@@ -114,37 +137,6 @@ def open_shards(pattern: str, key: str) -> TokenStream:
     if not arrays:
         raise ValueError(f"{key}={pattern}: the shards hold no tokens")
     return TokenStream(arrays)
-
-
-def shard_max(path: str | Path) -> int:
-    """The largest token id of the shard at `path`, read in chunks of its memory map once and remembered in lmlab's
-    cache by the shard's path, size and mtime, so that every id of a 10B-token corpus is checked against the
-    vocabulary at a start (a bad id past the first ones was a raw IndexError in training)."""
-    import json
-    import os
-
-    from lmlab.rundir import remember
-
-    path = Path(path).resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    memo = Path(os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser() / "token_bin_max" / f"{key}.json"
-    try:
-        return int(json.loads(memo.read_text())["max"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    n = read_header(path)
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, "<u2")
-    top = max((int(tokens[i: i + (1 << 24)].max()) for i in range(0, n, 1 << 24)), default=-1)
-    remember(memo, json.dumps({"max": top, "path": str(path)}))
-    return top
-
-
-def check_ids(pattern: str, key: str, vocab_size: int) -> None:
-    """Refuse shards matching `pattern` that hold an id >= `vocab_size`, naming the shard (`shard_max`)."""
-    for p in sorted(glob.glob(str(Path(pattern).expanduser()))):
-        if (top := shard_max(p)) >= vocab_size:
-            raise ValueError(f"{key}: {p} holds token id {top}, not below data.vocab_size={vocab_size}")
 
 
 def stand_in_tokenizer(vocab_size: int):
@@ -176,7 +168,7 @@ class TokenBinDataModule(pl.LightningDataModule):
         self.tokenizer_kind = str(data.get("tokenizer") or NAME)
         self.batch_size, self.num_workers = int(data.get("batch_size", 8)), int(data.get("num_workers", 0))
         self.seq_len, self.seed = int(seq_len), int(seed)
-        self.cache_dir = Path(os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()  # the shards' digests
+        self.cache_dir = Path(data.get("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         if not 0 < self.vocab_size <= 2**16:
             raise ValueError(f"data.vocab_size={self.vocab_size} must be in [1, 65536]: .bin shards hold uint16 ids")
         if self.val_tokens_n < self.seq_len + 1:
@@ -197,15 +189,15 @@ class TokenBinDataModule(pl.LightningDataModule):
             raise ValueError(f"data.val_tokens={self.val_tokens_n}: the val shards ({self.val_pattern}) hold only "
                              f"{len(val)} tokens")
         self.train_tokens, self.val_tokens = train, val[: self.val_tokens_n]
-        top = int(self.val_tokens.read(0, len(self.val_tokens)).max())  # the val tokens read: all of them
-        if top >= self.vocab_size:
+        val_ids = self.val_tokens.read(0, len(self.val_tokens))  # the val tokens read: all of them, once
+        if (top := int(val_ids.max())) >= self.vocab_size:
             raise ValueError(f"data.val: the shards hold token id {top}, not below data.vocab_size={self.vocab_size}")
-        check_ids(self.train_pattern, "data.train", self.vocab_size)  # every train id, not only the first ones
+        paths = shard_paths(self.train_pattern, "data.train")
+        check_ids(paths, "data.train", self.vocab_size, self.cache_dir)  # every train id, not only the first ones
         if len(train) < self.seq_len + 1:
             raise ValueError(f"data.train={self.train_pattern}: {len(train)} tokens, less than one block of "
                              f"model.max_seq_len + 1 = {self.seq_len + 1}")
-        paths = shard_paths(self.train_pattern, "data.train")
-        val_sha256 = hashlib.sha256(self.val_tokens.read(0, len(self.val_tokens)).tobytes()).hexdigest()
+        val_sha256 = hashlib.sha256(val_ids.tobytes()).hexdigest()
         self.shards = {  # what a resume checks it reads again (lmlab.plan.check_same_data); val: the tokens it reads
             "data.train": {"shards": len(paths), "tokens": len(train), "sha256": fingerprint(paths, self.cache_dir)},
             "data.val": {"tokens": len(self.val_tokens), "sha256": val_sha256}}
