@@ -28,6 +28,7 @@ from lmlab.model.gpt import validate
 from lmlab.model.resolve import resolve
 from lmlab.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.summary import FINISHED
+from lmlab.trusted import check_config_targets
 from lmlab.warmup import fit_warmup
 
 
@@ -46,19 +47,6 @@ class RunPlan:
     changed: dict[str, list[Any]] | None = None  # a resume's launch against the checkpoint's: key -> [was, now]
 
 
-def check_buildable(cfg: DictConfig) -> None:
-    """Every `_target_` of the trainer and the loggers one lmlab builds (lmlab.trusted), before any is imported."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import Logger
-
-    from lmlab.trusted import check_targets
-
-    check_targets(cfg.trainer, "trainer", Trainer)
-    for name, spec in (cfg.get("logger") or {}).items():
-        if spec is not None:
-            check_targets(spec, f"logger.{name}", Logger)
-
-
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
               announce: Callable[[int], None] | None = None, overrides: list[str] | None = None) -> RunPlan:
     """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
@@ -66,7 +54,7 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
     is read, before the data is prepared (its line comes first), unless the run has ended. `overrides`: the command's,
     which tell a warmup it chose from the schedule's default (lmlab.warmup; None: unknown, kept as it is)."""
     cfg = copy.deepcopy(cfg)
-    check_buildable(cfg)
+    check_config_targets(cfg)  # every _target_ the trainer and loggers take one lmlab builds, before any import
     source = prepare_init_from(cfg)
     ckpt = resume_checkpoint(run, mode, bool(cfg.get("overwrite", False)))
     saved, resume_step, previous, ended, changed = None, 0, None, False, None

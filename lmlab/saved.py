@@ -108,19 +108,12 @@ def _is_mapping_at(base: Any, key: str) -> bool:
 def check_config(config: Any, path: Path) -> Any:
     """A config recorded in `path` (`.hydra/config.yaml`, summary.json's `config`): every `_target_` in its trainer
     and logger entries one lmlab builds, and none anywhere else. Returns it unchanged."""
-    from lmlab.trusted import check_targets
+    from lmlab.trusted import check_config_targets
 
     if not isinstance(config, Mapping):
         raise SavedStateRefused(f"{path}: the recorded config is a {type(config).__name__}, not a mapping")
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import Logger
-
     try:
-        if config.get("trainer") is not None:
-            check_targets(config["trainer"], "trainer", Trainer)
-        for name, spec in (config.get("logger") or {}).items() if isinstance(config.get("logger"), Mapping) else ():
-            if spec is not None:
-                check_targets(spec, f"logger.{name}", Logger)
+        check_config_targets(config)
     except ValueError as err:
         raise SavedStateRefused(f"{path}: {err}") from None
     rest = {k: v for k, v in config.items() if k not in ("trainer", "logger")}

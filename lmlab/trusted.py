@@ -83,6 +83,20 @@ def _check_class(target: Any, key: str, kinds: tuple[type, ...]) -> None:
         raise ValueError(f"{key}={target!r} is not something lmlab builds ({what}): {accepted}")
 
 
+def check_config_targets(config: Any) -> None:
+    """`check_targets` on a config's trainer (a Trainer) and each of its loggers (a Logger): every place lmlab
+    builds from a config, so a composed config and one read back from a run are checked by the same rule."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import Logger
+
+    if config.get("trainer") is not None:
+        check_targets(config["trainer"], "trainer", Trainer)
+    loggers = config.get("logger")
+    for name, spec in (loggers.items() if isinstance(loggers, Mapping) else ()):
+        if spec is not None:
+            check_targets(spec, f"logger.{name}", Logger)
+
+
 def build(node: Any, key: str, root: type, **kwargs: Any) -> Any:
     """`hydra.utils.instantiate(node, **kwargs)` once every `_target_` in `node` has passed `check_targets`."""
     from hydra.utils import instantiate
