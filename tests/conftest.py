@@ -8,12 +8,19 @@ import tempfile
 from pathlib import Path
 
 # torch.compile's on-disk cache is not keyed on ATEN_CPU_CAPABILITY: kernels compiled under AVX-512 and reused under
-# avx2 (or the other way) gave NaN losses and a segfault here. One cache per capability (subprocesses inherit it),
-# unless the user chose one (torch writes its own default into the environment when it first asks: that is replaced).
+# avx2 (or the other way) gave NaN losses and a segfault here. One cache per capability: a folder of the user's cache
+# when they chose one, else beside torch's default. A cache this file chose for an outer test session (inherited by
+# the `make test` that tests/test_setup.py runs under avx2) is keyed on that session's capability: chosen again.
 _DEFAULT_CACHE = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-if os.environ.get("TORCHINDUCTOR_CACHE_DIR", _DEFAULT_CACHE) == _DEFAULT_CACHE:
-    capability = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_DEFAULT_CACHE}-lmlab-tests-{capability}"
+_OURS = "lmlab-tests-"
+_chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _DEFAULT_CACHE
+if Path(_chosen).name.startswith(_OURS):
+    _chosen = str(Path(_chosen).parent)
+elif Path(_chosen).name.startswith(f"{Path(_DEFAULT_CACHE).name}-{_OURS}"):
+    _chosen = _DEFAULT_CACHE
+_capability = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = (f"{_DEFAULT_CACHE}-{_OURS}{_capability}" if _chosen == _DEFAULT_CACHE
+                                         else str(Path(_chosen) / f"{_OURS}{_capability}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
