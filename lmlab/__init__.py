@@ -7,6 +7,11 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +19,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from torch import nn
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the checkout links conf/ to it)
+from lmlab.registry import CONF_DIR  # noqa: E402  (the YAMLs: lmlab.CONF_DIR as before)
 
 
 def _job_dirname(overrides: str, task: list[str] | None = None, sweep_dir: str | None = None) -> str:
@@ -91,7 +96,7 @@ def _slurm_by_accelerator(accelerator: object, on_gpu: object, on_cpu: object) -
 
 
 def _equal_flops_width(n_layer: int, ref_layers: int, ref_width: int, multiple: int = 8) -> int:
-    from lmlab.budget import equal_flops_width
+    from lmlab.run.budget import equal_flops_width
 
     return equal_flops_width(int(n_layer), int(ref_layers), int(ref_width), int(multiple))
 
@@ -112,6 +117,55 @@ def _register_resolvers() -> None:
 
 
 _register_resolvers()
+
+
+# --- where the modules that once sat at the package root live now -------------------------------------------------
+# One forwarding table: `import lmlab.rundir`, `python -m lmlab.consolidate`, an old run's saved config naming
+# `_target_: lmlab.tensorboard.TensorBoardLogger` keep working, and each is the module in its wing (the same object,
+# so a patch through either name is one patch). New code imports the wing's path.
+_MOVED = {
+    "muon": "optim", "lamb": "optim", "schedule_free": "optim", "cautious": "optim", "warmup": "optim",
+    "loss": "model", "memory": "model",
+    "rundir": "record", "saved": "record", "trusted": "record", "temporaries": "record", "summary": "record",
+    "metrics_csv": "record", "tracking": "record", "tensorboard": "record", "targets": "record", "plots": "record",
+    "tables": "record", "consolidate": "record",
+    "plan": "run", "checks": "run", "lit": "run", "monitor": "run", "interrupt": "run", "early_signals": "run",
+    "progress": "run", "distributed": "run", "training": "run", "jacobian": "run", "attn_entropy": "run",
+    "perf": "run", "budget": "run",
+    "evaluate": "analysis", "compare": "analysis", "compare_gaps": "analysis", "compare_stats": "analysis",
+    "fits": "analysis", "ladder": "analysis", "significance": "analysis", "studies": "analysis",
+    "generate": "analysis",
+    "interop.harness": "analysis", 
+}
+
+
+class _Forward(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`lmlab.<old>` is `lmlab.<wing>.<old>` (`_MOVED`): the module itself, and its code for `python -m lmlab.<old>`."""
+
+    @staticmethod
+    def _new(fullname: str) -> str | None:
+        old = fullname.removeprefix("lmlab.")
+        wing = _MOVED.get(old) if fullname.startswith("lmlab.") else None
+        return f"lmlab.{wing}.{old.rpartition('.')[2]}" if wing else None
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if self._new(fullname) else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = importlib.import_module(self._new(spec.name))
+        spec.loader_state = module.__spec__  # importlib sets the module's __spec__ to this alias: exec_module undoes it
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run (the module was imported under its own name); its own spec back."""
+        module.__spec__ = module.__spec__.loader_state
+
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        new = self._new(fullname)
+        return importlib.util.find_spec(new).loader.get_code(new)
+
+
+sys.meta_path.insert(0, _Forward())  # before the path finders: an old file left in a checkout is not read
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 # Path keys whose values Hydra's grammar rejects unquoted when they hold non-ASCII characters (`data.paths=[/d/é]`
 # gives LexerNoViableAltException); quoted for the user when they do, left as typed otherwise.
@@ -17,7 +13,8 @@ UNICODE_PATH_KEYS = ("data.paths", "hf_data_paths", "hydra.run.dir", "hydra.swee
 PROG = {"train": "python train.py", "eval": "python eval.py", "generate": "python generate.py"}
 
 
-# Keys a run may change when it is continued (lmlab/plan.py refuses an architecture change, not these): a sweep job's
+# Keys a run may change when it is continued (lmlab/run/plan.py refuses an architecture change, not these): a sweep
+# job's
 # directory name leaves them out when the command sets them once for every job, so that the same sweep command with
 # more steps (or another logger) continues its jobs in place. Swept (`trainer.max_steps=100,200`) they stay in it.
 RESUMABLE_KEYS = ("trainer.max_steps", "trainer.val_check_interval", "trainer.log_every_n_steps", "logger", "logger.",
@@ -108,107 +105,3 @@ def merge_overrides(base: Sequence[str], new: Sequence[str]) -> list[str]:
     its place in the new list), the rest of the base is kept in its order, first."""
     changed = {override_key(o) for o in new}
     return [o for o in base if override_key(o) not in changed] + list(new)
-
-
-def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator for an entry point: lmlab's refusals (a bad value, a run it will not continue, a path that is not
-    there, a busy run directory) as one line on stderr and exit code 2, a usage error, instead of a traceback under
-    Hydra's hint. `HYDRA_FULL_ERROR=1` (or `LMLAB_DEBUG=1`) shows the traceback. A plain function wrapper, so
-    the task function still pickles (submitit's launchers send it to their jobs)."""
-
-    def decorate(main: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(main)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            from lmlab.rundir import DiskFull, RunDirBusy
-
-            try:
-                return main(*args, **kwargs)
-            except DiskFull as err:  # not a usage error (exit 1), but one line too: what is full and what to do
-                if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
-                    raise
-                print(f"{PROG[command].removeprefix('python ')}: {err.strerror}", file=sys.stderr)
-                raise SystemExit(1) from None
-            except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
-                if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
-                    raise
-                print(f"{PROG[command].removeprefix('python ')}: {err}", file=sys.stderr)
-                raise SystemExit(2) from None
-
-        return wrapped
-
-    return decorate
-
-
-# Hydra's flags that take the next argument as their value (the check leaves a command with a config of its own alone).
-_FLAG_VALUES = ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
-                "--config-dir", "-cd", "--experimental-rerun")
-
-
-def refuse_unknown(command: str, config_name: str, argv: Sequence[str]) -> None:
-    """Before Hydra parses `argv`: an unknown config group, group option or key is refused in one line with the closest
-    names and exit code 2 (Hydra's own error is several lines, exit 1, and for a misspelt key suggests `+key`, which
-    would add it). Anything else Hydra rejects (its grammar, a plugin not installed) is left to Hydra to report."""
-    if any(a in ("-h", "--help", "--hydra-help", "-cp", "--config-path", "-cn", "--config-name", "-cd",
-                 "--config-dir") for a in argv):
-        return
-    overrides, skip = [], False
-    for arg in argv:
-        if skip or arg.startswith("-"):
-            skip = not skip and arg in _FLAG_VALUES
-            continue
-        overrides.append(arg)
-    problem = unknown_override(config_name, overrides)
-    if problem:
-        print(f"{PROG[command].removeprefix('python ')}: {problem}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
-    """Why `overrides` name a group option or key that `config_name` does not have (None: they don't, or Hydra has
-    another objection to report): `norm=rsm: norm has no option 'rsm'; did you mean rms? (...)`."""
-    import difflib
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-    from omegaconf import OmegaConf
-
-    from lmlab import CONF_DIR, compose
-
-    parser, groups, keys = OverridesParser.create(), [], []
-    for text in overrides:
-        try:
-            ov = parser.parse_override(text)
-        except Exception:  # noqa: BLE001  (Hydra reports its grammar errors in its own words)
-            return None
-        key = ov.key_or_group
-        if key.startswith("hydra") or ov.package is not None:
-            continue
-        if (CONF_DIR / key).is_dir() and not ov.is_delete():
-            if ov.value_type == ValueType.GLOB_CHOICE_SWEEP:
-                continue
-            options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
-            values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
-            for value in values:
-                if value is not None and str(value) not in options:
-                    close = difflib.get_close_matches(str(value), options, n=3)
-                    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-                    return f"{text}: {key} has no option {str(value)!r}{hint} (the options: {', '.join(options)})"
-            groups.append(f"{ov.get_key_element()}={values[0]}" if ov.is_sweep_override() else text)
-        elif not (ov.is_add() or ov.is_force_add()):
-            keys.append((text, key))
-    try:
-        cfg = compose(groups, config_name=config_name)
-    except Exception:  # noqa: BLE001  (a group Hydra cannot compose: its own message says why)
-        return None
-    for text, key in keys:
-        node, path = cfg, []
-        for part in key.split("."):
-            names = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []  # `in` is False for ??? values
-            if part not in names:
-                where = ".".join(path)
-                close = [".".join([*path, c]) for c in difflib.get_close_matches(part, names, n=3)]
-                hint = f"; did you mean {' or '.join(close)}?" if close else f" (the keys: {', '.join(names)})"
-                what = f"{where} has no key {part!r}" if path else f"there is no config group or key {part!r}"
-                return f"{text}: {what}{hint}"
-            node, path = node._get_node(part), [*path, part]
-    return None

@@ -46,7 +46,8 @@ class GPTConfig:
     bias: bool = False  # biases in every Linear (GPT-2: True)
     tie_embeddings: bool = True
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
-    chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.loss.linear_cross_entropy): no (tokens, V) logits
+    chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.model.loss.linear_cross_entropy): no (tokens, V)
+                                # logits
     logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
     untie_at_step: PositiveInt | None = None  # a tied head gets its own copy of the embedding at this step (speedrun)
     embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
@@ -70,7 +71,7 @@ class GPTConfig:
     attn_heads: int | None = None  # the attention geometry the position scheme is built for: the block's heads
     attn_head_dim: int | None = None  # ... and their size (one head of key size s for GAU)
     cache_width: int | None = None  # numbers a layer's KV cache holds per token
-    attn_width: int | None = None  # a layer's query/key width plus its value width: the scores' FLOPs (lmlab.perf)
+    attn_width: int | None = None  # a layer's query/key width plus its value width: the scores' FLOPs (lmlab.run.perf)
     unused: list[str] | None = None  # the groups the block does not read (block=gau: attention, ffn): not validated
 
     def __post_init__(self) -> None:

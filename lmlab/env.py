@@ -1,6 +1,6 @@
 """The process environment, in one place: the Hugging Face hub offline, torch's threads, glibc's malloc, lmlab's
 warning filters, and which rank this process is. Every entry point (train.py, eval.py, generate.py, the bench,
-`build_model`) sets it up through `setup`; W&B's mode is `lmlab.tracking`'s."""
+`build_model`) sets it up through `setup`; W&B's mode is `lmlab.record.tracking`'s."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "ac
 ATTN_ENTROPY, ATTN_MAX_LOGIT, ATTN_SINK_MASS = "attn/entropy", "attn/max_logit", "attn/sink_mass"
 MOE = "moe"  # moe/<figure>/layer_XX: load_max_over_mean, load_cv, router_entropy, dropped, balance_loss, ...
 ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
-JAC_NORM = "jac/norm"  # ‖∂x_{l+1}/∂x_l‖_F / √n per block (lmlab.jacobian)
+JAC_NORM = "jac/norm"  # ‖∂x_{l+1}/∂x_l‖_F / √n per block (lmlab.run.jacobian)
 
 
 def layer(i: int) -> str:

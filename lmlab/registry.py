@@ -23,6 +23,9 @@ from os import PathLike
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAMLs, shipped in the package (the checkout links conf/ to
+                                                     # it)
+
 
 @dataclass(frozen=True)
 class Range:

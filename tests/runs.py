@@ -61,7 +61,7 @@ def straight_and_resumed(corpus: Path, tmp_path: Path, *extra: str, at: int = 17
     import pytest
 
     from lmlab import compose
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     cache = tmp_path / "cache"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -89,7 +89,7 @@ def sharded_checkpoint(path: Path) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from lmlab.distributed import META
+    from lmlab.record.sharded import META
 
     ckpt = lmlab_checkpoint()
     optim = {"state": {"model.wte.weight": ckpt["optimizer_states"][0]["state"][0]},

@@ -1,4 +1,4 @@
-"""Attention entropy at an evaluated length (lmlab.attn_entropy): flat logits give the mean of log n exactly; a
+"""Attention entropy at an evaluated length (lmlab.run.attn_entropy): flat logits give the mean of log n exactly; a
 temperature that scales the logits up lowers it; scores without distributions have none."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lmlab.attn_entropy import attention_entropy
+from lmlab.run.attn_entropy import attention_entropy
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 

@@ -1,4 +1,4 @@
-"""budget.flops|tokens|tokens_per_param|wall (lmlab.budget): each variant's steps from its own FLOPs per token, the
+"""budget.flops|tokens|tokens_per_param|wall (lmlab.run.budget): each variant's steps from its own FLOPs per token, the
 rule checked by hand; bad budgets refused by key before training; a run records its budget and what it spent."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lmlab import budget, compose
-from lmlab.checks import check_config
+from lmlab.run import budget
+
+from lmlab import compose
+from lmlab.run.checks import check_config
 from lmlab.config import arch_config
 from lmlab.model.gpt import validate
 
@@ -82,7 +84,7 @@ def test_spent_records_the_budget() -> None:
 
 @pytest.mark.e2e
 def test_a_run_trains_to_its_token_budget(corpus: Path, tmp_path: Path) -> None:
-    from lmlab.training import train
+    from lmlab.run.training import train
     from tests.runs import tiny
 
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith("trainer.max_steps")]
@@ -96,7 +98,7 @@ def test_a_run_trains_to_its_token_budget(corpus: Path, tmp_path: Path) -> None:
 
 
 def test_depth_width_keeps_the_matmul_weights_of_its_reference() -> None:
-    from lmlab.budget import equal_flops_width
+    from lmlab.run.budget import equal_flops_width
 
     assert [equal_flops_width(n, 4, 128) for n in (1, 2, 4, 8, 16)] == [256, 184, 128, 88, 64]
     for n_layer in (1, 2, 4, 8, 16):

@@ -132,7 +132,7 @@ def test_lmlab_train_starts_ddp_ranks_as_itself(corpus: Path, tmp_path: Path) ->
                                          "lengths?"),
 ])
 def test_an_unknown_group_option_or_key_is_named_with_the_closest(config: str, args: list[str], said: str) -> None:
-    from lmlab.cli import unknown_override
+    from lmlab.commands.refusals import unknown_override
 
     assert unknown_override(config, [a for a in args if not a.startswith("-")]) == said
 
@@ -143,7 +143,7 @@ def test_an_unknown_group_option_or_key_is_named_with_the_closest(config: str, a
     ["experiment=glob(*)", "~optim.lr", "trainer.max_steps=range(1,3)", "norm=null"],
 ])
 def test_what_hydra_accepts_passes_the_check(args: list[str]) -> None:
-    from lmlab.cli import unknown_override
+    from lmlab.commands.refusals import unknown_override
 
     assert unknown_override("train", args) is None
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.compare import compare, find_runs
-from lmlab.plots import seed_band
+from lmlab.analysis.compare import compare, find_runs
+from lmlab.record.plots import seed_band
 from tests.runs import ROOT, cli, tiny
 
 

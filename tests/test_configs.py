@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from lmlab import CONF_DIR, build_model, compose
 from lmlab.config import arch_config
-from lmlab.training import check_config
+from lmlab.run.training import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search, recipe: _global_ files (own tests)
                 if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe", "speedrun_step",
@@ -207,7 +207,7 @@ def test_unknown_group_option_is_a_hydra_error_listing_choices() -> None:
 
 
 def test_missing_data_path_and_empty_corpus_fail_before_training(tmp_path: Path) -> None:
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     with pytest.raises(FileNotFoundError, match="data.paths"):
         train(compose(["data=text_files", f"data.paths=[{tmp_path / 'nope.txt'}]", "logger=none"]), tmp_path / "r1")

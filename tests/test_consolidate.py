@@ -1,16 +1,16 @@
-"""`python -m lmlab.consolidate`: never deletes a directory it did not write; in place replaces the shards; a
+"""`python -m lmlab.record.consolidate`: never deletes a directory it did not write; in place replaces the shards; a
 `.metadata` that writes into a class is refused with a non-zero exit."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmlab.consolidate import consolidate
-from lmlab.rundir import load_checkpoint
+from lmlab.record.consolidate import consolidate
+from lmlab.record.rundir import load_checkpoint
 from tests.hostile import STATE_WRITES, state_write
 from tests.runs import ROOT, cli, sharded_checkpoint
 
-# e2e: starts lmlab.consolidate; DCP warns "assuming the intent is ... single process"
+# e2e: starts lmlab.record.consolidate; DCP warns "assuming the intent is ... single process"
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
@@ -19,7 +19,7 @@ def test_an_existing_directory_as_out_is_refused_and_kept(tmp_path) -> None:
     out = tmp_path / "results"
     out.mkdir()
     (out / "notes.txt").write_text("a week of work")
-    res = cli("-m", "lmlab.consolidate", str(ckpt), str(out), cwd=tmp_path)
+    res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(out), cwd=tmp_path)
     assert res.returncode != 0 and f"out={out} is an existing directory" in res.stderr, res.stderr[-2000:]
     assert (out / "notes.txt").read_text() == "a week of work" and sorted(p.name for p in out.iterdir()) == [
         "notes.txt"]
@@ -31,7 +31,7 @@ def test_an_existing_directory_as_out_is_refused_and_kept(tmp_path) -> None:
 
 def test_consolidated_into_a_file_and_in_place(tmp_path) -> None:
     ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
-    res = cli("-m", "lmlab.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
+    res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     one = load_checkpoint(tmp_path / "one.ckpt", "test")
     assert one["global_step"] == 3 and ckpt.is_dir()
@@ -46,7 +46,7 @@ def test_metadata_that_writes_into_a_class_fails_the_command(tmp_path, write: st
     and exited 0 with the class changed in its process; now it names the file and writes nothing."""
     ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
     (ckpt / ".metadata").write_bytes(state_write(write, (ckpt / ".metadata").read_bytes()))
-    res = cli("-m", "lmlab.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
+    res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(tmp_path / "one.ckpt"), cwd=ROOT)
     assert res.returncode != 0 and f"refused {ckpt}" in res.stderr and "BUILD on" in res.stderr, res.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -55,9 +55,9 @@ def test_an_existing_file_as_out_is_kept_unless_overwrite(tmp_path) -> None:
     ckpt = sharded_checkpoint(tmp_path / "last.ckpt")
     mine = tmp_path / "mine.ckpt"
     mine.write_bytes(b"a week of work")
-    res = cli("-m", "lmlab.consolidate", str(ckpt), str(mine), cwd=ROOT)
+    res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(mine), cwd=ROOT)
     assert res.returncode != 0 and f"out={mine} exists" in res.stderr and "--overwrite" in res.stderr, res.stderr
     assert mine.read_bytes() == b"a week of work"
-    res = cli("-m", "lmlab.consolidate", str(ckpt), str(mine), "--overwrite", cwd=ROOT)
+    res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(mine), "--overwrite", cwd=ROOT)
     assert res.returncode == 0 and load_checkpoint(mine, "test")["global_step"] == 3, res.stderr[-2000:]
     assert consolidate(ckpt) == consolidate(ckpt)  # the default name is lmlab's own: consolidating again replaces it

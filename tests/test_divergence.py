@@ -1,4 +1,4 @@
-"""The divergence rule (lmlab.monitor.Divergence), on loss sequences: non-finite losses, spikes past the running
+"""The divergence rule (lmlab.run.monitor.Divergence), on loss sequences: non-finite losses, spikes past the running
 minimum, the collapse plateau at a step, and the state a resume restores."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lmlab.monitor import Divergence
+from lmlab.run.monitor import Divergence
 
 
 def _run(rule: Divergence, losses: list[float], start: int = 0) -> int | None:
@@ -67,8 +67,8 @@ def test_every_key_a_run_writes_is_declared_in_the_typed_summary(corpus, tmp_pat
     import typing
 
     from lmlab import compose
-    from lmlab.summary import RunSummary
-    from lmlab.training import train
+    from lmlab.record.summary import RunSummary
+    from lmlab.run.training import train
     from tests.runs import tiny
 
     summary = train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=2", "trainer.val_check_interval=2",

@@ -149,7 +149,7 @@ def test_the_kv_cache_masks_documents_as_the_full_forward() -> None:
 
 
 def test_document_masking_without_an_end_of_document_token_is_refused_by_key() -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     with pytest.raises(ValueError, match=r"attention.doc_mask=true needs an end-of-document token .* set data.eod"):
         check_config(compose(["attention.doc_mask=true"]))
@@ -158,8 +158,8 @@ def test_document_masking_without_an_end_of_document_token_is_refused_by_key() -
 
 @pytest.mark.e2e
 def test_a_run_trains_and_evaluates_with_documents_masked(corpus: Path, tmp_path: Path) -> None:
-    from lmlab.evaluate import load_model
-    from lmlab.training import train
+    from lmlab.analysis.evaluate import load_model
+    from lmlab.run.training import train
 
     run = tmp_path / "run"
     summary = train(compose(tiny(corpus, tmp_path / "cache", "data.eod='<|endoftext|>'", "attention.doc_mask=true",
@@ -209,7 +209,7 @@ def test_the_kv_cache_counts_positions_per_document(position) -> None:
 
 
 def test_positions_per_document_without_an_end_of_document_token_are_refused_by_key() -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     with pytest.raises(ValueError, match=r"position.per_document=true needs an end-of-document token .* data.eod"):
         check_config(compose(["position.per_document=true"]))

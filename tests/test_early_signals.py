@@ -1,5 +1,5 @@
 """Signals from the first line of `python train.py`: SIGTERM and SIGUSR1 are caught before torch is even imported
-(lmlab.early_signals, the entry point's first call), and one that comes then stops the run before it starts with
+(lmlab.run.early_signals, the entry point's first call), and one that comes then stops the run before it starts with
 the signal's exit code and a line that says so, instead of the signal's default killing the process."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmlab import compose
-from lmlab.evaluate import RunRefused, evaluate
+from lmlab.analysis.evaluate import RunRefused, evaluate
 from lmlab.model.rope_scaling import ROPE_SCALINGS
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import tiny
 
 pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
@@ -58,7 +58,7 @@ def test_length_sweep_is_paired_and_dynamic_methods_leave_the_trained_length_unt
 
 
 def test_a_method_with_a_setting(rope_run: Path) -> None:
-    from lmlab.evaluate import scaling_spec
+    from lmlab.analysis.evaluate import scaling_spec
 
     assert scaling_spec("yarn:ramp=ratio") == {"name": "yarn", "ramp": "ratio"}
     assert scaling_spec("ntk:factor=2") == {"name": "ntk", "factor": 2}

@@ -308,7 +308,7 @@ def test_bench_optimizer_state_bytes(optim: str) -> None:
     from omegaconf import OmegaConf
 
     from lmlab.bench.timing import Contestant
-    from lmlab.lit import configure_optimization
+    from lmlab.run.lit import configure_optimization
 
     conf = Path(__file__).resolve().parents[1] / "lmlab" / "conf"
     spec = OmegaConf.to_container(OmegaConf.load(conf / "optim" / f"{optim}.yaml"))

@@ -190,7 +190,7 @@ def test_compare_shows_total_and_ffn_parameters(tmp_path) -> None:
     import csv
     import json
 
-    from lmlab.compare import compare
+    from lmlab.analysis.compare import compare
     from lmlab.model.gpt import GPT
 
     sweep = tmp_path / "sweep"
@@ -222,7 +222,7 @@ def test_a_checkpoint_sized_by_the_earlier_rule_still_loads() -> None:
     from lmlab import build_model, compose
     from lmlab.config import GPTConfig
     from lmlab.model.gpt import GPT
-    from lmlab.rundir import model_config
+    from lmlab.record.rundir import model_config
 
     old = build_model(compose(["ffn=swiglu", "+ffn.hidden=320"]), vocab_size=40)
     saved_cfg = old.cfg.inputs()  # as old checkpoints store it: no derived sizes, no ffn.hidden
@@ -244,7 +244,7 @@ def test_a_record_with_its_derived_sizes_is_read_as_saved() -> None:
     re-derived from the weights or today's rule; a derived size that disagrees with the options is refused."""
     from lmlab import build_model, compose
     from lmlab.config import DERIVED, GPTConfig
-    from lmlab.rundir import model_config
+    from lmlab.record.rundir import model_config
 
     model = build_model(compose(["ffn=swiglu"]), vocab_size=40)
     record = model.cfg.to_dict()

@@ -1,4 +1,4 @@
-"""Scaling-law fits (lmlab.fits): known parameters recovered from synthetic curves, too few points refused, the
+"""Scaling-law fits (lmlab.analysis.fits): known parameters recovered from synthetic curves, too few points refused, the
 compute-equivalent multiplier and the crossover on fits whose answers are known in closed form."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from lmlab.fits import PowerLaw, compute_multiplier, crossover, fit_power_law
+from lmlab.analysis.fits import PowerLaw, compute_multiplier, crossover, fit_power_law
 
 C = np.logspace(12, 16, 5)  # five rungs, a decade apart
 
@@ -97,7 +97,7 @@ def _ladder_run(sweep, overrides, compute, loss):
 def test_compare_fits_a_ladder_per_variant(tmp_path) -> None:
     import csv
 
-    from lmlab.compare import compare
+    from lmlab.analysis.compare import compare
 
     sweep = tmp_path / "ladder"
     sizes = {"32": 1e12, "64": 1e13, "96": 1e14, "128": 1e15, "160": 1e16}
@@ -151,7 +151,7 @@ def _chinchilla(n, d, p=CHINCHILLA):
 
 
 def test_the_nd_fit_recovers_known_parameters_from_an_exact_surface() -> None:
-    from lmlab.fits import fit_chinchilla
+    from lmlab.analysis.fits import fit_chinchilla
 
     n, d = _grid()
     fit = fit_chinchilla(n, d, _chinchilla(n, d))
@@ -164,7 +164,7 @@ def test_the_nd_fit_recovers_known_parameters_from_an_exact_surface() -> None:
 
 
 def test_with_noise_the_nd_intervals_hold_the_true_parameters() -> None:
-    from lmlab.fits import fit_chinchilla
+    from lmlab.analysis.fits import fit_chinchilla
 
     rng = np.random.default_rng(0)
     n, d = _grid(ns=np.logspace(6, 9, 7), per_param=(2, 8, 32, 128))  # 28 runs over 3 decades of N, 4.5 of D
@@ -177,7 +177,7 @@ def test_with_noise_the_nd_intervals_hold_the_true_parameters() -> None:
 
 
 def test_the_nd_fit_refuses_a_ladder_that_does_not_vary_both() -> None:
-    from lmlab.fits import fit_chinchilla
+    from lmlab.analysis.fits import fit_chinchilla
 
     n = np.logspace(6, 8, 6)
     # fixed tokens per parameter (experiment=ladder's budget.tokens_per_param): D ∝ N, to the rounding of a step
@@ -212,7 +212,7 @@ def _nd_run(sweep, overrides, n, d, loss):
 def test_compare_fits_l_of_n_and_d_where_the_ladder_varies_both(tmp_path) -> None:
     import csv
 
-    from lmlab.compare import compare
+    from lmlab.analysis.compare import compare
 
     sweep = tmp_path / "nd"
     widths = {"32": 3e4, "64": 1e5, "96": 2.5e5, "128": 4e5, "192": 1e6}  # N: matmul weights of each rung
@@ -240,7 +240,7 @@ def test_compare_fits_l_of_n_and_d_where_the_ladder_varies_both(tmp_path) -> Non
 
 
 def test_compare_says_why_a_fixed_tokens_per_parameter_ladder_has_no_nd_fit(tmp_path) -> None:
-    from lmlab.compare import compare
+    from lmlab.analysis.compare import compare
 
     sweep = tmp_path / "ladder"
     for width, n in {"32": 3e4, "64": 1e5, "96": 2.5e5, "128": 4e5, "192": 1e6}.items():

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lmlab import compose
-from lmlab.consolidate import consolidate
-from lmlab.evaluate import evaluate
-from lmlab.rundir import load_checkpoint
+from lmlab.record.consolidate import consolidate
+from lmlab.analysis.evaluate import evaluate
+from lmlab.record.rundir import load_checkpoint
 from tests.hostile import hostile
 from tests.runs import ROOT, cli, metric, tiny
 from tests.test_interrupt import figures
@@ -28,15 +28,15 @@ FIGURES = ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/laye
            "attn/entropy/layer_00", "attn/max_logit/layer_01", "val/loss", "update/output_change",
            "act/ratio/layer_00/attn", "act/ratio/layer_01/ffn")
 
-# Trains through lmlab.training.train, sending SIGTERM to rank 0 when step AT starts (AT < 0: never). Lightning's
+# Trains through lmlab.run.training.train, sending SIGTERM to rank 0 when step AT starts (AT < 0: never). Lightning's
 # launcher starts rank 1 by running this same file again.
 DRIVER = """
 import os, signal, sys
 from lightning.pytorch.callbacks import Callback
 from lmlab import compose
-from lmlab.consolidate import consolidate
-from lmlab.evaluate import evaluate
-from lmlab.training import train
+from lmlab.record.consolidate import consolidate
+from lmlab.analysis.evaluate import evaluate
+from lmlab.run.training import train
 
 ARGS, RUN, AT = {args!r}, {run!r}, {at!r}
 
@@ -97,12 +97,12 @@ def test_fsdp2_figures_equal_one_process_on_the_same_global_batch(runs) -> None:
 
 @pytest.mark.e2e
 def test_fsdp2_checkpoint_is_sharded_and_consolidates_to_the_one_process_checkpoint(runs, tmp_path) -> None:
-    """last.ckpt is a directory of one DCP shard per rank; `python -m lmlab.consolidate` makes the file a
+    """last.ckpt is a directory of one DCP shard per rank; `python -m lmlab.record.consolidate` makes the file a
     one-process run writes: the same weights and AdamW moments under the same keys, within fp32 rounding."""
     sharded = runs["two"] / "checkpoints" / "last.ckpt"
     assert sharded.is_dir() and {"__0_0.distcp", "__1_0.distcp", "meta.pt", ".metadata"} <= {
         p.name for p in sharded.iterdir()}
-    res = cli("-m", "lmlab.consolidate", str(runs["two"]), str(tmp_path / "one_file.ckpt"), cwd=tmp_path)
+    res = cli("-m", "lmlab.record.consolidate", str(runs["two"]), str(tmp_path / "one_file.ckpt"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     mine = load_checkpoint(tmp_path / "one_file.ckpt", "test")  # weights_only=True
     ref = load_checkpoint(runs["one"] / "checkpoints" / "last.ckpt", "test")
@@ -140,7 +140,7 @@ ENTRY_POINTS = {  # every command that reads a sharded checkpoint: (arguments, w
     "export_hf": lambda run, tmp: [str(ROOT / "eval.py"), f"run={run}", "export=hf", f"out={tmp / 'hf'}"],
     "generate": lambda run, tmp: [str(ROOT / "generate.py"), f"run={run}", "prompt=The", "max_new_tokens=2"],
     "init_from": lambda run, tmp: [str(ROOT / "train.py"), f"init_from={run}", f"hydra.run.dir={tmp / 'new'}"],
-    "consolidate": lambda run, tmp: ["-m", "lmlab.consolidate", str(run), str(tmp / "one.ckpt")],
+    "consolidate": lambda run, tmp: ["-m", "lmlab.record.consolidate", str(run), str(tmp / "one.ckpt")],
     "resume": lambda run, tmp: [str(ROOT / "train.py"), *FSDP2, "data.batch_size=4", "trainer.max_steps=8",
                                 f"hydra.run.dir={run}"],
 }
@@ -187,7 +187,7 @@ def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert figures(run) == figures(runs["two"])
     # The same checkpoint made one file in place continues in one process at batch 8: the one-process run's curve.
-    res = cli("-m", "lmlab.consolidate", str(copy), str(copy / "checkpoints" / "last.ckpt"), cwd=base)
+    res = cli("-m", "lmlab.record.consolidate", str(copy), str(copy / "checkpoints" / "last.ckpt"), cwd=base)
     assert res.returncode == 0 and (copy / "checkpoints" / "last.ckpt").is_file(), res.stderr[-3000:]
     res = cli(str(ROOT / "train.py"), *runs["args"], "data.batch_size=8", f"hydra.run.dir={copy}", cwd=base)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -209,7 +209,7 @@ def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs) -> No
     res = drive(args, run, base, at=2)
     assert res.returncode == 3, res.stderr[-3000:]
     ckpt = run / "checkpoints" / "last.ckpt"
-    res = cli("-m", "lmlab.consolidate", str(run), str(ckpt), cwd=ROOT)
+    res = cli("-m", "lmlab.record.consolidate", str(run), str(ckpt), cwd=ROOT)
     assert res.returncode == 0 and ckpt.is_file(), res.stderr[-3000:]
     res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=base)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -260,7 +260,7 @@ def test_a_resume_on_fewer_ranks_is_refused_unless_the_global_batch_is_kept(runs
 
 @pytest.mark.e2e
 def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     run = tmp_path / "run"
     shutil.copytree(runs["two"], run)
@@ -272,7 +272,7 @@ def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs
 
 
 def test_fsdp_on_cpu_names_fsdp2_before_training(tmp_path) -> None:
-    from lmlab.training import check_config
+    from lmlab.run.training import check_config
 
     with pytest.raises(ValueError, match=r"trainer\.strategy=fsdp needs a CUDA GPU .*trainer=fsdp2 "
                                          r"trainer\.accelerator=cpu"):
@@ -307,8 +307,8 @@ def _tiny_gpt(tiny_cfg, **overrides):
 def test_shard_model_composes_checkpointing_and_compile_per_block(tiny_cfg, mesh, compile: bool) -> None:
     """fully_shard per block over checkpointing (and compile) applied to each block's forward: the loss and every
     gradient of the unsharded model, each block's forward run twice (the recompute), one all-gather per block."""
-    from lmlab.distributed import is_sharded_module, shard_model
-    from lmlab.monitor import local
+    from lmlab.run.distributed import is_sharded_module, shard_model
+    from lmlab.run.monitor import local
 
     ref, model = _tiny_gpt(tiny_cfg), _tiny_gpt(tiny_cfg, checkpointing=True)
     idx = torch.randint(0, 50, (2, 16))
@@ -331,7 +331,7 @@ def test_shard_model_composes_checkpointing_and_compile_per_block(tiny_cfg, mesh
 def test_shard_model_gathers_bf16_parameters_and_keeps_fp32_shards_and_gradients(tiny_cfg, mesh) -> None:
     """bf16-mixed under FSDP2: the block computes with bf16 weights, the optimizer's sharded parameters and the
     reduced gradients are fp32."""
-    from lmlab.distributed import shard_model
+    from lmlab.run.distributed import shard_model
 
     model = _tiny_gpt(tiny_cfg)
     seen = []
@@ -348,7 +348,7 @@ def test_fsdp2_strategy_gathers_in_bf16_under_bf16_mixed_only(tiny_cfg, mesh, pr
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lmlab.distributed import FSDP2Strategy
+    from lmlab.run.distributed import FSDP2Strategy
 
     strategy = FSDP2Strategy()
     strategy.precision_plugin = MixedPrecision(precision, "cpu") if precision.endswith("mixed") else Precision()

@@ -18,7 +18,7 @@ from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.model.score import SCORES
-from lmlab.monitor import layer_groups
+from lmlab.run.monitor import layer_groups
 from lmlab.registry import build
 
 D, S, E, T = 8, 4, 12, 6

@@ -11,13 +11,13 @@ import torch
 
 from lmlab import compose
 from lmlab.config import GPTConfig
-from lmlab.generate import generate, sample
+from lmlab.analysis.generate import generate, sample
 from lmlab.model.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.model.score import SCORES
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import ROOT, cli, tiny
 
 V, PROMPT, NEW = 40, 5, 19  # the text grows from 5 to 24 tokens
@@ -180,7 +180,7 @@ def test_generate_cli_streams_a_sample(corpus: Path, tmp_path: Path) -> None:
 
 
 def test_greedy_decoding_with_several_samples_is_refused_before_loading(tmp_path: Path) -> None:
-    from lmlab.generate import generate_text
+    from lmlab.analysis.generate import generate_text
 
     with pytest.raises(ValueError, match=r"temperature=0 is greedy: n=3 would print the same text 3 times"):
         generate_text(str(tmp_path / "no_run"), "The", temperature=0, n=3)  # refused before the run is looked for

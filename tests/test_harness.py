@@ -18,9 +18,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
 from lmlab import compose  # noqa: E402
-from lmlab.evaluate import load_model  # noqa: E402
-from lmlab.interop.harness import run_harness  # noqa: E402
-from lmlab.training import train  # noqa: E402
+from lmlab.analysis.evaluate import load_model  # noqa: E402
+from lmlab.analysis.harness import run_harness  # noqa: E402
+from lmlab.run.training import train  # noqa: E402
 from tests.runs import ROOT, cli, tiny  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`

@@ -130,7 +130,7 @@ def test_the_size_estimate_counts_the_mtp_modules() -> None:
 
 
 def test_flops_count_the_extra_depths() -> None:
-    from lmlab.perf import flops_per_token
+    from lmlab.run.perf import flops_per_token
 
     base, mtp = _model(), _model({"name": "mtp", "depth": 1})
     extra = flops_per_token(mtp, 16)["train"] - flops_per_token(base, 16)["train"]
@@ -148,7 +148,7 @@ def test_flops_count_the_extra_depths() -> None:
      "use trainer.strategy=ddp_find_unused_parameters_true"),
 ])
 def test_bad_head_input_is_named_before_training(overrides: list[str], message: str) -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_config(compose(overrides))

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from lmlab.distributed import META
-from lmlab.rundir import CheckpointError, load_checkpoint
+from lmlab.record.sharded import META
+from lmlab.record.rundir import CheckpointError, load_checkpoint
 from tests.hostile import PAYLOADS, STATE_WRITES, hidden_in_tuple, hostile, state_write
 from tests.runs import lmlab_checkpoint, sharded_checkpoint
 

@@ -18,7 +18,7 @@ from lmlab import compose  # noqa: E402
 from lmlab.config import GPTConfig  # noqa: E402
 from lmlab.interop.hf import NotRepresentable, family, from_hf, lmlab_config, to_hf  # noqa: E402
 from lmlab.model.gpt import GPT, validate  # noqa: E402
-from lmlab.training import train  # noqa: E402
+from lmlab.run.training import train  # noqa: E402
 from tests.runs import ROOT, cli, tiny  # noqa: E402
 
 V, ORIGINAL = 61, 16
@@ -321,7 +321,7 @@ def test_an_exported_run_reloads_with_auto_classes(corpus: Path, tmp_path: Path)
     text = "The king shall speak.\nThou lord"  # corpus characters (others are <unk>), within the 32 positions
     ids = Tokenizer.from_file(str(run / "tokenizer.json")).encode(text).ids
     assert tok(text)["input_ids"] == ids and tok.decode(ids) == text
-    from lmlab.evaluate import load_model
+    from lmlab.analysis.evaluate import load_model
 
     idx = torch.tensor([ids])
     torch.testing.assert_close(_logits(hf, idx), _logits(load_model(run), idx), rtol=1e-5, atol=1e-5)
@@ -407,7 +407,7 @@ def test_hf_import_refuses_missing_or_unexpected_tensors_by_name(corpus: Path, t
     from safetensors.torch import load_file, save_file
 
     from lmlab.interop.hf import load_hf_dir
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     good = _llama_dir(tmp_path / "good")
     load_hf_dir(good)  # the control: the complete directory loads
@@ -451,8 +451,8 @@ def test_the_plan_adopts_an_init_from_source_into_its_own_copy_of_the_config(cor
     RoPE's reference length) is in the plan's effective config, and the caller's config is left as it was."""
     from omegaconf import OmegaConf
 
-    from lmlab.plan import make_plan
-    from lmlab.rundir import RunDir
+    from lmlab.run.plan import make_plan
+    from lmlab.record.rundir import RunDir
 
     source = _llama_dir(tmp_path / "hf")
     cfg = compose(tiny(corpus, tmp_path / "cache", f"init_from={source}", "rope_scaling=linear",

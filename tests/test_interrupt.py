@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import ROOT, cli, tiny
 
 pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`

@@ -1,4 +1,4 @@
-"""The block Jacobian estimate (lmlab.jacobian) against autograd's full Jacobian on a tiny model, and the note's
+"""The block Jacobian estimate (lmlab.run.jacobian) against autograd's full Jacobian on a tiny model, and the note's
 Pre/Post-Norm contrast it is for."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmlab.config import GPTConfig
-from lmlab.jacobian import block_inputs, block_jacobian_norms
+from lmlab.run.jacobian import block_inputs, block_jacobian_norms
 from lmlab.model.gpt import GPT
 
 
@@ -47,7 +47,7 @@ def test_pre_norm_keeps_the_identity_path_post_norm_rescales_it() -> None:
 @pytest.mark.e2e
 def test_a_run_logs_the_jacobian_norms(corpus, tmp_path) -> None:
     from lmlab import compose
-    from lmlab.training import train
+    from lmlab.run.training import train
     from tests.runs import metric, tiny
 
     run = tmp_path / "run"
@@ -61,8 +61,8 @@ def test_compare_draws_each_runs_jacobian_profile_at_init_and_at_the_end(tmp_pat
     import json
 
     from lmlab import names
-    from lmlab.compare import compare
-    from lmlab.plots import layer_profile, read_metrics
+    from lmlab.analysis.compare import compare
+    from lmlab.record.plots import layer_profile, read_metrics
 
     sweep = tmp_path / "sweep"
     gains = {"pre": ([1.2, 1.1, 1.05], [1.5, 1.3, 1.2]), "post": ([0.6, 0.5, 0.45], [0.9, 0.8, 0.7])}

@@ -32,7 +32,7 @@ def test_lamb_two_steps_by_hand() -> None:
 
 def test_lamb_trust_ratio_edges() -> None:
     """Ratio 1 where ‖θ‖ = 0 (a zero-initialised bias takes Adam's step) or ‖r‖ = 0; max_trust_norm clamps ‖θ‖."""
-    from lmlab.lamb import LAMB
+    from lmlab.optim.lamb import LAMB
 
     assert float(LAMB.trust_ratio(torch.zeros(3), torch.ones(3))) == 1.0
     assert float(LAMB.trust_ratio(torch.ones(3), torch.zeros(3))) == 1.0

@@ -1,4 +1,4 @@
-"""lmlab.loss.cross_entropy is torch's mean token cross-entropy, in value and gradient: the closed-form backward
+"""lmlab.model.loss.cross_entropy is torch's mean token cross-entropy, in value and gradient: the closed-form backward
 (softmax − onehot, scaled) is checked numerically, against F.cross_entropy with ignored targets, on bf16 logits,
 and through LitGPT's loss on a real model. linear_cross_entropy (the head and the loss in row blocks, for
 `model.chunked_loss`) is the same loss and the same gradients, and keeps no (tokens, vocab) tensor for backward."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmlab.lit import LitGPT
-from lmlab.loss import cross_entropy, linear_cross_entropy
+from lmlab.run.lit import LitGPT
+from lmlab.model.loss import cross_entropy, linear_cross_entropy
 
 
 def test_gradcheck_with_ignored_rows() -> None:
@@ -164,7 +164,7 @@ def test_chunked_loss_keeps_no_logits_for_backward() -> None:
 
 def test_compute_keys_may_change_on_resume() -> None:
     from lmlab.config import COMPUTE_KEYS
-    from lmlab.training import check_same_arch
+    from lmlab.run.training import check_same_arch
 
     saved = {"vocab_size": 50, "n_layer": 2, "d_model": 32}  # a checkpoint from before chunked_loss existed
     check_same_arch("resume", {"vocab_size": 50, "n_layer": 2, "d_model": 32, "checkpointing": True,
@@ -185,7 +185,7 @@ def _reference(z: torch.Tensor, t: torch.Tensor, softcap, z_loss: float, ignore:
 
 @pytest.mark.parametrize("softcap,z_loss", [(None, 1e-2), (2.0, 0.0), (1.5, 0.1)])
 def test_the_softcap_and_the_z_loss_are_their_formulas_on_both_paths(softcap, z_loss) -> None:
-    from lmlab.loss import linear_cross_entropy
+    from lmlab.model.loss import linear_cross_entropy
 
     torch.manual_seed(0)
     x = (torch.randn(12, 9, dtype=torch.float64) * 3).requires_grad_()
@@ -231,7 +231,7 @@ def test_a_run_with_a_z_loss_logs_it_apart_from_the_loss(corpus, tmp_path) -> No
     import csv
 
     from lmlab import compose
-    from lmlab.training import train
+    from lmlab.run.training import train
     from tests.runs import tiny
 
     run = tmp_path / "run"
@@ -247,7 +247,7 @@ def test_a_run_with_a_z_loss_logs_it_apart_from_the_loss(corpus, tmp_path) -> No
 @pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (2.0, 0.0), (1.5, 0.1)])
 def test_the_chunked_loss_without_gradients_is_the_objective(softcap, z_loss) -> None:
     """Evaluation (no gradient wanted) takes its own path, which computes no gradient: the same objective and parts."""
-    from lmlab.loss import linear_cross_entropy
+    from lmlab.model.loss import linear_cross_entropy
 
     torch.manual_seed(1)
     h, w = torch.randn(12, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)

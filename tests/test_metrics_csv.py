@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.metrics_csv import MetricsCSV
+from lmlab.record.metrics_csv import MetricsCSV
 
 
 def full_rewrite(rows: list[dict]) -> str:
@@ -92,7 +92,7 @@ def test_a_torn_tail_is_dropped_naming_the_file_and_the_file_is_repaired(tmp_pat
     first.save()
     with open(first.path, "ab") as f:
         f.write(tail)
-    with caplog.at_level(logging.WARNING, logger="lmlab.metrics_csv"):
+    with caplog.at_level(logging.WARNING, logger="lmlab.record.metrics_csv"):
         resumed = MetricsCSV(tmp_path, resume_step=5)
     assert [r["step"] for r in resumed.rows] == list(range(kept))
     assert f"{first.path}: dropped " in caplog.text

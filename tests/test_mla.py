@@ -155,7 +155,7 @@ def test_mla_caches_fewer_numbers_per_token_than_mha_and_gqa_at_the_same_width()
     ("attention.kv_lora_rank=0", r"attention.kv_lora_rank"),
 ])
 def test_bad_mla_sizes_are_named_before_training(override: str, message: str) -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     cfg = compose(["attention=mla", override])
     with pytest.raises(ValueError, match=message):

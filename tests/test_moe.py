@@ -20,7 +20,7 @@ from lmlab.model.ffn import FFNS, MLP
 from lmlab.model.gpt import GPT
 from lmlab.model.moe import MoE, balance_loss, bias_update, capacity, figures, route
 from lmlab.model.resolve import n_params_estimate, resolve
-from lmlab.perf import matmul_params
+from lmlab.run.perf import matmul_params
 from lmlab.registry import build
 
 D, H = 16, 12
@@ -223,7 +223,7 @@ def test_each_expert_is_sized_as_a_dense_ffn_of_its_kind_and_counted(expert: str
 
 
 def test_bad_input_is_refused_before_training_naming_the_key() -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     for overrides, message in (
         (["ffn.top_k=9"], r"ffn\.top_k=9 > ffn\.n_experts=8"),
@@ -329,7 +329,7 @@ def test_ddp_and_fsdp2_routing_figures_equal_one_process_on_the_same_global_batc
 
 
 def test_the_expert_load_heat_map_is_drawn_from_metrics(tmp_path) -> None:
-    from lmlab.plots import main, plot_expert_load
+    from lmlab.record.plots import main, plot_expert_load
 
     runs = {"a": {f"moe/load_max_over_mean/layer_0{i}": [(s, 1 + i + s / 10) for s in range(0, 50, 10)]
                   for i in range(3)}, "dense": {"train/loss": [(0, 3.0), (1, 2.0)]}}
@@ -350,7 +350,7 @@ def test_compare_shows_active_parameters_and_the_expert_load(tmp_path) -> None:
     import csv
     import json
 
-    from lmlab.compare import compare
+    from lmlab.analysis.compare import compare
 
     sweep = tmp_path / "sweep"
     expected = {}
@@ -390,7 +390,7 @@ def test_the_grouped_mm_probe_answers_the_same_under_no_grad() -> None:
 def _train_steps(compile: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
     """LitGPT as train.py builds it with compile=true/false: `steps` AdamW steps on one batch of a tiny ffn=moe model
     with both balancing losses and the loss-free bias on; (LM losses, aux losses, layer 0's bias)."""
-    from lmlab.lit import LitGPT
+    from lmlab.run.lit import LitGPT
 
     torch.manual_seed(0)
     ffn = {"name": "moe", "expert": "swiglu", "n_experts": 4, "top_k": 2, "hidden": 16, "n_shared": 1,

@@ -13,7 +13,7 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
-from lmlab.monitor import StabilityMonitor
+from lmlab.run.monitor import StabilityMonitor
 
 
 class _Logger:

@@ -14,7 +14,7 @@ from torch import nn
 from lmlab.config import GPTConfig
 from lmlab.model.block import BLOCKS
 from lmlab.model.gpt import GPT
-from lmlab.muon import NS_COEFFICIENTS, MuonAdamW, newton_schulz
+from lmlab.optim.muon import NS_COEFFICIENTS, MuonAdamW, newton_schulz
 from lmlab.optim import OPTIMIZERS, param_groups, validate_optim
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)

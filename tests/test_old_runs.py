@@ -53,7 +53,7 @@ def test_an_old_run_evaluates_to_what_the_previous_eval_gave(old_run: Path, corp
 
 def test_an_old_run_exports_to_transformers_with_the_same_logits(old_run: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from lmlab.rundir import load_model
+    from lmlab.record.rundir import load_model
 
     res = cli(str(ROOT / "eval.py"), f"run={old_run}", "export=hf", f"out={tmp_path / 'hf'}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -68,7 +68,7 @@ def test_param_groups_skip_frozen() -> None:
 
 
 def _optimizer(name: str, groups: list[dict]):
-    from lmlab.lit import optimizer_spec
+    from lmlab.run.lit import optimizer_spec
 
     return build("optim", OPTIMIZERS, optimizer_spec(_yaml("optim", name)), groups)
 
@@ -379,7 +379,7 @@ def test_amos_trains_a_quadratic() -> None:
     A = torch.randn(4, 8) * 0.3
     W = torch.nn.Parameter(torch.zeros(4, 8))
     spec = {**_yaml("optim", "amos"), "lr": 0.1}
-    from lmlab.lit import optimizer_spec
+    from lmlab.run.lit import optimizer_spec
 
     opt = build("optim", OPTIMIZERS, optimizer_spec(spec), [{"params": [W], "weight_decay": 0.0}])
     losses = []

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from lmlab import compose
-from lmlab.checks import check_config
+from lmlab.run.checks import check_config
 from lmlab.config import GPTConfig
-from lmlab.lit import configure_optimization
+from lmlab.run.lit import configure_optimization
 from lmlab.model.gpt import GPT
 
 BASE = dict(vocab_size=64, n_layer=2, n_head=2, max_seq_len=32, position={"name": "learned"})

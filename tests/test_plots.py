@@ -1,4 +1,4 @@
-"""`python -m lmlab.plots`: any metric of a sweep's runs vs step, and eval.py's loss vs length per run."""
+"""`python -m lmlab.record.plots`: any metric of a sweep's runs vs step, and eval.py's loss vs length per run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.plots import main, plot_length_sweep, sweep_runs
+from lmlab.record.plots import main, plot_length_sweep, sweep_runs
 
 
 def _run(sweep: Path, name: str, change: list[float]) -> Path:
@@ -47,7 +47,7 @@ def test_lengths_reads_each_runs_unscaled_eval_rows(tmp_path: Path, monkeypatch)
         (run / "eval").mkdir()
         (run / "eval" / "eval.json").write_text(json.dumps({"trained_len": 64, "rows": rows}))
     drawn = {}
-    monkeypatch.setattr("lmlab.plots.plot_length_sweep",  # record what is drawn, then draw it for real
+    monkeypatch.setattr("lmlab.record.plots.plot_length_sweep",  # record what is drawn, then draw it for real
                         lambda rows, trained, out, **kw: drawn.update(rows=rows, trained=trained, **kw)
                         or plot_length_sweep(rows, trained, out, **kw))
     out = tmp_path / "len.png"
@@ -61,7 +61,7 @@ def test_lengths_reads_each_runs_unscaled_eval_rows(tmp_path: Path, monkeypatch)
 
 def test_the_init_profile_has_a_tick_per_layer_and_no_fractional_ones() -> None:
     """Layers are counted: a 4-layer profile gets ticks 0, 1, 2, 3 (matplotlib's default put 0.5, 1.5, ... between)."""
-    from lmlab.plots import init_profile_axes
+    from lmlab.record.plots import init_profile_axes
 
     fig, ax = init_profile_axes({"pre": {f"layer_0{i}": 1.0 + i for i in range(4)} | {"embed": 3.0}})
     low, high = ax.get_xlim()

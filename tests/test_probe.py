@@ -14,10 +14,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from lmlab import CONF_DIR, build_model, compose
-from lmlab.compare import compare
+from lmlab.analysis.compare import compare
 from lmlab.data import build_datamodule as _build_datamodule
 from lmlab.data.probe import PositionProbeDataModule, position_metrics, probe_pair
-from lmlab.training import check_config, train
+from lmlab.run.training import check_config, train
 from tests.runs import metric
 
 SWEEP = yaml.safe_load((CONF_DIR / "experiment" / "position_probe.yaml").read_text())["hydra"]["sweeper"]["params"]
@@ -122,7 +122,7 @@ def test_a_short_probe_run_leaves_its_metrics(tmp_path: Path) -> None:
     assert len(accuracy) == 2 and set(accuracy) == set(metric(run, "val/loss"))
     assert accuracy[max(accuracy)] == pytest.approx(summary["probe_accuracy"], rel=1e-6)
     assert summary["unigram_val_loss"] == pytest.approx(math.log(16))
-    from lmlab.evaluate import evaluate
+    from lmlab.analysis.evaluate import evaluate
 
     with pytest.raises(ValueError, match=r"data=position_probe, a task.*probe\.json"):  # said, not an AttributeError
         evaluate(run)

@@ -82,7 +82,7 @@ def test_the_compute_matched_comparison_runs_as_written(corpus: Path, tmp_path: 
     """The README's two commands: the budget gives each depth the steps the README says (on the default corpus's
     vocabulary of 85), and the same commands, on a small corpus at a smaller budget, train both and compare them."""
     from lmlab import compose
-    from lmlab.budget import apply
+    from lmlab.run.budget import apply
     from lmlab.config import arch_config
     from lmlab.model.gpt import validate
 

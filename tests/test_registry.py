@@ -49,7 +49,7 @@ def _option_spec(group: str, spec: dict) -> dict:
     if group == "ffn":  # hidden_mult / multiple_of are turned into the hidden size by GPTConfig
         return resolve(GPTConfig(vocab_size=50, d_model=32, n_head=4, ffn=spec)).ffn_spec
     if group == "optim":  # weight_decay / grad_clip are read by param_groups / the training loop
-        from lmlab.lit import optimizer_spec
+        from lmlab.run.lit import optimizer_spec
 
         return optimizer_spec(spec)
     return spec

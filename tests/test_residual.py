@@ -284,14 +284,14 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=value_embed", "attention=mla"], r"residual=value_embed with attention=mla"),
 ])
 def test_bad_residual_input_is_named_before_training(overrides: list[str], message: str) -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     with pytest.raises(ValueError, match=message):
         check_config(compose(overrides))
 
 
 def test_every_option_has_a_yaml_and_composes() -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     for name in RESIDUALS:
         cfg = compose([f"residual={name}"])
@@ -322,7 +322,7 @@ def test_the_monitors_attention_figures_read_no_stale_values() -> None:
     (which read the forward's first-layer values and tokens) are not applied there."""
     from types import SimpleNamespace
 
-    from lmlab.monitor import StabilityMonitor
+    from lmlab.run.monitor import StabilityMonitor
 
     model = _model({"value_residual": {}, "value_embed": {"tables": 2}})
     with torch.no_grad():

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from lmlab import compose
-from lmlab.checks import strategy_name
+from lmlab.run.checks import strategy_name
 from lmlab.data.token_bin import write_shard
-from lmlab.plan import check_same_launch, planned_launch
+from lmlab.run.plan import check_same_launch, planned_launch
 from tests.runs import CtrlC, tiny
 
 FSDP2 = ["trainer=fsdp2", "trainer.accelerator=cpu", "trainer.precision=32-true"]
@@ -67,7 +67,7 @@ def test_a_resume_at_another_batch_or_accumulation_is_refused_before_anything_is
     """Interrupted at step 12 at batch 8; resumed at batch 4 (half the global batch), or at batch 4 with
     trainer.accumulate_grad_batches=2 (Lightning would start with half a window): refused, nothing written; as it
     was, the resume goes on."""
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     run, args = tmp_path / "run", tiny(corpus, tmp_path / "cache", "trainer.max_steps=20")
     with pytest.raises(SystemExit):
@@ -96,7 +96,7 @@ def _bin_args(d: Path) -> list[str]:
 def test_a_token_bin_resume_refuses_shards_added_or_changed(tmp_path, monkeypatch) -> None:
     """A shard added between the interruption and the resume, or one rewritten in place (same size): refused naming
     data.train with both fingerprints, nothing written; the shards put back, the resume goes on."""
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     monkeypatch.setenv("LMLAB_CACHE", str(tmp_path / "cache"))  # the shards' remembered digests
     d, rng = tmp_path / "shards", np.random.default_rng(0)
@@ -126,7 +126,7 @@ def test_a_text_corpus_other_than_the_checkpoints_is_refused(corpus, tmp_path) -
     """A text corpus's fingerprint was recorded and only warned about (the data order will not match): refused now,
     naming the corpus; the same corpus passes."""
     from lmlab.data import build_datamodule
-    from lmlab.plan import check_same_data
+    from lmlab.run.plan import check_same_data
 
     data = build_datamodule({**compose(tiny(corpus, tmp_path / "cache")).data}, seq_len=32, seed=0)
     data.setup("fit")

@@ -17,8 +17,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
-from lmlab.rundir import CheckpointError, RunDirBusy, RunLock, load_checkpoint
-from lmlab.training import train
+from lmlab.record.rundir import CheckpointError, RunDirBusy, RunLock, load_checkpoint
+from lmlab.run.training import train
 from tests.runs import ROOT, cli, metric, tiny
 
 pytestmark = pytest.mark.e2e  # trains runs or starts processes: `make test-all`
@@ -194,7 +194,7 @@ def test_two_trainings_into_one_directory(corpus: Path, tmp_path: Path) -> None:
 
 def test_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
     """A lock file left by a process that died (SIGKILL) holds no flock: the next run takes it."""
-    code = f"from lmlab.rundir import RunLock; RunLock({str(tmp_path)!r}).acquire(); import os; os._exit(0)"
+    code = f"from lmlab.record.rundir import RunLock; RunLock({str(tmp_path)!r}).acquire(); import os; os._exit(0)"
     subprocess.run([sys.executable, "-c", code], check=True)  # exits without releasing: the file stays
     assert (tmp_path / ".lmlab.lock").exists() and RunLock.holder(tmp_path) is None
     with RunLock(tmp_path):
@@ -234,7 +234,7 @@ def test_compare_lists_incomplete_runs(finished, tmp_path: Path) -> None:
 
 SAVER = """
 import sys, torch
-from lmlab.rundir import atomic_checkpoint_io
+from lmlab.record.rundir import atomic_checkpoint_io
 atomic_checkpoint_io().save_checkpoint({"w": torch.zeros(2**27)}, sys.argv[1])  # 512 MB: a kill lands mid-write
 """
 
@@ -243,7 +243,7 @@ def test_a_checkpoint_write_killed_midway_leaves_its_temporary_beside_it_and_the
         tmp_path: Path) -> None:
     """SIGKILL while last.ckpt is written: nothing in $TMPDIR (Lightning's writer staged through a temporary file
     there, leaked at every kill), the old checkpoint intact, and the temporary gone once a run starts again."""
-    from lmlab.rundir import RunDir
+    from lmlab.record.rundir import RunDir
 
     run, tmpdir = tmp_path / "run", tmp_path / "tmpdir"
     (run / "checkpoints").mkdir(parents=True)
@@ -333,7 +333,7 @@ def test_a_run_start_cleans_the_temporaries(finished, corpus: Path, tmp_path: Pa
 def test_a_summary_that_is_not_an_object_is_refused_with_its_path(tmp_path: Path) -> None:
     """eval.py run= on a run whose summary.json held a list died of an AttributeError; every reader goes through
     RunDir.read_summary, which now refuses it with the path."""
-    from lmlab.rundir import RunDir
+    from lmlab.record.rundir import RunDir
 
     run = RunDir(tmp_path)
     for text, kind in (("[1, 2]", "list"), ('"completed"', "str"), ("3", "int")):

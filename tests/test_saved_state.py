@@ -16,8 +16,8 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 from lmlab import compose
-from lmlab.saved import SavedStateRefused, check_config, read_overrides
-from lmlab.trusted import check_targets
+from lmlab.record.saved import SavedStateRefused, check_config, read_overrides
+from lmlab.record.trusted import check_targets
 from tests.runs import ROOT, cli, tiny
 
 GENUINE = ["norm=rms", "data.paths=[/data/a, /data/b]", "model.attention.pattern=[4,4,0]", "+seed_note=7",
@@ -26,7 +26,7 @@ GENUINE = ["norm=rms", "data.paths=[/data/a, /data/b]", "model.attention.pattern
 
 def _hostile(marker: Path) -> dict[str, str]:
     """Each form found writing `marker` when a run was continued (or that could build a config when read)."""
-    writer = f"{{_target_: lmlab.rundir.atomic_write, path: {marker}, data: owned}}"
+    writer = f"{{_target_: lmlab.record.rundir.atomic_write, path: {marker}, data: owned}}"
     return {
         "plugins": f"+trainer.plugins=[{writer}]",
         "nested_in_strategy": "trainer.strategy={_target_: lightning.pytorch.strategies.SingleDeviceStrategy, "
@@ -75,7 +75,7 @@ def test_a_saved_overrides_file_that_is_not_a_list_of_strings_is_refused(tmp_pat
         read_overrides(path)
 
 
-@pytest.mark.parametrize("target", ["lmlab.rundir.atomic_write", "torch.save", "numpy.save", "builtins.exec",
+@pytest.mark.parametrize("target", ["lmlab.record.rundir.atomic_write", "torch.save", "numpy.save", "builtins.exec",
                                     "os.system", "lightning.pytorch.utilities.rank_zero.rank_zero_only",
                                     "lightning.pytorch.Trainer", "lmlab.model.gpt.GPT", "lmlab.nope.Missing"])
 def test_the_trainer_builds_only_lightning_and_lmlab_classes_of_their_kind(target: str) -> None:
@@ -113,7 +113,7 @@ def test_a_recorded_config_is_checked_like_the_trainer(tmp_path: Path) -> None:
     golden = OmegaConf.to_container(OmegaConf.load(ROOT / "tests/golden/run_0db55d9/.hydra/config.yaml"))
     check_config(golden, tmp_path / "config.yaml")
     for where, bad in (("trainer", {**golden["trainer"], "strategy": {"_target_": "torch.save"}}),
-                       ("model", {**golden["model"], "norm": {"_target_": "lmlab.rundir.atomic_write"}})):
+                       ("model", {**golden["model"], "norm": {"_target_": "lmlab.record.rundir.atomic_write"}})):
         with pytest.raises(SavedStateRefused, match=rf"^{tmp_path}/config.yaml: {where}\."):
             check_config({**golden, where: bad}, tmp_path / "config.yaml")
 
@@ -158,7 +158,7 @@ def test_a_target_on_the_command_line_is_refused_before_training(corpus: Path, t
     res = cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"), f"hydra.run.dir={tmp_path / 'run'}",
               _hostile(marker)["plugins"], cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
-    assert "trainer.plugins[0]._target_='lmlab.rundir.atomic_write' is not something lmlab builds" in res.stderr
+    assert "trainer.plugins[0]._target_='lmlab.record.rundir.atomic_write' is not something lmlab builds" in res.stderr
     assert not marker.exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmlab import build_model, compose
-from lmlab.training import check_config
+from lmlab.run.training import check_config
 from tests.runs import ROOT, cli
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

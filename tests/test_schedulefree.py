@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
 from lmlab.optim import OPTIMIZERS
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import tiny
 
 SF = ("optim=schedulefree", "trainer.max_steps=20")
@@ -42,7 +42,7 @@ def test_eval_weights_are_evals_bits_and_train_returns() -> None:
 
 
 def test_the_schedule_decay_is_replaced_by_its_warmup_only() -> None:
-    from lmlab.lit import configure_optimization
+    from lmlab.run.lit import configure_optimization
 
     p = torch.nn.Linear(3, 3)
     out = configure_optimization(p, {"name": "schedulefree", "lr": 0.1, "weight_decay": 0.0},

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lmlab import CONF_DIR
-from lmlab.summary import objective
+from lmlab.record.summary import objective
 from tests.runs import ROOT, cli, tiny
 
 

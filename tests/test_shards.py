@@ -25,7 +25,7 @@ from lmlab.data import TextDataModule, shards
 from lmlab.data import corpus as corpus_module
 from lmlab.data.datamodule import train_text, training_sample
 from lmlab.data.shards import BlockView, TokenStream, safe_pieces
-from lmlab.rundir import RunLock
+from lmlab.record.rundir import RunLock
 
 EOD = "<|endoftext|>"
 WORDS = ["the", "king", "  queen", "\n", "\n\n", " ", "thou", "art", ",", "—", "é", "\t", "  \n", "42", "😀"]

@@ -1,4 +1,4 @@
-"""Paired tests over seeds (lmlab.significance), steps to a target loss (lmlab.targets) and compare's sections."""
+"""Paired tests over seeds (lmlab.analysis.significance), steps to a target loss (lmlab.record.targets) and compare's sections."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from lmlab.compare import compare
-from lmlab.significance import holm, paired, seeds_needed, verdict
-from lmlab.targets import crossing, to_target
+from lmlab.analysis.compare import compare
+from lmlab.analysis.significance import holm, paired, seeds_needed, verdict
+from lmlab.record.targets import crossing, to_target
 
 
 def test_paired_t_by_hand_and_against_scipy() -> None:
@@ -111,7 +111,7 @@ def test_compare_tests_each_variant_against_the_baseline(tmp_path: Path) -> None
 
 
 def test_the_baseline_is_named_by_value_or_by_key() -> None:
-    from lmlab.compare_stats import pick_baseline
+    from lmlab.analysis.compare_stats import pick_baseline
 
     names = ["ffn=mlp,norm=rms", "ffn=swiglu,norm=rms", "ffn=mlp,norm=layer"]
     assert pick_baseline(names, None) == names[0]

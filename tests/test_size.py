@@ -12,7 +12,7 @@ import torch
 
 from lmlab import compose
 from lmlab.config import GPTConfig
-from lmlab.memory import GiB, check_generation_fits, check_model_fits, model_bytes
+from lmlab.model.memory import GiB, check_generation_fits, check_model_fits, model_bytes
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS
 from lmlab.model.gpt import GPT, validate
@@ -58,7 +58,7 @@ def test_cache_width_is_what_the_cache_holds(tiny_cfg) -> None:
 
 
 def test_a_model_too_large_for_the_machine_is_refused_before_training_in_seconds() -> None:
-    from lmlab.training import check_config
+    from lmlab.run.training import check_config
 
     for overrides in (["model.n_layer=1000000"], ["model.n_layer=1000000", "model.d_model=8", "model.n_head=2"],
                       ["model.d_model=2000000", "model.n_head=1"]):
@@ -70,7 +70,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_training_in_seconds
 
 
 def test_the_bounds_compare_the_estimate_with_free_memory(tiny_cfg, monkeypatch) -> None:
-    import lmlab.memory as memory
+    import lmlab.model.memory as memory
 
     cfg = tiny_cfg()
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": model_bytes(cfg))
@@ -91,7 +91,7 @@ def test_the_bounds_compare_the_estimate_with_free_memory(tiny_cfg, monkeypatch)
 def test_the_flop_count_follows_the_blocks_own_attention_width(tiny_cfg) -> None:
     """A transformer layer's scores cost the usual 12·L·T·d per trained token; a GAU's one head of key size s weighs
     values of width e = 2·d, so its attention term is 6·L·T·(s + e), not the transformer's n_head·head_dim."""
-    from lmlab.perf import flops_per_token, matmul_params
+    from lmlab.run.perf import flops_per_token, matmul_params
 
     for cfg, width in ((tiny_cfg(), 2 * 32), (tiny_cfg(block={"name": "gau", "s": 8}), 8 + 2 * 32)):
         model = GPT(cfg)

@@ -133,7 +133,7 @@ def test_cpu_ddp_runs_two_tasks(corpus: Path, tmp_path: Path) -> None:
 
 def test_sigusr1_while_the_job_starts_up_requeues_it(corpus: Path, tmp_path: Path) -> None:
     """The warning before the first step (here while the job imports torch): no checkpoint yet, but a requeue, and
-    the requeued job trains the run; before lmlab.early_signals, SIGUSR1's default killed the job there."""
+    the requeued job trains the run; before lmlab.run.early_signals, SIGUSR1's default killed the job there."""
     sweep = tmp_path / "sweep"
     proc, log = start_sweep(corpus, tmp_path / "cache", sweep)
     try:

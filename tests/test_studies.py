@@ -1,4 +1,5 @@
-"""lmlab.studies on sweeps written by hand: steps to a target, the best lr per width, the coordinate check's ratio,
+"""lmlab.analysis.studies on sweeps written by hand: steps to a target, the best lr per width, the coordinate check's
+ratio,
 and the state bytes per parameter of each optimizer (AdamW 8, Muon 4 on its matrices)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 from lmlab import compose
 from lmlab.config import arch_config
 from lmlab.model.resolve import resolve
-from lmlab.studies import (
+from lmlab.analysis.studies import (
     coord_check,
     lr_transfer,
     residual_placement,

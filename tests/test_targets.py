@@ -1,4 +1,5 @@
-"""A run's steps, tokens, FLOPs and time to its own target val losses (train.yaml's `targets:`, lmlab.targets): worked
+"""A run's steps, tokens, FLOPs and time to its own target val losses (train.yaml's `targets:`, lmlab.record.targets):
+worked
 out by hand on a val curve in optimizer steps, refused by key when they are not val losses, and, end to end, the same
 numbers in summary.json, in the W&B run's summary read back with W&B's own reader, and in `eval.py compare=`."""
 
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from lmlab import compose
-from lmlab.checks import check_config
-from lmlab.compare import compare
-from lmlab.targets import TARGET_FIGURES, check_targets, run_targets, run_wall, wandb_keys
-from lmlab.training import train
+from lmlab.run.checks import check_config
+from lmlab.analysis.compare import compare
+from lmlab.record.targets import TARGET_FIGURES, check_targets, run_targets, run_wall, wandb_keys
+from lmlab.run.training import train
 from tests.runs import metric
 from tests.test_wandb import wandb_runs, wandb_tiny
 

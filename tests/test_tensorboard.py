@@ -1,4 +1,5 @@
-"""logger=tensorboard (lmlab/tensorboard.py): the losses sort first among TensorBoard's chart groups, and the HParams
+"""logger=tensorboard (lmlab/record/tensorboard.py): the losses sort first among TensorBoard's chart groups, and the
+HParams
 table, ordered by TensorBoard's own rule (the keys that differ first, then by name), starts with the keys the run's
 overrides set."""
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmlab import compose
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import metric, tiny
 
 pytest.importorskip("tensorboard", reason="the dashboard extra: pip install '.[dashboard]'")

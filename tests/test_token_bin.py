@@ -130,7 +130,7 @@ def test_val_tokens_0_and_a_glob_matching_a_directory_are_refused(tmp_path: Path
 @pytest.mark.e2e
 def test_a_run_trains_on_bin_shards(tmp_path: Path) -> None:
     from lmlab import compose
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     d = _shards(tmp_path / "shards", tokens=20000, vocab=64, counting=True)
     args = ["data=token_bin", f"data.train={d}/fineweb_train_*.bin", f"data.val={d}/fineweb_val_*.bin",

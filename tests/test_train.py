@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import ROOT, CtrlC, metric, tiny
 from tests.runs import cli as _cli
 
@@ -189,7 +189,7 @@ def test_fp16_loss_scaling_gets_the_unfused_optimizer(scaler) -> None:
     from types import SimpleNamespace
 
     from lmlab.config import arch_config
-    from lmlab.lit import LitGPT
+    from lmlab.run.lit import LitGPT
 
     cfg = compose(["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.max_seq_len=8",
                    "model.vocab_size=20"])
@@ -204,9 +204,9 @@ def test_progress_bar_counts_steps_not_an_epoch_budget(corpus: Path, tmp_path: P
     """Training by steps leaves Lightning's max_epochs at -1; its Rich bar said 'Epoch 0/-2'."""
     from lightning.pytorch.callbacks import ProgressBar
 
-    import lmlab.progress
+    import lmlab.run.progress
 
-    monkeypatch.setattr(lmlab.progress, "_on_a_terminal", lambda: True)  # the bar is for terminals
+    monkeypatch.setattr(lmlab.run.progress, "_on_a_terminal", lambda: True)  # the bar is for terminals
 
     seen: list[str] = []
 
@@ -270,7 +270,7 @@ def test_progress_lines_show_each_figure_once_when_it_is_fresh(corpus: Path, tmp
     import re
 
     from lmlab import compose
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     run = tmp_path / "run"
     train(compose(tiny(corpus, tmp_path / "cache", "trainer.max_steps=30", "trainer.log_every_n_steps=7",

@@ -26,7 +26,7 @@ from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.optim import OPTIMIZERS, SCHEDULES
-from lmlab.training import check_config
+from lmlab.run.training import check_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRIES = {"norm": NORMS, "placement": PLACEMENTS, "activation": ACTIVATIONS, "ffn": FFNS,
@@ -180,7 +180,7 @@ def test_eval_cli_refuses_bad_arguments_before_loading_the_run(args: list[str], 
 
 
 def test_evaluate_checks_arguments_before_loading_the_run(tmp_path: Path) -> None:
-    from lmlab.evaluate import evaluate
+    from lmlab.analysis.evaluate import evaluate
 
     with pytest.raises(ValueError, match=r"lengths=\[0\] must be a list of integers >= 1"):
         evaluate(tmp_path / "no_such_run", lengths=[0])
@@ -201,9 +201,9 @@ def test_alibi_states_the_memory_of_its_attention() -> None:
 
 
 def test_training_refuses_an_alibi_length_that_cannot_fit(monkeypatch) -> None:
-    import lmlab.memory
+    import lmlab.model.memory
 
-    monkeypatch.setattr(lmlab.memory, "available_bytes", lambda device="cpu": 8 * 2**30)
+    monkeypatch.setattr(lmlab.model.memory, "available_bytes", lambda device="cpu": 8 * 2**30)
     msg = _refused(["position=alibi", "model.max_seq_len=100000"])
     assert "model.max_seq_len=100000" in msg and "position=alibi" in msg and "GiB" in msg, msg
     assert "~8.0 GiB" in msg, msg
@@ -211,25 +211,25 @@ def test_training_refuses_an_alibi_length_that_cannot_fit(monkeypatch) -> None:
 
 
 def test_available_memory_is_read() -> None:
-    from lmlab.memory import available_bytes
+    from lmlab.model.memory import available_bytes
 
     assert available_bytes() > 2**20
 
 
 def test_evaluate_refuses_an_alibi_length_that_cannot_fit(monkeypatch, tmp_path: Path) -> None:
     """Through evaluate(): the refusal comes from the run's own position scheme, before any data is read."""
-    import lmlab.evaluate
-    import lmlab.memory
+    import lmlab.analysis.evaluate
+    import lmlab.model.memory
 
     cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=32, n_head=4, max_seq_len=16, position={"name": "alibi"}))
-    from lmlab.rundir import SavedRun
+    from lmlab.record.rundir import SavedRun
 
     saved = SavedRun(path=tmp_path, model=cfg.to_dict(), weights={}, step=0, config={"data": {}}, tokenizer=tmp_path)
-    monkeypatch.setattr(lmlab.evaluate, "load_run", lambda run_dir, *a, **k: saved)
-    monkeypatch.setattr(lmlab.evaluate, "run_data", lambda *a, **k: pytest.fail("data was read"))
-    monkeypatch.setattr(lmlab.memory, "available_bytes", lambda device="cpu": 8 * 2**30)
+    monkeypatch.setattr(lmlab.analysis.evaluate, "load_run", lambda run_dir, *a, **k: saved)
+    monkeypatch.setattr(lmlab.analysis.evaluate, "run_data", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr(lmlab.model.memory, "available_bytes", lambda device="cpu": 8 * 2**30)
     with pytest.raises(ValueError, match=r"length 100000 with position=alibi needs .*GiB.*~8\.0 GiB"):
-        lmlab.evaluate.evaluate(tmp_path, lengths=[16, 100_000])
+        lmlab.analysis.evaluate.evaluate(tmp_path, lengths=[16, 100_000])
 
 
 # --- devices ---
@@ -332,7 +332,7 @@ def test_a_refusal_is_one_line_and_exit_code_2_without_a_traceback(tmp_path: Pat
     imported = {line.rsplit("|", 1)[-1].strip() for line in imports.stderr.splitlines()
                 if line.startswith("import time:")}
     assert imports.returncode == 2 and {"hydra", "torch"} <= imported  # at any depth of the import tree
-    assert "lightning" not in imported and "lmlab.training" not in imported
+    assert "lightning" not in imported and "lmlab.run.training" not in imported
     res = cli(str(ROOT / "eval.py"), f"run={tmp_path / 'nope'}", cwd=tmp_path)
     assert res.returncode == 2 and "eval.py: run=" in res.stderr and "no such run directory" in res.stderr
     full = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=abc", "logger=none",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmlab import CONF_DIR, compose
-from lmlab.training import train
+from lmlab.run.training import train
 from tests.runs import ROOT, CtrlC, cli, metric, tiny
 
 STEPS = ["trainer.max_steps=6", "trainer.val_check_interval=3"]
@@ -143,7 +143,7 @@ def test_a_diverged_run_says_so_in_wandb(corpus: Path, tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_eval_joins_its_training_runs_group(corpus: Path, tmp_path: Path) -> None:
-    from lmlab.evaluate import evaluate
+    from lmlab.analysis.evaluate import evaluate
 
     run = tmp_path / "run"
     train(compose(wandb_tiny(corpus, tmp_path / "cache")), run, overrides=["norm=layer"])
@@ -159,7 +159,7 @@ def test_eval_joins_its_training_runs_group(corpus: Path, tmp_path: Path) -> Non
 # --- units ----------------------------------------------------------------------------------------------------
 
 def test_run_and_group_names() -> None:
-    from lmlab.tracking import group_name, run_name
+    from lmlab.record.tracking import group_name, run_name
 
     assert run_name(["placement=post", "schedule.warmup_steps=0", "hydra.job.num=1"]) == \
         "placement=post,schedule.warmup_steps=0"
@@ -172,7 +172,7 @@ def test_run_and_group_names() -> None:
 
 
 def test_online_with_credentials_offline_without(tmp_path: Path, monkeypatch) -> None:
-    from lmlab.tracking import wandb_mode
+    from lmlab.record.tracking import wandb_mode
 
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
@@ -198,7 +198,7 @@ def test_studies_log_like_any_run() -> None:
 
 @pytest.mark.e2e
 def test_live_throughput_at_every_logging_step(corpus: Path, tmp_path: Path) -> None:
-    from lmlab.perf import FLOPS_FORMULA, flops_per_token
+    from lmlab.run.perf import FLOPS_FORMULA, flops_per_token
 
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.log_every"))]
     run = tmp_path / "run"
@@ -221,7 +221,7 @@ def test_live_throughput_at_every_logging_step(corpus: Path, tmp_path: Path) -> 
 
 
 def test_peak_flops_of_known_gpus() -> None:
-    from lmlab.perf import peak_flops
+    from lmlab.run.perf import peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA H200") == 989e12

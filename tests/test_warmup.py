@@ -1,4 +1,5 @@
-"""A short run is never all warmup (lmlab.warmup): the schedule's default warmup is capped at a fifth of the run unless
+"""A short run is never all warmup (lmlab.optim.warmup): the schedule's default warmup is capped at a fifth of the run
+unless
 the command (or an experiment) chose it, the run says so, a resume keeps its own, and every short-run example in the
 README reaches optim.lr at least once."""
 
@@ -13,7 +14,7 @@ import pytest
 from lmlab import compose
 from lmlab.optim import SCHEDULES
 from lmlab.registry import option_params
-from lmlab.warmup import fit_warmup
+from lmlab.optim.warmup import fit_warmup
 from tests.runs import ROOT, metric, tiny
 
 
@@ -86,7 +87,7 @@ def test_a_short_run_reaches_optim_lr_says_so_and_a_resume_keeps_its_warmup(corp
     would fall back into a warmup at step 30)."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     args = [a for a in tiny(corpus, cache) if not a.startswith("schedule.warmup_steps")]
-    from lmlab.training import train
+    from lmlab.run.training import train
 
     summary = train(compose(args), run, overrides=args)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("schedule.warmup_steps")]

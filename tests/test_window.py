@@ -16,7 +16,7 @@ from lmlab.model.gpt import GPT, validate
 from lmlab.model.mask import allowed, banded_sdpa, key_counts, layer_window
 from lmlab.model.position import POSITIONS
 from lmlab.model.score import SCORES, attend, explicit_weights
-from lmlab.perf import flops_per_token
+from lmlab.run.perf import flops_per_token
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -170,7 +170,7 @@ def test_a_window_costs_its_keys_in_the_flop_count() -> None:
     (["attention.softcap=0"], "attention.softcap=0 must be"),
 ])
 def test_bad_windows_are_refused_by_key(overrides, message) -> None:
-    from lmlab.checks import check_config
+    from lmlab.run.checks import check_config
 
     with pytest.raises(ValueError, match=None) as err:
         check_config(compose(overrides))
@@ -233,7 +233,7 @@ def test_a_sink_is_a_softmax_column_that_weighs_no_value() -> None:
 def test_the_monitor_logs_the_sinks_share_and_an_entropy_with_it() -> None:
     from types import SimpleNamespace
 
-    from lmlab.monitor import StabilityMonitor
+    from lmlab.run.monitor import StabilityMonitor
 
     model = _model(n_layer=2, attention={"name": "mha", "sinks": True})
     with torch.no_grad():
@@ -311,7 +311,7 @@ def test_the_monitor_logs_the_weight_on_the_first_token() -> None:
     learned sinks replace), from the same maps the entropy is computed on."""
     from types import SimpleNamespace
 
-    from lmlab.monitor import StabilityMonitor
+    from lmlab.run.monitor import StabilityMonitor
 
     model = _model(n_layer=2)
     x = torch.randn(2, 6, 32)

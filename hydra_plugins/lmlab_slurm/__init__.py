@@ -6,7 +6,7 @@ and `hydra/launcher=slurm_dry_run` (below). SLURM goes through hydra-submitit-la
 `--nodes` x `--ntasks-per-node`, one GPU per task (`--gpus-per-node` = `trainer.devices`), so that srun starts one
 process per GPU and Lightning's SLURMEnvironment reads each one's rank from SLURM_PROCID / SLURM_LOCALID /
 SLURM_NODEID. The warning before the time limit is SIGUSR1 (`--signal=USR1@<signal_delay_s>`): lmlab saves at the
-step boundary and requeues the job itself (lmlab/interrupt.py). submitit's own default is USR2, which would run
+step boundary and requeues the job itself (lmlab/run/interrupt.py). submitit's own default is USR2, which would run
 submitit's checkpoint-and-resubmit handler instead, without lmlab's checkpoint.
 
 `hydra/launcher=slurm_dry_run` runs `hydra/launcher=slurm`'s `launch` unchanged (the same executor, the same

@@ -42,8 +42,8 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
     `report` instead of submitit's `results()`."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """In the job: catch SIGUSR1/SIGTERM before anything is imported (lmlab.early_signals), then the job."""
-        from lmlab.early_signals import catch_early
+        """In the job: catch SIGUSR1/SIGTERM before anything is imported (lmlab.run.early_signals), then the job."""
+        from lmlab.run.early_signals import catch_early
 
         catch_early()
         return super().__call__(*args, **kwargs)

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-OK = ("completed", "diverged", "collapsed")  # finished runs: an ablation's result, not a failed job (lmlab.summary)
+OK = ("completed", "diverged", "collapsed")  # finished runs: an ablation's result, not a failed job
+                                             # (lmlab.record.summary)
 
 
 def _loss(value: Any) -> str:
@@ -26,7 +27,7 @@ def line(job_id: str, overrides: str, run_dir: Path, outcome: tuple[str, Any] | 
          stderr: Path) -> tuple[str, bool]:
     """The report line of one job and whether the job failed (the submitting command then exits non-zero). A job
     fails when its run did not finish (interrupted, failed, no summary) or SLURM ended it without a result."""
-    from lmlab.rundir import RunDir
+    from lmlab.record.rundir import RunDir
 
     head = f"slurm job {job_id}" + (f" [{overrides}]" if overrides else "") + ":"
     try:

@@ -22,13 +22,13 @@ from lmlab.bench.loop import lightning_loop_cost
 from lmlab.bench.peers import CONFIGS, describe, hf_peer
 from lmlab.bench.report import check_targets, render
 from lmlab.bench.timing import Contestant, matmul_gflops, peak_step_bytes, spread, timed
-from lmlab.perf import FLOPS_FORMULA, flops_per_token, matmul_params
+from lmlab.run.perf import FLOPS_FORMULA, flops_per_token, matmul_params
 
 
 def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device: torch.device
                     ) -> tuple[list[Contestant], Any]:
     """lmlab (through LitGPT), the HF peer, and with bf16 lmlab in fp32 as well; and the LitGPT for the loop."""
-    from lmlab.lit import LitGPT, configure_optimization
+    from lmlab.run.lit import LitGPT, configure_optimization
 
     optim, schedule = (dict(cfg[k]) for k in ("optim", "schedule"))
     horizon = 10_000  # the LR schedule's length: its values don't change the speed of a step

@@ -29,8 +29,8 @@ def lightning_loop_cost(cfg, lit, batches: list, precision: str, device: torch.d
     from lightning.pytorch.callbacks import Callback
     from omegaconf import OmegaConf
 
-    from lmlab.metrics_csv import MetricsCSV
-    from lmlab.monitor import StabilityMonitor
+    from lmlab.record.metrics_csv import MetricsCSV
+    from lmlab.run.monitor import StabilityMonitor
 
     class StepTimer(Callback):
         def __init__(self) -> None:

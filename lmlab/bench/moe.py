@@ -32,7 +32,7 @@ def _contestant(name: str, overrides: list[str], device: torch.device, bf16: boo
     from lmlab import compose
     from lmlab.bench.timing import Contestant
     from lmlab.config import arch_config
-    from lmlab.lit import LitGPT
+    from lmlab.run.lit import LitGPT
     from lmlab.model.gpt import validate
 
     cfg = compose(overrides)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.cli import PROG, as_lists, quote_paths, refuse_unknown, usage_errors
+from lmlab.cli import PROG, as_lists, quote_paths
+from lmlab.commands.refusals import refuse_unknown, usage_errors
 
 # `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
 LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
@@ -34,7 +35,7 @@ def main(cfg: DictConfig) -> None:
     env.offline()
     env.set_threads(cfg.threads)
     if cfg.compare:
-        from lmlab.compare import compare
+        from lmlab.analysis.compare import compare
 
         _, md = compare(cfg.compare, baseline=cfg.get("baseline"), target=cfg.get("target"))
         files = ("compare.md", "compare_variants.md", "compare_significance.md", "plots/")
@@ -61,11 +62,11 @@ def main(cfg: DictConfig) -> None:
         print(f"-> {export(cfg.run, cfg.out)}/ (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
         return
     if cfg.harness:
-        from lmlab.interop.harness import harness_cli
+        from lmlab.analysis.harness import harness_cli
 
         harness_cli(cfg)
         return
-    from lmlab.evaluate import evaluate
+    from lmlab.analysis.evaluate import evaluate
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
     out = Path(cfg.out or Path(cfg.run) / "eval")

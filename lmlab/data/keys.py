@@ -1,4 +1,4 @@
-"""The keys every corpus shares, typed: checked before training (lmlab.checks, which imports no Lightning) and when
+"""The keys every corpus shares, typed: checked before training (lmlab.run.checks, which imports no Lightning) and when
 the data module is built."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Annotated
 from lmlab.registry import NonNegativeInt, PositiveInt, Range
 
 # The keys every corpus shares (conf/data_base/corpus.yaml), typed like an option's keys: checked before training
-# (lmlab.checks.check_config) and at construction. A task (data=position_probe) has the loader's keys only.
+# (lmlab.run.checks.check_config) and at construction. A task (data=position_probe) has the loader's keys only.
 DATA_KEYS = {"batch_size": PositiveInt, "vocab_size": PositiveInt,
              "val_fraction": Annotated[float, Range(gt=0, lt=1)], "val_windows": PositiveInt | None,
              "num_workers": NonNegativeInt, "num_proc": PositiveInt | None, "tokenizer_sample": PositiveInt | None,

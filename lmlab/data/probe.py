@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lmlab.tables import write_table
+from lmlab.record.tables import write_table
 
 NAME = "position_probe"
 PROBE_FILE = "probe.json"
@@ -74,7 +74,7 @@ class _Repeat(IterableDataset):
 
 
 class PositionProbeDataModule(pl.LightningDataModule):
-    """The probe with the surface the training loop reads from a data module (lmlab.training): vocab_size,
+    """The probe with the surface the training loop reads from a data module (lmlab.run.training): vocab_size,
     train/val dataloaders, unigram_entropy, save_tokenizer, tokenizer_kind/_sha256, state_dict; plus `callbacks`
     (the metrics) and `figures` (their means for summary.json). `data` is the composed `data` group, `seq_len`
     `model.max_seq_len`."""
@@ -132,7 +132,7 @@ class PositionProbeDataModule(pl.LightningDataModule):
         return math.log(self.seq_len)
 
     def save_tokenizer(self, path: str | Path) -> None:
-        from lmlab.rundir import atomic_write
+        from lmlab.record.rundir import atomic_write
 
         atomic_write(path, self.tokenizer.to_str())
 
@@ -156,7 +156,7 @@ class PositionProbeDataModule(pl.LightningDataModule):
         plots/position_probe.png, accuracy and error at each position per variant. "" when no run has one."""
         if not any((r / "probe.json").is_file() for r in runs):
             return ""
-        from lmlab.plots import plot_probe  # matplotlib: imported when there is something to draw
+        from lmlab.record.plots import plot_probe  # matplotlib: imported when there is something to draw
 
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for r in runs:
@@ -204,7 +204,7 @@ class ProbeMetrics(Callback):
         pl_module.log("probe/accuracy", torch.tensor(result["mean_accuracy"]))
         pl_module.log("probe/error", torch.tensor(result["mean_error"]))
         if trainer.is_global_zero:
-            from lmlab.rundir import atomic_write
+            from lmlab.record.rundir import atomic_write
 
             atomic_write(self.path, json.dumps(result, indent=1))
 

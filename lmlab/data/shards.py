@@ -14,7 +14,7 @@ Invariants (tests/test_shards.py checks each):
   processes, and a preparation resumed after a kill, write byte-identical shards.
 - Memory is bounded whatever the corpus size: documents arrive as pieces, at most `2 × num_proc` shards'
   worth of text is in flight, and nothing ever holds the whole corpus.
-- One preparation per key: the directory's lock (`lmlab.rundir.RunLock`, waiting); a second job waits, then reads
+- One preparation per key: the directory's lock (`lmlab.record.rundir.RunLock`, waiting); a second job waits, then reads
   the index.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from lmlab.rundir import atomic_write
+from lmlab.record.rundir import atomic_write
 
 FORMAT = 1
 _ENCODE_CHARS = 1 << 20  # characters per tokenizer call: bounds the tokenizer's own per-token objects
@@ -360,7 +360,7 @@ def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_
                 _collect(in_flight.popleft(), metas, directory)
         while in_flight:
             _collect(in_flight.popleft(), metas, directory)
-    except BaseException:  # an error, or a signal before training (lmlab.interrupt): stop the workers now
+    except BaseException:  # an error, or a signal before training (lmlab.run.interrupt): stop the workers now
         for process in list(getattr(pool, "_processes", {}).values()):
             process.terminate()
         pool.shutdown(wait=False, cancel_futures=True)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack
 from lmlab.data.shards import TokenStream
-from lmlab.rundir import atomic_write, remember
+from lmlab.record.rundir import atomic_write, remember
 
 NAME = "token_bin"
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
@@ -198,7 +198,8 @@ class TokenBinDataModule(pl.LightningDataModule):
             raise ValueError(f"data.train={self.train_pattern}: {len(train)} tokens, less than one block of "
                              f"model.max_seq_len + 1 = {self.seq_len + 1}")
         val_sha256 = hashlib.sha256(val_ids.tobytes()).hexdigest()
-        self.shards = {  # what a resume checks it reads again (lmlab.plan.check_same_data); val: the tokens it reads
+        self.shards = {  # what a resume checks it reads again (lmlab.run.plan.check_same_data); val: the tokens it
+                         # reads
             "data.train": {"shards": len(paths), "tokens": len(train), "sha256": fingerprint(paths, self.cache_dir)},
             "data.val": {"tokens": len(self.val_tokens), "sha256": val_sha256}}
         self.train_dataset = TrainBlocks(pack(train, self.seq_len + 1), self.seed)

@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmlab.data.corpus import fingerprint
-from lmlab.rundir import temporary
+from lmlab.record.rundir import temporary
 
 UNK = "<unk>"
 

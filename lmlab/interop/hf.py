@@ -39,9 +39,9 @@ from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_c
 from lmlab.interop.hf_moe import MOE_TYPES
 from lmlab.interop.hf_moe import invert as moe_invert
 from lmlab.interop.hf_moe import state as moe_state
-from lmlab.memory import check_model_fits
+from lmlab.model.memory import check_model_fits
 from lmlab.model.gpt import GPT, validate
-from lmlab.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
+from lmlab.record.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
 
 log = logging.getLogger(__name__)
 

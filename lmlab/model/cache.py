@@ -4,7 +4,7 @@ position's forward instead of the whole text's.
 `GPT.forward(idx, cache=cache)` reads the T new tokens as positions `cache.length` .. `cache.length + T - 1` and
 appends their keys and values (after the position scheme's rotation). Keys are only valid under the frequencies
 they were rotated with: `key` records the position scheme's `cache_key` at the length the cache was built for, and
-`lmlab.generate` rebuilds the cache when it changes (dynamic RoPE scalings past the trained length), so cached
+`lmlab.analysis.generate` rebuilds the cache when it changes (dynamic RoPE scalings past the trained length), so cached
 generation gives the logits of a full forward over the growing text.
 """
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
-from lmlab.loss import cross_entropy, linear_cross_entropy
-from lmlab.memory import check_model_fits
+from lmlab.model.loss import cross_entropy, linear_cross_entropy
+from lmlab.model.memory import check_model_fits
 from lmlab.model.cache import KVCache
 from lmlab.model.head import HEADS
 from lmlab.model.init import INITS
@@ -80,7 +80,7 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> logits (B, T, vocab) (softcapped under `logit_softcap`); given targets (B, T), the
         mean token cross-entropy instead (fp32; with `chunked_loss` the logits are never held whole), plus `z_loss` ·
         mean(log Z)² when given, plus in training the sublayers' auxiliary losses (an MoE's balancing terms, `aux`);
-        `parts=True`: (objective, cross-entropy, z-loss), the last two detached (lmlab.loss).
+        `parts=True`: (objective, cross-entropy, z-loss), the last two detached (lmlab.model.loss).
         With a `cache` (generation), the tokens continue the cached ones and their keys and values are added to
         it."""
         offset = 0
@@ -125,7 +125,8 @@ class GPT(nn.Module):
         return out
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, parts: bool = False) -> Any:
-        """The output head's mean token cross-entropy on normed hidden states h (B, T, d) (lmlab.loss): µP's readout
+        """The output head's mean token cross-entropy on normed hidden states h (B, T, d) (lmlab.model.loss): µP's
+        readout
         multiplier, the logit softcap, chunked when `chunked_loss`; shared by the extra heads (head=mtp)."""
         if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
             h = h * self.param.output_mult

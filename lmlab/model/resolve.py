@@ -8,7 +8,7 @@ never holds `null` for a number the model used). A record that already carries d
 December 2026) is checked against them: they are the model its weights belong to.
 
 `n_params_estimate(cfg)` counts the weights from the sizes alone (the residual options' tables included), for the
-size bounds (`lmlab.memory`).
+size bounds (`lmlab.model.memory`).
 """
 
 from __future__ import annotations

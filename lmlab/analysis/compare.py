@@ -1,0 +1,301 @@
+"""`eval.py compare=<multirun dir>`: tables and plots over the runs of a sweep.
+
+compare.{md,csv}: one row per run (the overrides that differ, status, figures). Runs that differ only by `seed` are
+one variant: when the seed varies, compare_variants.{md,csv} has one row per variant with n, the seeds, the statuses
+and the mean and sample sd (n − 1) of each figure over its seeds, and the curves plots draw each variant as its mean
+with a ± sd band. When `optim.lr` varies, `best_lr` marks with * the row of each group of rows that share the other
+overrides (an architecture) with the lowest objective: best val loss, +inf for a diverged, collapsed or unfinished run
+(lmlab.record.summary.objective), over the mean of the seeds in the variants table.
+
+Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the first of the runs' own
+`targets` when they share them, else the highest best val loss of the sweep, which every run reached;
+lmlab.record.targets)
+are columns of both tables. With seeds, compare_significance.{md,csv}
+tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
+(lmlab.analysis.compare_stats). A ladder (runs that differ by model size or budget) gets its scaling fits, L(C) and,
+where it
+varies both N and D, L(N, D) (lmlab.analysis.ladder).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmlab import names
+from lmlab.analysis.compare_gaps import CURVES, gaps, validations
+from lmlab.analysis.compare_stats import significance
+from lmlab.data.tasks import TASKS
+from lmlab.analysis.ladder import compute_spent, ladder_section, matmul_weights, size_keys
+from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
+from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
+from lmlab.record.summary import objective
+from lmlab.record.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
+from lmlab.record.targets import TARGET_FIGURES, default_target, to_target
+
+SEED, LR = "seed", "optim.lr"
+FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s",
+           *TARGET_FIGURES)  # over seeds (a figure to target: over the seeds that reached it)
+
+
+def find_runs(sweep_dir: Path) -> list[Path]:
+    """Every run directory under `sweep_dir`: finished ones (summary.json) and those a killed or still running job
+    left (metrics, checkpoints or a lock, but no summary yet)."""
+    marks = (SUMMARY, METRICS, LOCK, f"{CHECKPOINTS}/last.ckpt")
+    found = {p.parent for mark in marks for p in sweep_dir.rglob(Path(mark).name)
+             if "wandb" not in p.parts and "eval" not in p.relative_to(sweep_dir).parts[:-1]}
+    return sorted({r.parent if r.name == CHECKPOINTS else r for r in found})  # a run has marks in both
+
+
+def _incomplete(run: Path) -> dict[str, Any]:
+    """What a run without a summary shows: its state (running / killed) and the last step in metrics.csv."""
+    series = read_metrics(run / METRICS) if (run / METRICS).exists() else {}
+    steps = max((s for points in series.values() for s, _ in points), default=None)
+    vals = series.get(names.VAL_LOSS, [])
+    return {"status": RunDir(run).state(), "steps": steps, "final_val_loss": vals[-1][1] if vals else None,
+            "best_val_loss": min(v for _, v in vals) if vals else None, "overrides": []}
+
+
+def _overrides(summary: dict[str, Any]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in summary.get("overrides", []) if "=" in o and not o.startswith("hydra"))
+
+
+_NUMBERS = ("steps", "diverged_at_step", "n_params", "final_val_loss", "best_val_loss", "unigram_val_loss",
+            "peak_grad_norm", "tokens_per_s")
+
+
+def _malformed(summary: dict[str, Any]) -> str | None:
+    """Why a summary.json that reads as an object cannot be compared (None: it can): no status, overrides that are
+    not strings, figures that are not finite numbers or null."""
+    if not isinstance(summary.get("status"), str):
+        return "summary.json has no status"
+    if not isinstance(summary.get("overrides", []), list) or not all(
+            isinstance(o, str) for o in summary.get("overrides", [])):
+        return "summary.json's overrides are not a list of strings"
+    for key in _NUMBERS:
+        value = summary.get(key)
+        if value is None:
+            continue
+        try:
+            finite = not isinstance(value, bool) and math.isfinite(float(value))
+        except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
+            finite = False
+        if not finite:
+            return f"summary.json's {key}={str(value)[:40]!r} is not a finite number"
+    if not isinstance(summary.get("grad_norm_at_init") or {}, dict):
+        return "summary.json's grad_norm_at_init is not an object"
+    return None
+
+
+def _read(run: Path) -> dict[str, Any]:
+    """A run's summary for the table: its own, what a run without one shows, or a flagged stand-in for one that
+    cannot be read or compared (the rest of the sweep is compared all the same)."""
+    try:
+        summary = RunDir(run).read_summary()
+    except ValueError as err:  # not JSON, or not an object
+        return {"status": "malformed", "problem": str(err).removeprefix(f"{run / SUMMARY} "), "overrides": []}
+    if summary is None:
+        return _incomplete(run)
+    if (problem := _malformed(summary)) is not None:
+        return {"status": "malformed", "problem": problem, "overrides": []}
+    return summary
+
+
+def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others: Sequence[str]) -> None:
+    """rows[i]["best_lr"] = "*" on the row with the lowest values[i] among the rows that share the `others` keys, ""
+    elsewhere; no star in a group of one row (nothing was compared: an Optuna search varies every key) or where every
+    value is +inf."""
+    best: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        key = tuple(row.get(k) for k in others)
+        size[key] = size.get(key, 0) + 1
+        if math.isfinite(values[i]) and (key not in best or values[i] < values[best[key]]):
+            best[key] = i
+    starred = {i for key, i in best.items() if size[key] > 1}
+    for i, row in enumerate(rows):
+        row["best_lr"] = "*" if i in starred else ""
+
+
+def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
+    """The run's parameters (`n_params`, from its summary), its FFNs' (`ffn_params`, all layers), so a sweep over
+    `ffn` shows the variants' match, and its train FLOPs per token (`flops_per_token`: the summary's, else
+    lmlab.run.perf's count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device;
+    None
+    when it cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the
+    weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's. `n_matmul`: N of the 6·N
+    count (lmlab.run.perf.matmul_params), the budget's record or the rebuilt model's: the N of a ladder's L(N, D)
+    fit."""
+    import torch
+
+    from lmlab.config import GPTConfig
+    from lmlab.model.memory import check_model_fits
+    from lmlab.model.gpt import GPT
+    from lmlab.run.perf import flops_per_token, matmul_params
+
+    total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
+    n_matmul = matmul_weights(summary)
+    flops = summary.get("flops_per_token")
+    if isinstance(summary.get("model"), dict):
+        try:
+            cfg = GPTConfig(**summary["model"])
+            check_model_fits(cfg, what="compare")  # a crafted or damaged summary could ask for a build of hours
+            with torch.device("meta"):
+                model = GPT(cfg)
+        except (TypeError, ValueError, KeyError, OverflowError):
+            model = None
+        if model is not None and (total is None or model.num_params() == total):
+            total = model.num_params()
+            ffn = sum(p.numel() for m in model.modules() if getattr(m, "sublayer", None) == "ffn"
+                      for p in m.parameters())
+            active = model.num_params(active=True)
+            flops = flops or flops_per_token(model, cfg.max_seq_len)["train"]
+            n_matmul = n_matmul or matmul_params(model)
+    return {"n_params": total, "ffn_params": ffn, "n_active_params": summary.get("n_active_params", active),
+            "flops_per_token": flops, "n_matmul": n_matmul}
+
+
+def _sort_key(value: str) -> tuple:
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequence[str]
+             ) -> tuple[list[dict[str, Any]], list[float]]:
+    """One row per variant (the rows that share `keys`, i.e. differ only by seed): n, seeds, statuses, the mean and
+    sd of each figure over the seeds that have it; and each variant's objective (the mean of its runs')."""
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(tuple(row.get(k) for k in keys), []).append(i)
+    out, objectives = [], []
+    for key, members in groups.items():
+        runs = [rows[i] for i in members]
+        statuses = [r["status"] for r in runs]
+        counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
+        row = {**dict(zip(keys, key)), "n": len(runs),
+               "seeds": ",".join(sorted((str(r.get(SEED, "")) for r in runs), key=_sort_key)),
+               "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items()),
+               "n_params": runs[0].get("n_params"), "n_active_params": runs[0].get("n_active_params"),
+               "ffn_params": runs[0].get("ffn_params")}
+        for fig in FIGURES:
+            xs = [float(r[fig]) for r in runs if isinstance(r.get(fig), (int, float)) and math.isfinite(r[fig])]
+            row[f"{fig}_mean"] = statistics.fmean(xs) if xs else None
+            row[f"{fig}_sd"] = statistics.stdev(xs) if len(xs) > 1 else None
+        out.append(row)
+        objectives.append(statistics.fmean(values[i] for i in members))  # +inf if any seed failed
+    return out, objectives
+
+
+def _mean_sd(row: dict[str, Any], col: str) -> str:
+    if col not in FIGURES:
+        return _fmt(row.get(col))
+    mean, sd = row.get(f"{col}_mean"), row.get(f"{col}_sd")
+    return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
+
+
+def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | None = None
+            ) -> tuple[list[dict[str, Any]], str]:
+    """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
+    seed varies, compare_variants.{md,csv} and compare_significance.{md,csv} (against `baseline`, a `key=value[,...]`
+    naming one variant). `target`: the val loss the *_to_target columns count to (None: the runs' first configured
+    target, else the sweep's highest best val loss). Returns the rows and the markdown of the tables."""
+    sweep_dir = Path(sweep_dir)
+    runs = find_runs(sweep_dir)
+    if not runs:
+        raise FileNotFoundError(f"compare={sweep_dir}: no run directories (with summary.json) under it")
+    summaries = {r: _read(r) for r in runs}
+    overrides = {r: _overrides(s) for r, s in summaries.items()}
+    keys = sorted({k for o in overrides.values() for k in o})
+    varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
+    varying.sort(key=lambda k: (k == LR, k == SEED))  # the architecture first, then its lr, then the seed
+    runs = sorted(runs, key=lambda r: [_sort_key(overrides[r].get(k, "")) for k in varying])  # by value: lr 1e-3 < 1e-2
+    summaries = {r: summaries[r] for r in runs}
+    for r, s in summaries.items():
+        if RunLock.holder(r) is not None:
+            s["status"] = "running"  # a resumed run still going has the previous attempt's summary
+    rows = []
+    for r, s in summaries.items():
+        unigram = s.get("unigram_val_loss")
+        final = s.get("final_val_loss")
+        rows.append({
+            **{k: overrides[r].get(k, "") for k in varying},
+            "status": s["status"], "diverged_at_step": s.get("diverged_at_step"), "steps": s.get("steps"),
+            **param_counts(s),
+            "final_val_loss": final, "best_val_loss": s.get("best_val_loss"),
+            "loss_vs_unigram": final - unigram if final is not None and unigram is not None else None,
+            "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
+            "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
+        })
+    configured = [(s.get("config") or {}).get("targets") or [] for s in summaries.values()]
+    target = default_target([row["best_val_loss"] for row in rows], configured) if target is None else float(target)
+    for r, row in zip(runs, rows):  # the run's val_curve, else (an older run) its metrics.csv
+        curve = isinstance(summaries[r].get("val_curve"), list)
+        series = read_metrics(r / METRICS) if not curve and (r / METRICS).exists() and target is not None else {}
+        row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if target is not None and (
+            curve or series) else dict.fromkeys(TARGET_FIGURES))
+    values = [objective(s) for s in summaries.values()]
+    by_lr = ["best_lr"] if LR in varying else []
+    if by_lr:
+        mark_best_lr(rows, values, [k for k in varying if k != LR])
+    routed = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
+    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *routed, "ffn_params",
+            "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
+            *TARGET_FIGURES, "run",
+            *(["problem"] if any(row["problem"] for row in rows) else [])]
+    table = write_table(rows, cols, sweep_dir / "compare")
+    md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + table
+
+    variant_keys = [k for k in varying if k != SEED]
+
+    def name(r: Path, by: Sequence[str]) -> str:
+        return ",".join(f"{k}={overrides[r].get(k, '')}" for k in by) or ("all seeds" if SEED in varying else r.name)
+
+    if SEED in varying:
+        grouped, group_values = variants(rows, values, variant_keys)
+        if by_lr:
+            mark_best_lr(grouped, group_values, [k for k in variant_keys if k != LR])
+        head = [*variant_keys, *by_lr, "n", "seeds", "status", "n_params", *routed, "ffn_params"]
+        md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
+            grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
+            md_cols=[*head, *FIGURES], md_cell=_mean_sd)
+        sizes = size_keys(variant_keys)
+        if len(grouped) > 1 and len(variant_keys) > len(sizes):
+            _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
+                                  baseline, within=sizes)
+            md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
+    logged = {r: read_metrics(r / METRICS) for r in runs if (r / METRICS).exists()}
+    series: dict[str, list] = {}
+    for r, metrics in logged.items():  # the seeds of a variant share its name: plotted as their mean with a ± sd band
+        series.setdefault(name(r, variant_keys), []).append(metrics)
+    plots = sweep_dir / "plots"
+    drawn = {metric: plot_curves(series, metric, plots / png, log=metric == names.GRAD_NORM, title=title)
+             for (metric, png), title in zip(CURVES.items(), ("training loss", "validation loss",
+                                                                "global gradient norm (before clipping)"))}
+    notes = gaps(drawn, [validations(s, logged.get(r, {})) for r, s in summaries.items()], target)
+    if notes:  # above the tables, printed and in compare.md
+        said = "".join(f"Note: {n}\n" for n in notes) + "\n"
+        md = said + md
+        atomic_write(sweep_dir / "compare.md", said + table)
+    routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
+    if routed:  # an MoE's expert load by layer and step, one panel per run
+        plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")
+    profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
+    if profiles:
+        plot_init_profile(profiles, plots / "grad_norm_at_init.png")
+    for at, stem, when in (("first", "jacobian_norms", "at its first measurement (step 0: init)"),
+                           ("last", "jacobian_norms_end", "at its last measurement")):  # jacobian.every_n_steps
+        jac = {name(r, varying): p for r, m in logged.items() if (p := layer_profile(m, names.JAC_NORM, at))}
+        if jac:
+            plot_init_profile(jac, plots / f"{stem}.png", ylabel="‖∂x_l+1/∂x_l‖ / √n (RMS gain)",
+                              title=f"Block Jacobian per layer, {when}")
+    md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
+                         variant_keys, sweep_dir, baseline,
+                         n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in zip(summaries.values(), rows)])
+    for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
+        md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
+    return rows, md

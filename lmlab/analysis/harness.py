@@ -1,0 +1,156 @@
+"""lm-eval (EleutherAI's evaluation harness, the `eval` extra) on a run: `python eval.py run=<run> harness=<tasks>`.
+
+A run whose architecture transformers represents is exported (lmlab.interop.hf) and evaluated by lm-eval's own
+`HFLM`, the path most published numbers take; any other architecture goes through `LmlabLM`, an lm-eval model
+over lmlab's own GPT: loglikelihood, rolling loglikelihood and generation, with the same conventions as HFLM
+(a continuation's tokens are those of context + continuation after the context's; inputs longer than the model's
+context keep their last tokens). lmlab's tokenizers have no begin-of-text token, so a text scored on its own (rolling
+loglikelihood) is conditioned on a newline, the corpus's document separator, on both routes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lmlab.analysis.generate import generate
+from lmlab.model.gpt import GPT
+from lmlab.record.rundir import RunDir, atomic_write, dumps, load_model
+
+
+def _lm_base() -> type:
+    from lm_eval.api.model import LM
+
+    return LM
+
+
+def prefix_token(tokenizer: Any) -> int:
+    """The token a text on its own is conditioned on: end/begin-of-text if the tokenizer has one, else a newline."""
+    for name in ("<|endoftext|>", "</s>", "<s>", "<eos>", "<bos>"):
+        if (i := tokenizer.token_to_id(name)) is not None:
+            return i
+    ids = tokenizer.encode("\n").ids
+    if len(ids) != 1:
+        raise ValueError("the tokenizer has no begin-of-text token and no single newline token to start a text with")
+    return ids[0]
+
+
+class LmlabLM(_lm_base()):
+    """lm-eval's model interface over an lmlab GPT and its tokenizer (a `tokenizers.Tokenizer`)."""
+
+    def __init__(self, model: GPT, tokenizer: Any, batch_size: int = 8) -> None:
+        super().__init__()
+        self.model, self.tok, self.batch_size = model.eval(), tokenizer, batch_size
+        self.max_length = model.cfg.max_seq_len
+        self.prefix = prefix_token(tokenizer)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    @torch.no_grad()
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """log p(continuation | context) and whether greedy decoding would produce it."""
+        ids = (context + continuation)[-(self.max_length + 1):]
+        x = torch.tensor([ids[:-1]])
+        logp = F.log_softmax(self.model(x)[0].float(), dim=-1)  # (T, V)
+        n = len(continuation)
+        rows, targets = logp[-n:], torch.tensor(ids[-n:])
+        return float(rows.gather(1, targets[:, None]).sum()), bool((rows.argmax(-1) == targets).all())
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for req in requests:
+            context, continuation = req.args
+            whole, ctx = self._encode(context + continuation), self._encode(context)
+            if not ctx:
+                raise ValueError("lmlab's tokenizers have no begin-of-text token: a continuation needs a context")
+            out.append(self._score(whole[: len(ctx)], whole[len(ctx):]))
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Sum of log p over every token of the text, conditioned on the prefix token, in disjoint windows of the
+        model's context, each seeing up to a full context before it."""
+        out = []
+        for req in requests:
+            ids = [self.prefix, *self._encode(req.args[0])]
+            total = 0.0
+            for start in range(1, len(ids), self.max_length):
+                end = min(start + self.max_length, len(ids))
+                total += self._score(ids[max(0, end - self.max_length - 1): start], ids[start:end])[0]
+            out.append(total)
+        return out
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            ids = torch.tensor([self._encode(context)[-self.max_length:]])
+            new = generate(self.model, ids, int(kwargs.get("max_gen_toks", 256)), temperature=temperature)
+            text = self.tok.decode(new[0, ids.size(1):].tolist())
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
+
+
+def harness_model(run_dir: str | Path, batch_size: int = 8, route: str = "auto") -> tuple[Any, str]:
+    """(lm-eval model, route): 'hf' (an export read by lm-eval's HFLM) when transformers represents the run's
+    architecture, else 'lmlab' (LmlabLM). `route` forces one."""
+    from tokenizers import Tokenizer
+
+    from lmlab.interop.hf import NotRepresentable, export, family
+
+    run = RunDir(run_dir)
+    model = load_model(run.path)
+    if route in ("auto", "hf"):
+        try:
+            family(model.cfg)
+        except NotRepresentable:
+            if route == "hf":
+                raise
+        else:
+            from lm_eval.models.huggingface import HFLM
+
+            out = Path(tempfile.mkdtemp(prefix="lmlab-hf-"))
+            export(run.path, out)
+            tok = Tokenizer.from_file(str(run.tokenizer))
+            lm = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=batch_size,
+                      max_length=model.cfg.max_seq_len, add_bos_token=False, prefix_token_id=prefix_token(tok))
+            return lm, "hf"
+    return LmlabLM(model, Tokenizer.from_file(str(run.tokenizer)), batch_size), "lmlab"
+
+
+def run_harness(run_dir: str | Path, tasks: list[str], *, include: str | None = None, limit: int | None = None,
+                batch_size: int = 8, route: str = "auto", log_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's simple_evaluate over `tasks` (names, or tasks defined in YAML files under `include`)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    lm, used = harness_model(run_dir, batch_size, route)
+    manager = TaskManager(include_path=include) if include else TaskManager()
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      log_samples=log_samples, batch_size=batch_size)
+    results["lmlab_route"] = used
+    return results
+
+
+def harness_cli(cfg: Any) -> dict[str, Any]:
+    """eval.py run=<run> harness=<tasks>: run lm-eval, print its table, write <out or run/eval>/harness.json."""
+    from lm_eval.utils import make_table
+
+
+    tasks = list(cfg.harness) if not isinstance(cfg.harness, str) else cfg.harness.split(",")
+    results = run_harness(cfg.run, tasks, include=cfg.get("harness_include"), limit=cfg.get("harness_limit"),
+                          batch_size=cfg.batch_size)
+    out = Path(cfg.out or Path(cfg.run) / "eval")
+    record = {"run": str(cfg.run), "route": results["lmlab_route"], "tasks": tasks, "results": results["results"]}
+    atomic_write(out / "harness.json", dumps(record))
+    print(f"lm-eval through the {results['lmlab_route']} route\n{make_table(results)}\n-> {out / 'harness.json'}")
+    return record

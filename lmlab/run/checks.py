@@ -1,0 +1,116 @@
+"""The checks a run's config passes before anything is built, loaded or trained: architecture (on the meta device),
+optimizer, schedule, the run's own keys, the devices, the attention's memory. Torch and lmlab's model code only, no
+Lightning: the command runs them first, so a bad value is refused in about the time Hydra takes to compose (plus
+torch's import), not after the whole training stack is imported."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.run import budget
+from lmlab.cli import override_key
+from lmlab.config import arch_config
+from lmlab.data.keys import DATA_KEYS
+from lmlab.model.gpt import validate
+from lmlab.record.targets import check_targets
+
+
+def _slurm_launched() -> bool:
+    """Lightning's SLURMEnvironment.detect(), imported only inside a SLURM allocation (srun sets SLURM_NTASKS)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect()
+
+
+def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
+    """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
+    and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
+    `overrides`, the command's, tell a warmup the user chose from a smoke run of a config's own (None: unknown)."""
+    import warnings
+    from typing import Literal
+
+    import torch
+
+    from lmlab.model.memory import check_attention_fits, check_batch_fits
+    from lmlab.optim import validate_optim
+    from lmlab.registry import PositiveFloat, PositiveInt, check_values
+
+    eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
+    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
+    validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
+                   gcfg.param)
+    run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
+        "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
+        "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
+        "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
+        **{f"data.{k}": t for k, t in DATA_KEYS.items()},
+    }
+    absent = object()
+    values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
+    check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+    check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
+    budget.chosen(cfg)  # budget.*: one at most, > 0
+    check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
+
+    accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
+    if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
+        key = f"trainer.strategy={strategy}" if strategy == "fsdp" else f"trainer.accelerator={accelerator}"
+        fix = {"fsdp": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2 (FSDP2 runs on CPU with gloo; "
+                       "trainer=fsdp is FSDP1, CUDA only)",
+               "ddp": "trainer=ddp trainer.accelerator=cpu trainer.devices=2",
+               "FSDP2Strategy": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2"}.get(
+            strategy, "trainer=cpu (trainer.accelerator=cpu)")
+        raise ValueError(f"{key} needs a CUDA GPU (none found); on CPU use {fix}")
+    if gcfg.untie_at_step is not None and strategy.startswith("ddp") and "find_unused_parameters_true" not in strategy:
+        raise ValueError(f"model.untie_at_step={gcfg.untie_at_step} leaves the head's own matrix without a gradient "
+                         f"until that step, which trainer.strategy={strategy} refuses (DDP expects every parameter "
+                         f"used): use trainer.strategy=ddp_find_unused_parameters_true, or trainer=fsdp2")
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,
+                         gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
+    check_batch_fits(int(cfg.data.get("batch_size", 1)), gcfg.max_seq_len, gcfg.d_model, gcfg.n_layer,
+                     "cuda" if on_gpu else "cpu")
+
+    warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
+    chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)
+    if warmup >= max_steps and chosen:  # a warning, not a refusal; not for a smoke run (steps cut, warmup the config's)
+        warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
+                      f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
+                      f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
+
+
+def strategy_name(cfg: DictConfig) -> str:
+    """`trainer.strategy` as a name: Lightning's string, or the class a `_target_` builds (FSDP2Strategy)."""
+    strategy = cfg.trainer.get("strategy", "auto")
+    return strategy.get("_target_", "").rpartition(".")[2] if isinstance(strategy, DictConfig) else str(strategy)
+
+
+def check_launch(devices: Any, num_nodes: int) -> None:
+    """Under a launcher that starts one process per device itself (srun in a SLURM job, torchrun), Lightning takes
+    the ranks from the environment, and `trainer.devices` x `trainer.num_nodes` must be the launcher's layout:
+    `trainer.devices` a number of processes per node (not auto), `trainer.num_nodes` the number of nodes."""
+    import torch
+
+    env = os.environ
+    if torch.distributed.is_available() and torch.distributed.is_torchelastic_launched():
+        launcher, per_node, nodes = "torchrun", env.get("LOCAL_WORLD_SIZE"), None
+        if per_node and env.get("WORLD_SIZE"):
+            nodes = str(int(env["WORLD_SIZE"]) // max(1, int(per_node)))
+        per_node_flag, nodes_flag = "--nproc_per_node", "--nnodes"
+    elif "SLURM_NTASKS" in env and _slurm_launched():
+        launcher, per_node, nodes = "SLURM (srun)", env.get("SLURM_NTASKS_PER_NODE"), env.get("SLURM_NNODES")
+        per_node_flag, nodes_flag = "--ntasks-per-node", "--nodes"
+    else:
+        return
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        hint = f"trainer.devices={per_node}" if per_node and per_node.isdigit() else "trainer.devices=<GPUs per node>"
+        raise ValueError(f"trainer.devices={devices!r} must be a number of devices per node under {launcher}, which "
+                         f"starts one process per device and gives each its rank; use {hint}")
+    for key, value, flag, have in (("trainer.devices", devices, per_node_flag, per_node),
+                                   ("trainer.num_nodes", num_nodes, nodes_flag, nodes)):
+        if have is not None and have.isdigit() and int(have) != value:
+            raise ValueError(f"{key}={value} but {launcher} started {flag}={have}; use {key}={have}")

@@ -1,0 +1,150 @@
+"""Interruption: SIGINT, SIGTERM and SIGUSR1 end the current step, and the run stops at that step boundary.
+
+A signal only sets a flag. After each optimizer step every rank learns whether any rank got one (one small
+all-reduce when there is more than one rank), so all ranks stop after the same step and the collective
+checkpoint save can't hang, whichever rank the signal went to. The save happens when the next step would start:
+by then the step is finished in every way an uninterrupted run would finish it (its validation, its logged rows),
+so the resumed run continues exactly. `RunInterrupted` then leaves Lightning's loop (setting `should_stop` would
+make Lightning validate and end the epoch first), and `train()` writes `interrupted`; train.py exits non-zero.
+Before the run starts (its checks and data preparation, which can take minutes on a new corpus) a signal stops the
+process at once, with the signal's exit code: there is nothing to save, and a token-shard preparation goes on from
+its finished shards next time. SIGUSR1 in a SLURM job requeues it first, so the job starts again
+(lmlab.run.early_signals
+keeps a signal that comes even earlier, while the entry point imports, and `install()` takes it over here).
+A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
+checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
+
+Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
+and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
+over so that there is one checkpoint, the newest, and does the SLURM requeue itself once that checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lmlab.record.summary import EXIT_CODES, SIGNALS
+
+
+class RunInterrupted(Exception):
+    """Raised at a step boundary after the checkpoint is saved; carries the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+class StopOnSignal(Callback):
+    """Install with `install()` before fit and `restore()` after the last write; read `signum` afterwards.
+    `checkpoint`: where the interrupted run's checkpoint goes."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
+        self.received: int = 0  # the signal this process got (0: none)
+        self.signum: int = 0  # the signal the run stopped for, the same on every rank
+        self.recording = False  # set by record(): training is over, what it did is being written
+        self.preparing = True  # until prepared(): before the run starts, a signal stops the process at once
+        self._original: dict[int, Any] = {}
+
+    @property
+    def state_key(self) -> str:
+        return "StopOnSignal"
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.preparing:  # nothing to save yet (data preparation, checks): stop now, as the signal's default would
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            stop_before_start(signum)
+        if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
+            raise KeyboardInterrupt  # pressed twice: stop now
+        self.received = signum
+
+    def prepared(self) -> None:
+        """The run's plan is made (its data prepared) and the run is about to start: from here on a signal ends the
+        step it comes in and the run stops at that step boundary, with its checkpoint."""
+        self.preparing = False
+
+    def record(self) -> None:
+        """From here on the run is being saved and recorded (checkpoint, metrics, summary): a second Ctrl-C no longer
+        stops at once, so it cannot cut the record of the run it already stopped."""
+        self.recording = True
+
+    def _take(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (a notebook's worker, say)
+        for s in SIGNALS:
+            self._original.setdefault(int(s), signal.getsignal(s))
+            signal.signal(s, self._handler)
+
+    def install(self) -> StopOnSignal:
+        from lmlab.run.early_signals import take_pending
+
+        self._take()
+        pending = take_pending()  # one that came while the entry point imported (lmlab.run.early_signals)
+        if pending:
+            self._handler(pending, None)
+        return self
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, handler in self._original.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._original = {}
+
+    def take_over(self, trainer) -> None:
+        """Keep Lightning from registering its SIGTERM / SLURM SIGUSR1 handlers for `trainer`: between its
+        registration and the first step, its SIGTERM handler would broadcast from inside the handler on the rank
+        that got the signal, a collective the other ranks never join."""
+        trainer._signal_connector.register_signal_handlers = lambda: None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._take()  # ours, whatever ran since install() (a caller's own handlers, say)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        signum = self.received
+        if trainer.world_size > 1:  # any rank's signal stops every rank after this same step
+            flag = torch.tensor(signum, device=pl_module.device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
+        self.signum = signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.signum:
+            trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
+            raise RunInterrupted(self.signum)
+
+
+def stop_before_start(signum: int) -> None:
+    """A signal before the run started: nothing to save. Under SLURM, SIGUSR1 (the time-limit warning) requeues the
+    job first (rank 0; every rank gets the signal and stops), so it runs again instead of ending here."""
+    requeued = requeue_on_slurm(signum) if os.environ.get("SLURM_PROCID", "0") == "0" else None
+    print(f"interrupted by signal {signum} before the run started: nothing to save" +
+          (f"; {requeued}" if requeued else ""), flush=True)
+    raise SystemExit(EXIT_CODES[int(signum)])
+
+
+def requeue_on_slurm(signum: int) -> str | None:
+    """After SIGUSR1 (SLURM's warning before the time limit) in a SLURM batch job, requeue it: the requeued job runs
+    the same command, and `resume=auto` continues from the checkpoint just saved. Returns what was done."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if signum != signal.SIGUSR1 or not SLURMEnvironment.detect():
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"requeue of SLURM job {job} failed ({err})"
+    if result.returncode:
+        return f"requeue of SLURM job {job} failed: {result.stderr.strip() or result.returncode}"
+    return f"requeued SLURM job {job}"

@@ -1,0 +1,247 @@
+"""LitGPT: the Lightning side of training. Thin: it builds the GPT from plain dicts, computes the loss,
+sets up the optimizer and schedule, and logs. Stability instrumentation lives in `lmlab.run.monitor`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+from lmlab import names
+from lmlab.config import GPTConfig
+from lmlab.model.gpt import GPT
+from lmlab.run.monitor import Divergence, local, sum_over_shards
+from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
+    OPTIM_LOOP_KEYS,
+    OPTIMIZERS,
+    SCHEDULES,
+    optimizer_spec,
+    param_groups,
+    validate_optim,
+)
+from lmlab.registry import build, option_params
+
+
+# Read here, not by the optimizer constructor; typed like an option's own keys (grad_clip 0 or null: off).
+def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int) -> dict:
+    """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form.
+
+    The groups are split by role when the optimizer asks for it (Muon) or the parametrisation sets per-role learning
+    rates (µP: `model.param.lr_mult(role)`, applied to the group's lr before the schedule reads it). An optimizer
+    that is `warmup_only` (schedule-free) runs the constant schedule with the schedule group's warmup_steps."""
+    opt_name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    param = getattr(model, "param", None)
+    by_role = getattr(OPTIMIZERS[opt_name], "roles", False) or bool(param is not None and param.per_role)
+    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role)
+    optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
+    if param is not None and param.per_role:
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * param.lr_mult(g["role"])
+    name, params = option_params("schedule", SCHEDULES, schedule)
+    if getattr(optimizer, "warmup_only", False):
+        name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}
+    fn = SCHEDULES[name]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
+                 compile: bool = False, divergence: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)  # the loggers get the whole run config from lmlab.record.tracking
+        self.model = GPT(GPTConfig(**model))
+        self.divergence = Divergence(**(divergence or {}))
+        self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
+        self._peak_grad = torch.zeros(())  # running max of the global grad norm (on the device once it has one)
+        self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
+        # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
+        object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
+        self.tokens_seen = 0
+
+    def configure_model(self) -> None:
+        """Under trainer=fsdp2 (lmlab.run.distributed.FSDP2Strategy): fully_shard each block and the root, with
+        checkpointing and compile applied per block first; other strategies take the model as it is."""
+        shard = getattr(self.trainer.strategy, "shard", None)
+        if shard is not None:
+            shard(self.model, checkpointing=self.model.cfg.checkpointing, compile=self.hparams.compile)
+            object.__setattr__(self, "forward_fn", self.model)  # compiled per block, inside FSDP's hooks
+
+    @property
+    def peak_grad_norm(self) -> float:
+        """The largest global gradient norm (before clipping) of the run so far, resumed runs included."""
+        return float(self._peak_grad)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, **loss: Any) -> Any:
+        return self.forward_fn(idx, targets, **loss)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, T) each
+        return self(x, y)  # the model's own loss: fp32 whatever the logits' dtype, chunked if configured
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
+        if (step := self.model.cfg.untie_at_step) is not None and self.global_step >= step:
+            self.model.untie()  # model.untie_at_step: the head trains apart from here (a resumed run: already untied)
+        extra = self.model.extra_losses  # an MoE's balancing losses, MTP's depths join the objective, logged apart
+        if z_loss or extra:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
+            objective, loss, z = self(x, y, z_loss=z_loss, parts=True)
+        else:
+            objective = loss = self(x, y)
+        if self.divergence.check(self.global_step, loss.item()):
+            self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
+            return None
+        self.tokens_seen += batch[0].numel() * self.trainer.world_size
+        if self.logs_now():
+            self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
+            if z_loss:
+                self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
+            for part, value in self.model.aux_parts().items():  # summed over the MoE layers, before coefficients
+                self.log(names.TRAIN_AUX[part], value, sync_dist=True)
+            for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: each depth's, before its weight
+                self.log(names.mtp_loss("train", k), value, sync_dist=True)
+            # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
+            # GPU that blocking copy waits for all queued work.
+            groups = self.trainer.optimizers[0].param_groups
+            if self.model.param.per_role:  # µP: the hidden group's lr is optim.lr·base/d; log optim.lr's schedule
+                groups = [g for g in groups if g.get("role") == "rest"] or groups
+            self.log("lr", torch.tensor(groups[0]["lr"], dtype=torch.float64))
+            self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
+        return objective
+
+    def logs_now(self) -> bool:
+        """Whether Lightning hands this step's metrics to the loggers (every trainer.log_every_n_steps, and the last
+        step). Values logged on other steps are never written, and each self.log costs ~0.6 ms of Python: 5% of a
+        step at 4 layers x d 128."""
+        return self.trainer._logger_connector.should_update_logs
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        n = batch[0].size(0)
+        self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
+        for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: the extra depths', apart
+            self.log(names.mtp_loss("val", k), value, sync_dist=True, batch_size=n)
+
+    def on_validation_epoch_end(self) -> None:
+        if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:
+            self.log(names.VAL_PPL, math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
+            self.val_history.append((self.global_step, float(loss)))
+
+    # --- optimizers with train/eval modes (schedule-free: lmlab.optim.schedule_free): evaluate x, train at y ---------
+
+    def _modal_optimizer(self):
+        opts = self._trainer.optimizers if self._trainer is not None else []
+        return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
+
+    def on_validation_start(self) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.eval()  # after the callbacks' on_validation_start, before any batch
+
+    def on_validation_end(self) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.train()  # after the callbacks' on_validation_end: ModelCheckpoint has written the eval weights
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if (opt := self._modal_optimizer()) is not None:
+            opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # The global gradient norm before clipping (Lightning clips after this hook).
+        grads = [local(p.grad).detach() for p in self.model.parameters() if p.grad is not None]  # FSDP2: own shard
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+        norm = sum_over_shards(self.trainer, norm.square()).sqrt()  # the whole model's under FSDP
+        self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts
+        self._grad_norm = norm  # clipping reuses it
+        if self.model.routes:  # loss-free balancing: each MoE's bias moves by the step's load, summed over ranks
+            strategy = self.trainer.strategy
+            self.model.update_balancing(
+                (lambda t: strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None)
+        if self.logs_now():
+            self.log(names.GRAD_NORM, norm)
+
+    def configure_optimizers(self) -> dict:
+        optim = dict(self.hparams.optim)
+        if "fused" in optim and optim["fused"] is None and self._trainer is not None and getattr(
+                self.trainer.precision_plugin, "scaler", None) is not None:
+            optim["fused"] = False  # fp16's loss scaler: Lightning unscales before clipping only when unfused
+        return configure_optimization(self.model, optim, dict(self.hparams.schedule), self.hparams.max_steps)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if not (clip := self.hparams.optim.get("grad_clip", 0.0)):
+            return
+        root = self.trainer.strategy.model
+        if hasattr(root, "clip_grad_norm_"):  # FSDP: the norm over every rank's shards (Lightning's plugin refuses)
+            root.clip_grad_norm_(clip)
+        elif getattr(self.trainer.precision_plugin, "scaler", None) is None and self._grad_norm is not None:
+            # No loss scaler (fp32, bf16): these are the true gradients, whose global norm on_before_optimizer_step
+            # has just taken. (Lightning's mixed-precision plugin would also refuse any fused optimizer, a rule
+            # meant for fp16's scaled gradients.)
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), clip, self._grad_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning adds one to its logging step when it restarts, because its own mid-epoch checkpoints are
+        # written before that counter moves. Checkpoints written after fit() returns or on Ctrl-C are written
+        # after it moved; store every checkpoint in the mid-epoch form so a resumed run logs the next step.
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        loop = fit_loop.get("epoch_loop.state_dict", {})
+        progress = fit_loop.get("epoch_loop.batch_progress", {})
+        total = progress.get("total", {})
+        if total.get("ready", 0) > total.get("completed", 0):
+            # Written as a step is about to start (an interruption, lmlab.run.interrupt): its batch is counted as
+            # fetched.
+            # On restart Lightning rewinds the epoch's counters to the finished batches but not the run's total,
+            # which decides when validation runs. Count finished batches only, everywhere; with every counter equal
+            # Lightning restores the logging step as it is, so store the step the next row is logged at.
+            for counts in (total, progress.get("current", {})):
+                counts.update({k: counts["completed"] for k in ("ready", "started", "processed") if k in counts})
+            if "_batches_that_stepped" in loop:
+                # Restarting, Lightning asks whether validation is due at the last finished batch; if so it takes the
+                # checkpoint for one written by validation, before the logging step moved, and moves it itself.
+                loop["_batches_that_stepped"] = self.global_step - 1 if self._val_due(progress) else self.global_step
+        elif "_batches_that_stepped" in loop:
+            loop["_batches_that_stepped"] = self.global_step - 1
+        checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
+                                "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict(),
+                                "launch": self.launch()}
+        opt = self._modal_optimizer()
+        if opt is not None and opt.training and "state_dict" in checkpoint:
+            # Written while training: the weights are the evaluation weights x (what eval.py, init_from and generation
+            # read), the training weights y beside them, exactly, for a resume.
+            x = opt.eval_weights()
+            weights = checkpoint["state_dict"]
+            checkpoint["lmlab"]["train_weights"] = {k: v for k, v in weights.items() if v.data_ptr() in x}
+            checkpoint["state_dict"] = {k: x[v.data_ptr()].clone() if v.data_ptr() in x else v
+                                        for k, v in weights.items()}
+
+    def launch(self) -> dict[str, Any] | None:
+        """What decides the global batch of a step, as a checkpoint records it: a resume is checked against it
+        (lmlab.run.plan.check_same_launch)."""
+        if self._trainer is None:
+            return None
+        t = self.trainer
+        world, nodes = int(t.world_size), int(t.num_nodes)
+        return {"world_size": world, "num_nodes": nodes, "devices": world // nodes,
+                "strategy": type(t.strategy).__name__, "accumulate_grad_batches": int(t.accumulate_grad_batches),
+                "batch_size": getattr(t.datamodule, "batch_size", None)}
+
+    def _val_due(self, progress: dict) -> bool:
+        """Whether Lightning's batch-based validation check fires after the last finished batch (its rule)."""
+        every = self.trainer.val_check_batch
+        if not isinstance(every, int) or every < 1:
+            return False
+        counts = progress["total"] if self.trainer.check_val_every_n_epoch is None else progress["current"]
+        return counts["completed"] % every == 0
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lmlab", {})
+        if state.get("train_weights") and "state_dict" in checkpoint:  # Lightning loads the weights after this hook
+            checkpoint["state_dict"] = {**checkpoint["state_dict"], **state["train_weights"]}
+        self.tokens_seen = state.get("tokens_seen", 0)
+        self.val_history = [tuple(v) for v in state.get("val_history", [])]
+        self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))
+        self.divergence.load_state_dict(state.get("divergence", {}))

@@ -1,0 +1,201 @@
+"""One training run, from a composed config to a run directory.
+
+Order matters: every check that can fail on bad input runs before data is loaded or a step is taken; everything
+that can refuse a resume (architecture, tokenizer, data) runs before the run directory is touched, so a refused
+start leaves every file as it was; once training starts, whatever happens (completion, divergence, a signal, an
+exception) ends with a summary.json, and the record of earlier attempts is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.run import budget
+
+from lmlab import env, names
+from lmlab.run.checks import check_config, check_launch, strategy_name  # noqa: F401  (importable here, as before)
+from lmlab.cli import continue_command
+from lmlab.env import is_rank_zero
+from lmlab.run.plan import (  # noqa: F401  (check_same_arch, prepare_init_from, ...: importable here, as before)
+    EXTENSIBLE,
+    RESUME_MODES,
+    check_same_arch,
+    check_same_data,
+    continuing,
+    load_init_from,
+    make_plan,
+    prepare_init_from,
+    resume_checkpoint,
+    resume_mode,
+)
+from lmlab.record.rundir import RunDir, RunLock
+from lmlab.record.targets import check_targets
+
+
+def setup_env(cfg: DictConfig) -> None:
+    """The run's process environment (lmlab.env.setup): kept under this name for callers of earlier lmlab."""
+    env.setup(cfg)
+
+
+def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str | None = None,
+          callbacks: list | None = None, hydra: Any = None) -> dict[str, Any]:
+    """Train as `cfg` says, writing everything into `run_dir`; return the summary. `group`: the W&B group (None:
+    named after the run directory, lmlab.record.tracking.group_name); `callbacks`: extra Lightning callbacks (library
+    use);
+    `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it).
+
+    The summary's `status` says how the run ended; an interrupted run (a signal) returns with status
+    `interrupted` after saving its checkpoint, and train.py turns that into a non-zero exit code."""
+    from lmlab.run.interrupt import StopOnSignal
+
+    run = RunDir(run_dir)
+    stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data is prepared stops at once
+    try:
+        env.filter_warnings()
+        check_config(cfg, overrides)
+        setup_env(cfg)
+        mode = resume_mode(cfg)
+        lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
+        if lock is not None:
+            run.clean_temporaries()  # what a killed writer left: ours now that we hold the lock
+        try:
+            return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop,
+                          killed=lock.stale if lock is not None else None)
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        stop.restore()
+
+
+def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str | None, callbacks: list,
+           hydra: Any, stop, killed: str | None = None) -> dict[str, Any]:
+    import lightning.pytorch as L
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+
+    from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, requeue_on_slurm
+    from lmlab.run.lit import LitGPT
+    from lmlab.run.monitor import StabilityMonitor
+    from lmlab.run.perf import Throughput, flops_per_token
+    from lmlab.run.progress import progress_bar
+    from lmlab.record.rundir import atomic_checkpoint_io
+    from lmlab.record.summary import STATUSES, record, recorded, summarize
+    from lmlab.record.tracking import Tracking
+    from lmlab.record.trusted import build
+
+    # --- everything that can refuse the start, before the run directory is touched ---
+    plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra),
+                     overrides=overrides)
+    stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
+    cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
+    resume_step, previous = plan.resume_step, plan.previous
+    if plan.ended:  # a no-op: every file stays as it was
+        print(f"{run.path}: the run has ended ({previous['status']} at step {previous.get('steps')}; "
+              f"trainer.max_steps={cfg.trainer.max_steps}): nothing to resume")
+        return previous
+    unigram = data.unigram_entropy("train")  # the plateau a model that learnt only token frequencies sits on
+    lit = LitGPT(model=gcfg.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True),
+                 schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
+                 compile=cfg.compile,
+                 divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram})
+    if source is not None:
+        load_init_from(lit.model, gcfg.to_dict(), source)
+    if saved is not None:
+        lit.on_load_checkpoint(saved)  # the run's figures so far, even if this attempt fails before fit restores
+    monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
+                               plot_dir=str(run / "plots"))
+
+    # --- the start is accepted: now the directory is written ---
+    if is_rank_zero():
+        if mode == "false" and run.holds_run():
+            run.clear()  # overwrite=true (resume_checkpoint refused it otherwise)
+        run.write_config(cfg, overrides, hydra)
+        if saved is None or not run.tokenizer.is_file():  # a resume has checked it builds the run's tokenizer
+            data.save_tokenizer(run.tokenizer)
+
+    checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor=names.VAL_LOSS, mode="min",
+                                 save_top_k=1, save_last=True, auto_insert_metric_name=False)
+    throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
+                            OmegaConf.select(cfg, "perf.peak_flops", default=None))
+    task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
+    if OmegaConf.select(cfg, "jacobian.every_n_steps", default=0):  # per-block Jacobian norms (lmlab.run.jacobian)
+        from lmlab.run.jacobian import JacobianNorms
+
+        task = [*task, JacobianNorms(cfg.jacobian.every_n_steps, cfg.jacobian.get("probes", 4))]
+    callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(progress_bar())  # a caller's own bar wins
+    tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),
+                              n_active_params=lit.model.num_params(active=True),
+                              resume_step=resume_step if saved is not None else None)
+    trainer: L.Trainer = build(cfg.trainer, "trainer", L.Trainer, default_root_dir=str(run.path),  # lmlab.record.trusted
+                               use_distributed_sampler=False, logger=tracking.loggers, callbacks=callbacks,
+                               plugins=[atomic_checkpoint_io()])
+    stop.take_over(trainer)
+
+    start, status, error, at_once = time.time(), "completed", None, False
+    tokens_at_start = lit.tokens_seen
+    try:
+        trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
+        stop.record()
+        if lit.divergence.status is not None:
+            status = lit.divergence.status
+        if status != "diverged" and (
+                not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
+            trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
+        trainer.save_checkpoint(run.last)  # a collective call: every rank, rank 0 writes
+    except RunInterrupted:  # a signal: the checkpoint is saved at the step boundary
+        stop.record()
+        status = "interrupted"
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit(1))
+        stop.record()
+        status, stop.signum, at_once = "interrupted", int(signal.SIGINT), True
+        trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
+    except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
+        stop.record()
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        wall = time.time() - start
+        for logger in trainer.loggers:
+            logger.finalize("success" if status == "completed" else status)
+        assert status in STATUSES
+        summary = summarize(status=status, lit=lit, trainer=trainer, data=data, monitor=monitor,
+                            steps=max(int(trainer.global_step), resume_step), wall_time=wall,
+                            tokens_at_start=tokens_at_start, overrides=overrides,
+                            config=recorded(cfg), error=error)  # ${oc.env:...} as written, not in clear
+        summary["signal"] = stop.signum or None
+        summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
+        if trainer.is_global_zero:
+            summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
+                             targets=check_targets(cfg.get("targets")), changed=plan.changed, killed=killed)
+        tracking.finish(summary)  # the job ends here, whatever its status: so does its W&B run
+    if status == "interrupted" and trainer.is_global_zero:
+        signum = stop.signum
+        requeued = requeue_on_slurm(signum)
+        saved_at = f"checkpoint {run.last}" if run.checkpoint() else "no checkpoint yet (no step was trained)"
+        print(f"interrupted by signal {signum} at step {summary['steps']}: {saved_at}"
+              + (f"; {requeued}" if requeued else "")
+              + f"\n  to continue: {continue_command(run.path)}  (its own overrides are taken again)")
+    if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
+        raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
+    return summary
+
+
+def _announce(run: RunDir, overrides: list[str], hydra: Any):
+    """What a resume says first (lmlab.run.plan.continuing), on rank 0; Lightning's "Checkpoint directory ... exists and
+    is not empty", which read like a fault, is not shown then. Library use without overrides has no command to name."""
+    def say(step: int) -> None:
+        warnings.filterwarnings("ignore", message=r".*Checkpoint directory .* exists and is not empty.*")
+        if is_rank_zero():
+            print(continuing(run, step, overrides if hydra is not None or overrides else None), flush=True)
+
+    return say
