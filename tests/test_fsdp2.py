@@ -266,7 +266,7 @@ def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs
     shutil.copytree(runs["two"], run)
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
     with pytest.raises(ValueError, match=r"sharded \(written by trainer=fsdp2\); continue it with trainer=fsdp2, "
-                                         r"or .*python -m lmlab\.consolidate .*last\.ckpt"):
+                                         r"or .*python -m lmlab\.record\.consolidate .*last\.ckpt"):
         train(compose([*runs["args"], "data.batch_size=8", "trainer.max_steps=8"]), run)
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
