@@ -135,7 +135,8 @@ _MOVED = {
     "evaluate": "analysis", "compare": "analysis", "compare_gaps": "analysis", "compare_stats": "analysis",
     "fits": "analysis", "ladder": "analysis", "significance": "analysis", "studies": "analysis",
     "generate": "analysis",
-    "interop.harness": "analysis", 
+    "interop.harness": "analysis", "model.mask": "model.attention", "model.flex": "model.attention",
+    "model.cache": "model.attention", "model.score": "model.attention",
 }
 
 

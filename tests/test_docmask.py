@@ -15,11 +15,11 @@ import torch
 
 from lmlab import compose
 from lmlab.config import GPTConfig
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
-from lmlab.model.mask import documents, key_counts
+from lmlab.model.attention.mask import documents, key_counts
 from lmlab.model.position import POSITIONS
-from lmlab.model.score import SCORES, attend
+from lmlab.model.attention.score import SCORES, attend
 from tests.runs import tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -172,7 +172,7 @@ def test_a_run_trains_and_evaluates_with_documents_masked(corpus: Path, tmp_path
 
 
 def test_positions_restart_at_each_document() -> None:
-    from lmlab.model.mask import doc_positions
+    from lmlab.model.attention.mask import doc_positions
 
     doc = torch.tensor([[0, 0, 1, 1, 1, 2, 3, 3]])
     assert doc_positions(doc, 8).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]

@@ -13,7 +13,7 @@ import torch
 from lmlab.config import GPTConfig
 from lmlab.model import flex
 from lmlab.model.gpt import GPT, validate
-from lmlab.model.mask import allowed, doc_allowed, documents
+from lmlab.model.attention.mask import allowed, doc_allowed, documents
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -78,7 +78,7 @@ def test_a_model_gives_the_same_logits_through_flex(attention: dict, monkeypatch
         monkeypatch.setattr(flex, "FLEX_DEVICES", {"cuda", "cpu"})
         calls = []
         real = flex.flex_attend
-        monkeypatch.setattr("lmlab.model.score.flex_attend", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        monkeypatch.setattr("lmlab.model.attention.score.flex_attend", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
         through_flex = model(idx)
     assert calls  # the masked layers went through FlexAttention
     torch.testing.assert_close(through_flex, banded, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from lmlab.model.gau import GAU
 from lmlab.model.gpt import GPT
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
-from lmlab.model.score import SCORES
+from lmlab.model.attention.score import SCORES
 from lmlab.run.monitor import layer_groups
 from lmlab.registry import build
 

@@ -12,11 +12,11 @@ import torch
 from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.analysis.generate import generate, sample
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
-from lmlab.model.score import SCORES
+from lmlab.model.attention.score import SCORES
 from lmlab.run.training import train
 from tests.runs import ROOT, cli, tiny
 

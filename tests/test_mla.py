@@ -12,7 +12,7 @@ import torch
 from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS, MLA
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import n_params_estimate, resolve

@@ -22,7 +22,7 @@ from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import RESIDUALS
 from lmlab.model.resolve import resolve
-from lmlab.model.score import SCORES
+from lmlab.model.attention.score import SCORES
 
 V, T, B = 50, 12, 2
 BASE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=16)

@@ -240,7 +240,7 @@ def test_bad_input_is_refused_before_training_naming_the_key() -> None:
 
 
 def test_generation_through_the_kv_cache_gives_the_full_forward() -> None:
-    from lmlab.model.cache import KVCache
+    from lmlab.model.attention.cache import KVCache
 
     model = build_model(compose(["ffn=moe", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
                                  "ffn.capacity_factor=1.0", "ffn.n_shared=1"]), vocab_size=40).eval()

@@ -15,7 +15,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
-from lmlab.model.score import SCORES, attend, log_ratio, scale_queries
+from lmlab.model.attention.score import SCORES, attend, log_ratio, scale_queries
 from lmlab.run.monitor import StabilityMonitor
 from lmlab.registry import build
 from tests.test_attention import _explicit

@@ -47,7 +47,7 @@ def test_the_estimate_counts_a_learned_position_table(position: str) -> None:
 
 
 def test_cache_width_is_what_the_cache_holds(tiny_cfg) -> None:
-    from lmlab.model.cache import KVCache
+    from lmlab.model.attention.cache import KVCache
 
     for cfg in (tiny_cfg(attention={"name": "gqa"}, n_kv_head=2), tiny_cfg(block={"name": "gau", "s": 8})):
         model, cache = GPT(validate(cfg)).eval(), KVCache(cfg.n_layer)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from lmlab.model.position import POSITIONS
-from lmlab.model.score import SCORES, attend, explicit_weights, scale_queries
+from lmlab.model.attention.score import SCORES, attend, explicit_weights, scale_queries
 from lmlab.registry import build
 
 H, T, D, L = 4, 16, 8, 8  # 4 heads of 8 dims, 16 queries, trained length 8: factors log_8(n) from 0 to 1.33

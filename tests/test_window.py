@@ -11,11 +11,11 @@ import torch
 
 from lmlab import compose
 from lmlab.config import GPTConfig
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
-from lmlab.model.mask import allowed, banded_sdpa, key_counts, layer_window
+from lmlab.model.attention.mask import allowed, banded_sdpa, key_counts, layer_window
 from lmlab.model.position import POSITIONS
-from lmlab.model.score import SCORES, attend, explicit_weights
+from lmlab.model.attention.score import SCORES, attend, explicit_weights
 from lmlab.run.perf import flops_per_token
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 
 from lmlab import env
 from lmlab.model.memory import check_generation_fits
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT
 from lmlab.registry import NonNegativeFloat, PositiveInt, Range, check_values, parameter_types
 from lmlab.record.rundir import RunDir, load_model

@@ -35,7 +35,7 @@ _CASE = r"""
 import json, sys, threading, time, torch
 from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS
-from lmlab.model.mask import documents
+from lmlab.model.attention.mask import documents
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.registry import build
@@ -115,7 +115,7 @@ def cache_rows(tokens: int = 256) -> list[dict[str, Any]]:
     import torch
 
     from lmlab.config import GPTConfig
-    from lmlab.model.cache import KVCache
+    from lmlab.model.attention.cache import KVCache
     from lmlab.model.gpt import GPT, validate
 
     rows = []

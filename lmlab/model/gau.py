@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from lmlab.model.activation import Activation
-from lmlab.model.score import SCORES, attend, explicit_weights, scale_queries
+from lmlab.model.attention.score import SCORES, attend, explicit_weights, scale_queries
 from lmlab.registry import build
 
 if TYPE_CHECKING:
-    from lmlab.model.cache import LayerCache
+    from lmlab.model.attention.cache import LayerCache
     from lmlab.model.position import Position
 
 

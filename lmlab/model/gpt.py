@@ -19,10 +19,10 @@ from torch.utils.checkpoint import checkpoint
 from lmlab.config import GPTConfig
 from lmlab.model.loss import cross_entropy, linear_cross_entropy
 from lmlab.model.memory import check_model_fits
-from lmlab.model.cache import KVCache
+from lmlab.model.attention.cache import KVCache
 from lmlab.model.head import HEADS
 from lmlab.model.init import INITS
-from lmlab.model.mask import documents
+from lmlab.model.attention.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.param import PARAMS
 from lmlab.model.placement import PLACEMENTS

@@ -26,7 +26,7 @@ from lmlab.registry import build
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
-    from lmlab.model.cache import LayerCache
+    from lmlab.model.attention.cache import LayerCache
     from lmlab.model.position import Position
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]

@@ -4,9 +4,11 @@ window of W costs O(T·W) and documents cost their own blocks, with no (T, T) te
 score modification inside the same kernel.
 
 torch 2.13 has no FlexAttention backward on the CPU, so training on the CPU keeps lmlab's banded SDPA path
-(lmlab.model.mask.banded_sdpa) and the explicit softcap; `use_flex` says where this path runs: CUDA tensors (compiled
+(lmlab.model.attention.mask.banded_sdpa) and the explicit softcap; `use_flex` says where this path runs: CUDA tensors
+(compiled
 once per shape, as FlexAttention is meant to run; eager it would materialise the scores). The masks are the ones
-`lmlab.model.mask.allowed` and `doc_allowed` build densely, and the tests check this path against them (forward, on
+`lmlab.model.attention.mask.allowed` and `doc_allowed` build densely, and the tests check this path against them
+(forward, on
 the CPU without gradients).
 """
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmlab.model.flex import flex_attend, use_flex
-from lmlab.model.mask import allowed, banded_sdpa, doc_allowed, key_counts  # noqa: F401  (key_counts: as before)
+from lmlab.model.attention.flex import flex_attend, use_flex
+from lmlab.model.attention.mask import allowed, banded_sdpa, doc_allowed, key_counts  # noqa: F401  (key_counts: as
+                                                                                      # before)
 
 if TYPE_CHECKING:
     from lmlab.model.position import Position
@@ -93,9 +94,11 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d), the keys ending with the last query
     (key heads already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`.
-    `window`: each query reads its last W keys (lmlab.model.mask); `softcap` c: the logits become c·tanh(logits / c)
+    `window`: each query reads its last W keys (lmlab.model.attention.mask); `softcap` c: the logits become
+    c·tanh(logits / c)
     before the position bias and the mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys'
-    document numbers, each query reading its own document's keys only (lmlab.model.mask.doc_allowed); `sink` (h,):
+    document numbers, each query reading its own document's keys only (lmlab.model.attention.mask.doc_allowed); `sink`
+    (h,):
     each head's learned sink logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a
     row sums to less than one and a head can attend to nothing."""
     T, S = q.size(-2), k.size(-2)
@@ -120,8 +123,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
-    block by block, lmlab.model.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others, and
-    softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.flex.use_flex), softmax under a
+    block by block, lmlab.model.attention.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others,
+    and
+    softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.attention.flex.use_flex), softmax
+    under a
     window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a function, never dense."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)

@@ -1,0 +1,30 @@
+"""Causal self-attention and its key/value-head sharing options.
+
+Contract: `Attention(cfg, *, score, qk_norm, logn_scaling, temperature)`; `forward(x, pos, cache=None)` maps
+(B, T, C) -> (B, T, C), where `pos` is the model's Position (its `rotate` and `attn_bias` hooks) and `cache` this
+layer's `LayerCache` when generating (the keys and values of the tokens before these T). The options differ only in
+how many key/value heads they keep (`kv_heads`), which `GPTConfig` resolves once. `score` picks how logits become
+weights (`lmlab.model.attention.score`).
+
+The package: one file per option (`mha.py`: MHA, GQA and MQA, which differ only in their key/value head count;
+`diff.py`; `mla.py`), each ending in its `OPTIONS`, which this registry gathers (a new variant is its file, its YAML
+and its test); beside them what every option uses: `mask.py` (which keys a query reads, the banded O(T·W) path),
+`flex.py` (the same masks through FlexAttention on the GPU), `score.py` (how logits become weights), `cache.py` (the
+KV cache when generating).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from lmlab.model.attention.diff import DiffAttention
+from lmlab.model.attention.mha import GQA, MHA, MQA, Geometry, gate_width
+from lmlab.model.attention.mla import MLA, MLA_SIZES, mla_sizes
+
+ATTENTIONS: dict[str, type[MHA]] = {}
+for _info in pkgutil.iter_modules(__path__):
+    ATTENTIONS.update(getattr(importlib.import_module(f"{__name__}.{_info.name}"), "OPTIONS", {}))
+
+__all__ = ["ATTENTIONS", "DiffAttention", "GQA", "Geometry", "MHA", "MLA", "MLA_SIZES", "MQA", "gate_width",
+           "mla_sizes"]

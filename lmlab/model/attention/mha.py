@@ -1,0 +1,221 @@
+"""Multi-head attention and its key/value-head sharing options (MHA, GQA, MQA: a head count), the contract every
+attention option keeps (`lmlab.model.attention`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.model.attention.mask import layer_window
+from lmlab.model.attention.score import SCORES, attend, explicit_weights, key_counts, log_ratio, per_query, scale_queries
+from lmlab.registry import PositiveFloat, build
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
+    from lmlab.model.attention.cache import LayerCache
+    from lmlab.model.position import Position
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A layer's attention from its sizes and keys alone (`geometry`): what the block kind reports as its own
+    (lmlab.model.block) and the size bounds, FLOPs and memory checks read."""
+
+    heads: int  # query heads (ALiBi's slopes)
+    head_dim: int  # the size the position scheme rotates per head (RoPE's)
+    cache_width: int  # numbers the KV cache holds per token
+    attn_width: int  # the scores' query/key width plus the width they weigh (values), over the heads
+    n_params: int  # weights (gains aside)
+
+
+class MHA(nn.Module):
+    """Multi-head attention (Vaswani et al., 2017), one key/value head per query head.
+
+    Fast path: one fused QKV matmul and `F.scaled_dot_product_attention(is_causal=True)`; a materialised
+    mask only when the position scheme adds a bias (ALiBi). Keys:
+    - score: how logits become weights (`lmlab.model.attention.score`: softmax, softmax_plus, relu2); the scores that
+      are not a softmax run explicitly, with the (T, T) matrix held;
+    - qk_norm: RMS-normalise q and k per head before the dot product (Dehghani et al., 2023), bounding logits;
+      qk_norm_eps its epsilon (null: torch's default, the dtype's machine epsilon; Qwen3 uses its rms_norm_eps);
+    - logn_scaling: multiply q at position n > L (L = the trained length) by log_L(n), keeping the attention
+      entropy roughly constant as the context grows (Chiang & Cholak, 2022; Su, 2021). Zero-shot: at n <= L the
+      model is unchanged; score=softmax_plus trains with the factor at every length instead (not both at once);
+    - temperature: logits / temperature (on top of 1/sqrt(head_dim));
+    - window: each query reads only its last W keys, itself included (sliding-window attention: Child et al., 2019;
+      Beltagy et al., 2020; Mistral), in O(T·W) (lmlab.model.attention.mask); the KV cache keeps the last W - 1 keys;
+    - pattern: the layers' windows, cycled over the layers (Gemma 2/3, gpt-oss, OLMo-core's local/global layers):
+      each entry `local` (the window), `global` (the whole context) or a layer's own window, e.g.
+      [local,local,local,global]; its length divides n_layer;
+    - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit;
+    - doc_mask: each query reads only the keys of its own document in a packed block (the model numbers documents by
+      the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document;
+    - gate: a sigmoid gate on the attention output before the output projection, from the sublayer's input
+      (Qiu et al., 2025, "Gated Attention", Qwen3-Next): `elementwise` (one gate per head dimension) or `headwise`
+      (one per head); y ← y ⊙ σ(x W_g);
+    - sinks: a learned sink logit per head (gpt-oss; Xiao et al., 2024's attention sinks, learned): the softmax
+      normalises over the keys and the sink, whose weight reads no value; softmax scores only, explicit.
+    """
+
+    sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
+    mixes_tokens = True  # called as (x, pos, cache) by the block
+
+    @staticmethod
+    def kv_heads(n_head: int, n_kv_head: int | None) -> int:
+        return n_head
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
+                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
+                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
+                 qk_norm_eps: PositiveFloat | None = None) -> None:
+        super().__init__()
+        if qk_norm_eps is not None and not qk_norm:
+            raise ValueError(f"attention.qk_norm_eps={qk_norm_eps} needs attention.qk_norm=true (it is the epsilon of "
+                             f"the q/k norm)")
+        if sinks and score != "softmax":
+            raise ValueError(f"attention.sinks=true needs attention.score=softmax (got {score!r}): a sink is a column "
+                             f"of the softmax")
+        if doc_mask and cfg.eod_id is None:
+            raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
+                             "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
+        self.doc_mask = doc_mask
+        self.layer = layer
+        self.value_mixes = nn.ModuleList()  # v -> v mixed with other values (residual=value_residual, value_embed)
+        self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
+        self.softcap = softcap
+        self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
+        if logn_scaling and self.score.query_scale(torch.ones(1)) is not None:
+            raise ValueError(f"attention.logn_scaling=true with attention.score={score!r}, which already scales "
+                             f"the logits by log_L(n); use one of the two")
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.train_len, self.logn_scaling = cfg.train_len, logn_scaling
+        self.dropout = cfg.dropout
+        qk_dim, self.v_dim = self.project(cfg)
+        self.scale = 1.0 / (math.sqrt(qk_dim) * temperature)
+        self.gate = None if gate is None else nn.Linear(cfg.d_model, gate_width(gate, self.n_head, self.v_dim),
+                                                        bias=cfg.bias)
+        self.sink = nn.Parameter(torch.zeros(self.n_head)) if sinks else None  # logit 0: e^0 beside the keys' at init
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+        self.qk_norm_eps = qk_norm_eps
+
+    def project(self, cfg: GPTConfig) -> tuple[int, int]:
+        """Build the projections; return the size of a query/key head and of a value head."""
+        self.c_attn = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.c_attn.fused = (q_dim, kv_dim, kv_dim)  # the q, k, v rows (read by the inits and by `qkv`)
+        self.c_attn.value_parts = (False, False, True)  # DeepNet's gain goes to v, not q and k (lmlab.model.init)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
+        return self.head_dim, self.head_dim
+
+    @classmethod
+    def fill(cls, cfg: GPTConfig, spec: dict[str, Any]) -> dict[str, Any]:
+        """The option's spec as the record keeps it, sizes the option derives filled in (MLA's); here unchanged."""
+        return spec
+
+    @classmethod
+    def geometry(cls, cfg: GPTConfig, **params: Any) -> Geometry:
+        """What a layer of this option is, from the sizes and its keys alone (nothing built): its heads and the size
+        the position scheme rotates, the KV cache's numbers per token, the scores' widths, its weights."""
+        nh, hd, kv = cfg.n_head, cfg.head_dim, cfg.kv_heads
+        qkv = (nh + 2 * kv) * hd
+        n = cfg.d_model * qkv + nh * hd * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
+        n += (cfg.d_model + cfg.bias) * gate_width(params.get("gate"), nh, hd) + nh * bool(params.get("sinks"))
+        return Geometry(heads=nh, head_dim=hd, cache_width=2 * kv * hd, attn_width=2 * nh * hd, n_params=n)
+
+    def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None,
+            cache: LayerCache | None = None, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project and position-encode tokens at positions offset..offset+T-1; q (B, nh, T, hs), k and v (B, nkv, S,
+        hs): these T tokens' keys and values, after the cached ones when a `cache` is given (S = what it holds, a
+        windowed layer's last W - 1, plus T). `doc` (B, offset + T): every position's document number when the model
+        has an end-of-document token (the position scheme's, under per_document; the keys counted, under doc_mask),
+        else None. `mix=False`: the values without the residual options' mixes (which read the model's forward: the
+        monitor's `probs` runs outside it and reads no values)."""
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.c_attn.fused, dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.qk_norm_eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.qk_norm_eps)
+        q, k = pos.rotate(q, k, offset, doc, self.layer)
+        for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
+            v = value_mix(v)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return self.scale_queries(q, offset, doc), k, v
+
+    def scale_queries(self, q: torch.Tensor, offset: int, doc: torch.Tensor | None) -> torch.Tensor:
+        """q times log-n scaling past the trained length and the score's per-query factor, where they apply."""
+        T = q.size(-2)
+        if self.logn_scaling and offset + T > self.train_len:
+            n = key_counts(T, offset, q.device, self.window, doc if self.doc_mask else None)
+            q = q * per_query(log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype))
+        return scale_queries(q, self.score, offset, self.window, doc if self.doc_mask else None)
+
+    def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        offset = 0 if cache is None else cache.offset
+        q, k, v = self.qkv(x, pos, offset, doc, cache)  # k, v: every token so far (a windowed layer: last W - 1 + T)
+        docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
+        y = self.mix(q, k, v, pos, offset, docs)  # (B, nh, T, hs)
+        if cache is not None and self.window is not None:
+            cache.keep_last(self.window - 1)  # all the next token's window reaches
+        if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)
+            y = y * torch.sigmoid(self.gate(x)).view(B, T, self.n_head, -1).transpose(1, 2)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.v_dim))
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
+            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The values weighed: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs)."""
+        return attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
+                      self.window, self.softcap, docs, self.sink)
+
+    @property
+    def sums_to_one(self) -> bool:
+        """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's."""
+        return self.score.sums_to_one
+
+    def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
+        head (B, nh), computed explicitly (for monitoring)."""
+        q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
+        weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
+                                           (doc, doc) if self.doc_mask else None, self.sink)
+        return weights, logits.amax(dim=(-2, -1))
+
+
+def gate_width(gate: str | None, n_head: int, head_dim: int) -> int:
+    """The outputs of an attention gate's projection: one per head dimension (elementwise), one per head, or 0."""
+    return {None: 0, "elementwise": n_head * head_dim, "headwise": n_head}[gate]
+
+
+class GQA(MHA):
+    """Grouped-query attention (Ainslie et al., 2023): n_head query heads share model.n_kv_head key/value heads."""
+
+    @staticmethod
+    def kv_heads(n_head: int, n_kv_head: int | None) -> int:
+        if n_kv_head is None:
+            raise ValueError(f"attention=gqa needs model.n_kv_head (a divisor of model.n_head={n_head})")
+        return n_kv_head
+
+
+class MQA(MHA):
+    """Multi-query attention (Shazeer, 2019): every query head shares one key/value head."""
+
+    @staticmethod
+    def kv_heads(n_head: int, n_kv_head: int | None) -> int:
+        return 1
+
+
+OPTIONS = {"mha": MHA, "gqa": GQA, "mqa": MQA}
