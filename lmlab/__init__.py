@@ -149,7 +149,8 @@ class _Forward(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         wing = _MOVED.get(old) if fullname.startswith("lmlab.") else None
         return f"lmlab.{wing}.{old.rpartition('.')[2]}" if wing else None
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, self) if self._new(fullname) else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mask import layer_window
-from lmlab.model.attention.score import SCORES, attend, explicit_weights, key_counts, log_ratio, per_query, scale_queries
+from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, per_query,
+                                        scale_queries)
 from lmlab.registry import PositiveFloat, build
 
 if TYPE_CHECKING:
