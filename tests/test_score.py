@@ -168,14 +168,17 @@ def test_monitor_logs_an_entropy_only_for_distributions(score: str, block: str) 
 
 @pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 def test_the_monitors_attention_figures_for_every_attention_option(attention: str) -> None:
-    """Entropy where the rows are distributions (diff's A₁ − λA₂ are not: none logged), the max logit always."""
+    """Entropy where the rows are distributions, as the option says (`sums_to_one`: diff's A₁ − λA₂ are not, nor
+    talking heads' learned mixes of the weights: none logged), the max logit always."""
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2, max_seq_len=16,
                           attention={"name": attention}))
     monitor = StabilityMonitor()
     monitor._attn_in = {i: (torch.randn(2, 6, 32), None) for i in range(2)}
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
     out = monitor._attention_stats(trainer, SimpleNamespace(model=model))
-    assert ("attn/entropy/layer_00" in out) == (attention != "diff")
+    distributions = model.h[0].attn.sums_to_one
+    assert distributions == (attention not in ("diff", "talking_heads"))
+    assert ("attn/entropy/layer_00" in out) == distributions
     assert math.isfinite(out["attn/max_logit/layer_01"])
-    if attention != "diff":
+    if distributions:
         assert 0 < out["attn/entropy/layer_00"] < math.log(6)
