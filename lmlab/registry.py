@@ -27,6 +27,24 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAMLs, shipped in the
                                                      # it)
 
 
+
+def gather(package: str, path: Iterable[str], attr: str) -> dict[str, Any]:
+    """The options a package's own files declare, by importing each: its `attr` dict (`OPTIONS = {"mha": MHA}`), or
+    its single `attr` object registered under the file's name (`OPTION = adan` in adan.py). A new option is its
+    file, its YAML and its test; no registry to edit."""
+    import importlib
+    import pkgutil
+
+    found: dict[str, Any] = {}
+    for info in pkgutil.iter_modules(path):
+        declared = getattr(importlib.import_module(f"{package}.{info.name}"), attr, None)
+        if isinstance(declared, dict):
+            found.update(declared)
+        elif declared is not None:
+            found[info.name] = declared
+    return found
+
+
 @dataclass(frozen=True)
 class Range:
     """Bounds on a number, or on every element of a list: `Annotated[float, Range(gt=0)]`,

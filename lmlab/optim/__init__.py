@@ -30,6 +30,7 @@ from lmlab.registry import (
     PositiveInt,
     Range,
     check_values,
+    gather,
     option_params,
 )
 
@@ -312,20 +313,10 @@ def inverse_sqrt(step: int, max_steps: int, *, warmup_steps: NonNegativeInt = 0)
 OPTIMIZERS = {"adamw": adamw, "sgd": sgd, "lion": lion, "amos": amos, "adafactor": adafactor, "muon": muon,
               "lamb": lamb, "schedulefree": schedulefree}
 
-
-def _own_files() -> None:
-    """An optimizer in a file of its own in this folder registers itself: the module's `OPTION`, under the file's name
-    (`optim=adan` is `adan.py`'s). Adding one is its file, its YAML under conf/optim/ and its test."""
-    import importlib
-    import pkgutil
-
-    for info in pkgutil.iter_modules(__path__):
-        option = getattr(importlib.import_module(f"{__name__}.{info.name}"), "OPTION", None)
-        if option is not None:
-            OPTIMIZERS.setdefault(info.name, option)
-
-
-_own_files()
+# an optimizer in a file of its own in this folder registers itself: its module's OPTION, under the file's name
+# (`optim=adan` is adan.py's)
+for _name, _option in gather(__name__, __path__, "OPTION").items():
+    OPTIMIZERS.setdefault(_name, _option)
 SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": wsd, "inverse_sqrt": inverse_sqrt}
 
 

@@ -51,7 +51,8 @@ class Adan(torch.optim.Optimizer):
                 diff = g - state["prev_grad"]
                 state["m"].mul_(b1).add_(g, alpha=1 - b1)
                 state["v"].mul_(b2).add_(diff, alpha=1 - b2)
-                state["n"].mul_(b3).addcmul_(g + b2 * diff, g + b2 * diff, value=1 - b3)
+                ahead = g + b2 * diff  # the look-ahead gradient the second moment is of
+                state["n"].mul_(b3).addcmul_(ahead, ahead, value=1 - b3)
                 state["prev_grad"].copy_(g)
                 denom = (state["n"] / (1 - b3 ** k)).sqrt_().add_(group["eps"])
                 update = (state["m"] / (1 - b1 ** k) + b2 * state["v"] / (1 - b2 ** k)).div_(denom)

@@ -15,16 +15,12 @@ KV cache when generating).
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from lmlab.model.attention.diff import DiffAttention
 from lmlab.model.attention.mha import GQA, MHA, MQA, Geometry, gate_width
 from lmlab.model.attention.mla import MLA, MLA_SIZES, mla_sizes
+from lmlab.registry import gather
 
-ATTENTIONS: dict[str, type[MHA]] = {}
-for _info in pkgutil.iter_modules(__path__):
-    ATTENTIONS.update(getattr(importlib.import_module(f"{__name__}.{_info.name}"), "OPTIONS", {}))
+ATTENTIONS: dict[str, type[MHA]] = gather(__name__, __path__, "OPTIONS")
 
 __all__ = ["ATTENTIONS", "DiffAttention", "GQA", "Geometry", "MHA", "MLA", "MLA_SIZES", "MQA", "gate_width",
            "mla_sizes"]
