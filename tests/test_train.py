@@ -66,6 +66,39 @@ def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
     assert summary["steps"] == 40 and sorted(metric(resumed, "train/loss")) == list(range(40))
 
 
+class CtrlCAfterTheStep(Callback):
+    """Ctrl-C pressed twice lands after the optimizer step of step `at` - 1, before its row is logged."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("at", [17, 20], ids=["mid", "validation_due"])
+def test_a_stop_after_the_optimizer_step_resumes_without_training_that_batch_again(corpus, tmp_path, at) -> None:
+    """The checkpoint of a stop inside a step holds the weights after its optimizer step: the resumed run goes on
+    from the next batch (it trained batch `at` - 1 again, a step more than the straight run, each row a step late).
+    The stopped step's own row was never logged; every other row equals the straight run's."""
+    cache = tmp_path / "cache"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(compose(tiny(corpus, cache)), straight)
+    with pytest.raises(SystemExit):
+        train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlCAfterTheStep(at=at)])
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == at
+    summary = train(compose(tiny(corpus, cache, "resume=true")), resumed)
+    assert summary["steps"] == 30 and summary["tokens"] == 30 * 8 * 32
+    a, b = metric(straight, "train/loss"), metric(resumed, "train/loss")
+    assert sorted(b) == [s for s in range(30) if s != at - 1]
+    for step in b:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step
+    a, b = metric(straight, "val/loss"), metric(resumed, "val/loss")  # validated at the same steps, on same weights
+    assert sorted(b) == [s for s in sorted(a) if s != at - 1] and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in b)
+
+
 @pytest.mark.e2e
 def test_divergence_is_a_result_not_a_crash(corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"

@@ -192,13 +192,18 @@ class LitGPT(L.LightningModule):
         progress = fit_loop.get("epoch_loop.batch_progress", {})
         total = progress.get("total", {})
         if total.get("ready", 0) > total.get("completed", 0):
-            # Written as a step is about to start (an interruption, lmlab.run.interrupt): its batch is counted as
-            # fetched.
+            # Written inside a step: as it is about to start (an interruption, lmlab.run.interrupt: its batch is
+            # counted as fetched), or anywhere in it (Ctrl-C pressed twice), after its optimizer step perhaps.
             # On restart Lightning rewinds the epoch's counters to the finished batches but not the run's total,
-            # which decides when validation runs. Count finished batches only, everywhere; with every counter equal
-            # Lightning restores the logging step as it is, so store the step the next row is logged at.
+            # which decides when validation runs, and it would train a batch again whose optimizer step the weights
+            # already hold. The weights and the data's position (lmlab.data) are those of the optimizer steps done:
+            # count the batches they took as finished, everywhere; with every counter equal Lightning restores the
+            # logging step as it is, so store the step the next row is logged at.
+            done = self.global_step * int(self.trainer.accumulate_grad_batches)
+            moved = done - total["completed"]
             for counts in (total, progress.get("current", {})):
-                counts.update({k: counts["completed"] for k in ("ready", "started", "processed") if k in counts})
+                finished = counts["completed"] + moved
+                counts.update({k: finished for k in ("ready", "started", "processed", "completed") if k in counts})
             if "_batches_that_stepped" in loop:
                 # Restarting, Lightning asks whether validation is due at the last finished batch; if so it takes the
                 # checkpoint for one written by validation, before the logging step moved, and moves it itself.
