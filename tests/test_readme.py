@@ -1,5 +1,6 @@
-"""The README as a user reads it: its table of contents links every section, its worked example for a new norm works
-as written (made in a temporary copy of the package), and its compute-matched comparison runs as written."""
+"""The README and the pages under docs/ as a user reads them: the README's table of contents links every section, no
+link of any page is dead and every page is reachable from the README, the worked example for a new norm works as
+written (made in a temporary copy of the package), and the compute-matched comparison runs as written."""
 
 from __future__ import annotations
 
@@ -11,46 +12,107 @@ from pathlib import Path
 
 import pytest
 
+from tests.pages import PAGES, anchor, anchors, blocks, prose, section, train_commands
 from tests.runs import ROOT, cli, tiny
 
-README = (ROOT / "README.md").read_text()
-PROSE = re.sub(r"^```.*?^```", "", README, flags=re.M | re.S)  # headings and links outside code blocks
-
-
-def _anchor(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def _section(title: str) -> str:
-    """The README's text from the heading `title` to the next heading of its level or above."""
-    level, rest = re.search(rf"^(#+) {re.escape(title)}$", README, flags=re.M).group(1), README
-    start = rest.index(f"{level} {title}\n")
-    end = re.search(rf"^#{{1,{len(level)}}} ", rest[start + len(level) + 1:], flags=re.M)
-    return rest[start:start + len(level) + 1 + end.start()] if end else rest[start:]
-
-
-def _blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.M | re.S)
+README = PAGES[ROOT / "README.md"]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def test_the_table_of_contents_lists_every_section_in_order_and_every_link_lands() -> None:
-    headings = re.findall(r"^(#{2,3}) (.+)$", PROSE, flags=re.M)
-    toc = re.findall(r"^( *)- \[(.+?)\]\(#(.+?)\)$", _section("Contents"), flags=re.M)
+    headings = re.findall(r"^(#{2,3}) (.+)$", prose(README), flags=re.M)
+    toc = re.findall(r"^( *)- \[(.+?)\]\(#(.+?)\)$", section("Contents"), flags=re.M)
     sections = [(level, h) for level, h in headings if h != "Contents"]
     assert [(len(indent) // 2 + 2, title) for indent, title, _ in toc] == [(len(lv), h) for lv, h in sections]
-    anchors = {_anchor(h) for _, h in headings}
-    assert all(link == _anchor(title) for _, title, link in toc)
-    dangling = sorted(set(re.findall(r"\]\(#([^)]+)\)", PROSE)) - anchors)
-    assert dangling == [], dangling  # every in-page link of the README, the contents' and the prose's
+    assert all(link == anchor(title) for _, title, link in toc)
+
+
+def test_every_link_of_every_page_lands() -> None:
+    """Each page's links, to a heading of its own, to another page (and a heading there), to a file or folder of the
+    checkout: none is dead."""
+    dead = []
+    for page, text in PAGES.items():
+        for target in LINK.findall(prose(text)):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, heading = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                dead.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif heading and file.suffix == ".md" and heading not in anchors(file.read_text()):
+                dead.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert dead == [], dead
+
+
+def test_every_page_is_reachable_from_the_readme() -> None:
+    seen, todo = set(), [ROOT / "README.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen or page not in PAGES:
+            continue
+        seen.add(page)
+        for target in LINK.findall(prose(PAGES[page])):
+            path = target.partition("#")[0]
+            if path.endswith(".md") and not target.startswith("http"):
+                todo.append((page.parent / path).resolve())
+    assert sorted(p.relative_to(ROOT) for p in set(PAGES) - seen) == []
+    assert len(README.splitlines()) <= 400  # a front door: the rest lives on the pages it links
+
+
+# What a page shows being refused; every other command must pass (`experiment=NAME` stands for any study).
+REFUSED = ["norm=nope",  # the README's example of a refusal
+           "norm=dyt"]  # the worked example adds it
+
+
+def test_every_training_command_of_every_page_composes_and_passes_the_checks_before_training() -> None:
+    """Each `python train.py ...` of the README and docs/ (81 when written), with each sweep at its first value: its
+    config composes and passes every check train.py makes before it writes anything (types, ranges, memory, the
+    devices: on a machine without a GPU a GPU command may only be refused for that)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lmlab import compose
+    from lmlab.run.checks import check_config
+
+    commands = train_commands()
+    assert len(commands) >= 60, len(commands)
+    wrong, seen = [], set()
+    for page, line, args in commands:
+        if any(re.fullmatch(r"\w+=[A-Z]+", a) for a in args) or tuple(args) in seen:
+            continue
+        seen.add(tuple(args))
+        refused = next((a for a in args if a in REFUSED), None)
+        try:
+            check_config(compose(args), args)
+        except (ValueError, TypeError, HydraException, OmegaConfBaseException) as err:
+            if "needs a CUDA GPU" in str(err) or (refused and f"'{refused.replace('=', '/')}'" in str(err)):
+                continue
+            wrong.append(f"{page.relative_to(ROOT)}: {line}: {type(err).__name__}: {str(err)[:300]}")
+        else:
+            if refused:
+                wrong.append(f"{page.relative_to(ROOT)}: {line}: not refused")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_a_dead_link_or_an_unreachable_page_is_caught(tmp_path: Path, monkeypatch) -> None:
+    """The two checks above fail on a page with a dead link and on a page nothing links."""
+    import tests.test_readme as me
+
+    orphan, broken = ROOT / "docs" / "orphan.md", ROOT / "docs" / "broken.md"
+    pages = {**PAGES, orphan: "# Orphan\n", broken: "# Broken\n[gone](nowhere.md) [no heading](axes.md#no-such)\n"}
+    monkeypatch.setattr(me, "PAGES", pages)
+    with pytest.raises(AssertionError, match=r"nowhere\.md \(no such file\).*axes\.md#no-such \(no such heading\)"):
+        test_every_link_of_every_page_lands()
+    with pytest.raises(AssertionError, match="orphan"):
+        test_every_page_is_reachable_from_the_readme()
 
 
 @pytest.mark.e2e
 def test_adding_a_norm_as_the_readme_says_works_first_time(corpus: Path, tmp_path: Path) -> None:
     """The three edits of "Add your own norm", exactly as written, in a copy of lmlab: `norm=dyt norm.alpha0=1.0`
     trains, the summary records it, and tests/test_norm.py (unedited) runs over it; the checkout itself refuses it."""
-    section = _section("Add your own norm (a worked example)")
-    (cls, entry), (yaml,) = _blocks(section, "python"), _blocks(section, "yaml")
+    text = section("Add your own norm (a worked example)")
+    (cls, entry), (yaml,) = blocks(text, "python"), blocks(text, "yaml")
     copy = tmp_path / "copy"
     for name in ("lmlab", "tests"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "golden"))
@@ -60,7 +122,7 @@ def test_adding_a_norm_as_the_readme_says_works_first_time(corpus: Path, tmp_pat
     source = norm.read_text()
     dict_line = next(line for line in source.splitlines() if line.startswith("NORMS = "))
     norm.write_text(source.replace(dict_line, f"{cls}\n\n{entry.strip()}"))
-    stem = re.search(r"`lmlab/conf/norm/(\w+)\.yaml`", section).group(1)
+    stem = re.search(r"`lmlab/conf/norm/(\w+)\.yaml`", text).group(1)
     (copy / "lmlab" / "conf" / "norm" / f"{stem}.yaml").write_text(yaml)
 
     run = tmp_path / "run"
@@ -86,11 +148,11 @@ def test_the_compute_matched_comparison_runs_as_written(corpus: Path, tmp_path: 
     from lmlab.config import arch_config
     from lmlab.model.gpt import validate
 
-    section = _section("Budgets: compute-matched comparisons")
-    train_cmd, eval_cmd = [shlex.split(line.split("  #")[0]) for line in _blocks(section, "bash")[0].splitlines()]
+    text = section("Budgets: compute-matched comparisons")
+    train_cmd, eval_cmd = [shlex.split(line.split("  #")[0]) for line in blocks(text, "bash")[0].splitlines()]
     assert train_cmd[:3] == ["python", "train.py", "-m"] and eval_cmd[:2] == ["python", "eval.py"]
     sweep = next(a for a in train_cmd if a.startswith("model.n_layer=")).split("=")[1].split(",")
-    said = re.search(r"train FLOPs: (\d+) and (\d+)\s+steps", section).groups()
+    said = re.search(r"train FLOPs: (\d+) and (\d+)\s+steps", text).groups()
     flops = next(a for a in train_cmd if a.startswith("budget.flops="))
     for n, steps in zip(sweep, said):
         cfg = compose([f"model.n_layer={n}", flops])

@@ -15,7 +15,8 @@ from lmlab import compose
 from lmlab.optim import SCHEDULES
 from lmlab.registry import option_params
 from lmlab.optim.warmup import fit_warmup
-from tests.runs import ROOT, metric, tiny
+from tests.pages import PAGES
+from tests.runs import metric, tiny
 
 
 def _peak(cfg) -> float:
@@ -26,10 +27,10 @@ def _peak(cfg) -> float:
 
 
 def readme_short_runs() -> list[list[str]]:
-    """The overrides of every README command (train.py, `lmlab train`, torchrun, `compose([...])`: a line of a code
+    """The overrides of every command of the README and docs/ (train.py, `lmlab train`, torchrun, `compose([...])`: a line of a code
     block, continuations joined, or an inline span) that sets trainer.max_steps to 100 or less and leaves the warmup to
     the default: one value of a swept key; placeholders, flags and Hydra's own keys left out."""
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(PAGES.values())  # the README and the pages under docs/
     blocks = re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S)
     lines = [line for b in blocks for line in b.replace("\\\n", " ").splitlines()]
     spans = [" ".join(span.split()) for span in re.findall(r"`([^`\n]*(?:\n[^`\n]*)?)`",
