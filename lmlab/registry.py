@@ -121,8 +121,10 @@ def option_defaults(fn: Callable) -> dict[str, Any]:
             if p.kind.name == "KEYWORD_ONLY" and p.default is not inspect.Parameter.empty}
 
 
-def option_params(group: str, registry: Mapping[str, Callable], spec: Mapping[str, Any]) -> tuple[str, dict]:
-    """Check a spec against its registry; return (name, keyword arguments)."""
+def option_params(group: str, registry: Mapping[str, Callable], spec: Mapping[str, Any],
+                  keys: str | None = None) -> tuple[str, dict]:
+    """Check a spec against its registry; return (name, keyword arguments). `keys`: where the option's keys sit, when
+    not at `group.<key>` (a group of several options: `residual.scaled.<key>`)."""
     params = dict(spec)
     if "name" not in params:
         raise ValueError(f"{group} needs a 'name'; choose one of {sorted(registry)}")
@@ -132,7 +134,7 @@ def option_params(group: str, registry: Mapping[str, Callable], spec: Mapping[st
     accepted = option_types(registry[name])
     if unknown := sorted(params.keys() - accepted.keys()):
         raise ValueError(f"{group}={name!r} does not take {unknown}; it takes {sorted(accepted)}")
-    check_values(f"{group}.", params, accepted)
+    check_values(f"{keys or group}.", params, accepted)
     return name, params
 
 

@@ -275,12 +275,12 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=value_residual", "attention=mla"], r"residual=value_residual with attention=mla"),
     (["residual=value_residual", "block=gau"], r"residual=value_residual mixes attention values"),
     (["residual=unet", "model.n_layer=1"], r"residual=unet .* model.n_layer=1"),
-    (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual.init=2.0"),
-    (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual.branch_init=-1"),
+    (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual\.value_residual\.init=2.0"),
+    (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual\.scaled\.branch_init=-1"),
     (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
     (["residual=[hyper,unet]"], r"residual=hyper widens the stream to n copies: it does not stack with residual=unet"),
     (["residual=hyper", "placement=post"], r"residual=hyper adds each sublayer's branch to the copies: placement='pos"),
-    (["residual=value_embed", "residual.value_embed.tables=5"], r"residual.tables=5 is more than model.n_layer=4"),
+    (["residual=value_embed", "residual.value_embed.tables=5"], r"residual\.value_embed\.tables=5 is more than model.n_layer=4"),
     (["residual=value_embed", "attention=mla"], r"residual=value_embed with attention=mla"),
 ])
 def test_bad_residual_input_is_named_before_training(overrides: list[str], message: str) -> None:

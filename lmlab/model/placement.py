@@ -3,8 +3,10 @@
 Contract: a `Block(cfg, layer_idx)` subclass with its own `branch(x, f, j)` (what sublayer j adds to the stream: x +
 branch; `additive`) or, for a placement that normalises the sum, its own `sublayer(x, f, j)`: how sublayer j (1-based,
 `f` already bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual
-stream. The residual options (lmlab.model.residual) may scale each branch (`branch_scale`), sum the branches of one
-input (`parallel`) or connect each to n copies of the stream (`hyper`). The
+stream. The residual options (lmlab.model.residual) change a block through one hook each, at build time: a
+*branch transform* (`add_transform`: a module `t(j, y)` on each sublayer's branch — a learned scale, a dropped layer)
+or the block's *wiring* (`set_wiring`: an object whose `wire(block, x, fs)` applies the sublayers `fs` to the stream
+— in turn by default, summed from one input, over n copies of the stream). The
 `block` group supplies the sublayers (attention + FFN, or one GAU); `Block.forward(x, pos, cache=None)` applies the
 placement to each in turn, so every placement works with every block. Each placement says on itself whether the
 model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init applies to its value/output
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,11 +34,23 @@ if TYPE_CHECKING:
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 
+class Sequential:
+    """The default wiring: each sublayer in turn, x ← x + t(branch_j(x)) (its own rule for a placement that
+    normalises the sum)."""
+
+    def wire(self, block: Block, x: torch.Tensor, fs: list[tuple[int, Sublayer]]) -> torch.Tensor:
+        for j, f in fs:
+            x = block.step(x, f, j)
+        return x
+
+
+SEQUENTIAL = Sequential()
+
+
 class Block(nn.Module):
     final_norm = True  # the residual stream is unnormalised at the top: norm it before the head
     post_norms = False  # a second norm on each sublayer's output (double placement)
     additive = True  # sublayer(x, f, j) = x + branch(x, f, j): the stream plus a branch (not a norm of the sum)
-    parallel = False  # every sublayer reads the block's input; their branches are summed (residual=parallel)
 
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -50,40 +64,52 @@ class Block(nn.Module):
             for j in range(1, len(sublayers) + 1):
                 setattr(self, f"ln_{j}_post", build("norm", NORMS, cfg.norm, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
-        # (j, branch) -> the branch scaled: set by residual=scaled at build time (a submodule then; an instance
-        # attribute, not a class one, which would shadow the registered module)
-        self.branch_scale: nn.Module | None = None
-        self.hyper: nn.ModuleList | None = None  # each sublayer's hyper-connection (residual=hyper): x is n streams
+        self.transforms: tuple[str, ...] = ()  # the branch transforms' attribute names, applied in this order
+        self.wiring: str | None = None  # the wiring's attribute name (None: the sublayers in turn, SEQUENTIAL)
 
     @staticmethod
     def init_gain(n_layer: int) -> float:
         return 1.0
 
+    def add_transform(self, name: str, transform: nn.Module) -> None:
+        """A residual option's change to every branch of this block: `transform(j, y)` on sublayer j's branch (on F(x)
+        inside the norm, for a placement that normalises the sum). Its weights are `h.<i>.<name>.*`."""
+        setattr(self, name, transform)
+        self.transforms = (*self.transforms, name)
+
+    def set_wiring(self, name: str, wiring: Any, option: str) -> None:
+        """A residual option's way of applying the sublayers to the stream (`wiring.wire(block, x, fs)`); one per
+        block. Its weights, if any, are `h.<i>.<name>.*`."""
+        if self.wiring is not None:
+            raise ValueError(f"residual={option} rewires each block, and another residual option already does: "
+                             f"choose one of them")
+        setattr(self, name, wiring)
+        self.wiring = name
+
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
-        out = x
+        fs = []
         for j, name in enumerate(self.sublayer_names, 1):
             module = getattr(self, name)
-            mixes = getattr(module, "mixes_tokens", False)
-            f = partial(module, pos=pos, cache=cache, doc=doc) if mixes else module
-            if self.hyper is not None:  # x: the n copies of the stream (B, T, n, d)
-                x = out = self.hyper[j - 1](x, partial(self._hyper_branch, f, j))
-            elif self.parallel:  # each branch from the block's input, summed
-                out = out + self.scaled(j, self.branch(x, f, j))
-            elif self.additive:
-                x = out = x + self.scaled(j, self.branch(x, f, j))
-            else:  # the placement normalises the sum: a branch scale goes inside, on F(x)
-                x = out = self.sublayer(x, f if self.branch_scale is None else partial(self._scaled_f, f, j), j)
-        return out
+            fs.append((j, partial(module, pos=pos, cache=cache, doc=doc) if getattr(module, "mixes_tokens", False)
+                       else module))
+        return (SEQUENTIAL if self.wiring is None else getattr(self, self.wiring)).wire(self, x, fs)
 
-    def scaled(self, j: int, y: torch.Tensor) -> torch.Tensor:
-        return y if self.branch_scale is None else self.branch_scale(j, y)
+    def transform(self, j: int, y: torch.Tensor) -> torch.Tensor:
+        """Sublayer j's branch `y` through the residual options' transforms, in order."""
+        for name in self.transforms:
+            y = getattr(self, name)(j, y)
+        return y
 
-    def _hyper_branch(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
-        return self.scaled(j, self.branch(h, f, j))
+    def step(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
+        """Sublayer j applied to the stream x, its branch transformed: x + t(branch) for the additive placements;
+        for the others the transform goes inside their rule, on F(x)."""
+        if self.additive:
+            return x + self.transform(j, self.branch(x, f, j))
+        return self.sublayer(x, partial(self._transformed, f, j) if self.transforms else f, j)
 
-    def _scaled_f(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
-        return self.branch_scale(j, f(h))
+    def _transformed(self, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.transform(j, f(h))
 
     def branch(self, x: torch.Tensor, f: Sublayer, j: int) -> torch.Tensor:
         """What sublayer j adds to the stream (the additive placements)."""

@@ -5,8 +5,9 @@ what the stream carries from layer to layer.
 The group holds any number of options at once, each under its own name (`residual=unet`, or several:
 `'residual=[value_residual,unet,scaled]'`, as the GPT-2 speedrun stacks them); `standard` is today's stream, no
 option at all. Contract: `Option(cfg, **own params)`, an nn.Module built once per model, that may
-- `attach(model)`: configure the blocks at build time (a branch scale on each block, a value mix on each attention,
-  the parallel wiring), refusing by key what it cannot apply to;
+- `attach(model)`: configure the blocks at build time through their two hooks (lmlab.model.placement: a branch
+  transform with `block.add_transform`, a wiring with `block.set_wiring`) or a value mix on each attention, refusing
+  by key what it cannot apply to;
 - `start(x0, idx)`: reset its per-forward state at the start of a forward (x0: the embedding output, idx: the tokens);
 - `n_params(cfg, **own params)` (a classmethod, if it has weights of a size that matters): its weights from the sizes
   alone, for the size bounds;
@@ -23,14 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lmlab.model.residual.hyper import Hyper
-from lmlab.model.residual.parallel import Parallel
-from lmlab.model.residual.scaled import Scaled
-from lmlab.model.residual.unet import UNet
-from lmlab.model.residual.value import ValueResidual
-from lmlab.model.residual.value_embed import ValueEmbed
-from lmlab.model.residual.x0 import X0
-from lmlab.registry import option_params
+from lmlab.registry import gather, option_params
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -43,8 +37,9 @@ class Standard(nn.Module):
         super().__init__()
 
 
-RESIDUALS = {"standard": Standard, "scaled": Scaled, "value_residual": ValueResidual, "value_embed": ValueEmbed,
-             "x0": X0, "unet": UNet, "parallel": Parallel, "hyper": Hyper}
+# every option but `standard` is a file of this package ending in its `OPTIONS` (a new option is its file, its YAML and
+# its test)
+RESIDUALS: dict[str, type[nn.Module]] = {"standard": Standard, **gather(__name__, __path__, "OPTIONS")}
 
 
 def residual_specs(spec: Mapping[str, Any]) -> list[tuple[str, dict]]:
@@ -58,7 +53,7 @@ def residual_specs(spec: Mapping[str, Any]) -> list[tuple[str, dict]]:
         if params is not None and not isinstance(params, Mapping):
             raise ValueError(f"residual.{name}={params!r} must be the option's keys (a mapping), e.g. "
                              f"residual.{name}={{}}")
-        out.append(option_params("residual", RESIDUALS, {"name": name, **(params or {})}))
+        out.append(option_params("residual", RESIDUALS, {"name": name, **(params or {})}, keys=f"residual.{name}"))
     return out
 
 

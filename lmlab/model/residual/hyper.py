@@ -14,6 +14,7 @@ Needs a placement that adds each branch (pre, double, post_nonres) and stands al
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ from lmlab.registry import PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.placement import Block, Sublayer
 
 
 class HyperConnection(nn.Module):
@@ -61,6 +63,19 @@ class HyperConnection(nn.Module):
         return mixed + beta[..., None] * y[..., None, :]
 
 
+class HyperWiring(nn.ModuleList):
+    """The wiring: the block's sublayers in turn over the n copies, each through its own connection."""
+
+    def wire(self, block: Block, x: torch.Tensor, fs: list[tuple[int, Sublayer]]) -> torch.Tensor:
+        for j, f in fs:  # x: the n copies of the stream (B, T, n, d)
+            x = self[j - 1](x, partial(self._branch, block, f, j))
+        return x
+
+    @staticmethod
+    def _branch(block: Block, f: Sublayer, j: int, h: torch.Tensor) -> torch.Tensor:
+        return block.transform(j, block.branch(h, f, j))
+
+
 class Hyper(nn.Module):
     def __init__(self, cfg: GPTConfig, *, streams: PositiveInt = 4, dynamic: bool = True) -> None:
         super().__init__()
@@ -80,10 +95,13 @@ class Hyper(nn.Module):
             for _ in block.sublayer_names:
                 connections.append(HyperConnection(self.d_model, self.n, k, self.dynamic))
                 k += 1
-            block.hyper = nn.ModuleList(connections)
+            block.set_wiring("hyper", HyperWiring(connections), "hyper")
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.size(-1)) if i == 0 else x  # every copy: x0
 
     def after(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return x.sum(-2) if i == self.n_layer - 1 else x  # (B, T, d) for the final norm
+
+
+OPTIONS = {"hyper": Hyper}

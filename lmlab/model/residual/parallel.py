@@ -7,10 +7,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.placement import Block, Sublayer
+
+
+class Summed:
+    """The wiring: x + Σ_j t(branch_j(x)), every branch from the block's input."""
+
+    def wire(self, block: Block, x: torch.Tensor, fs: list[tuple[int, Sublayer]]) -> torch.Tensor:
+        out = x
+        for j, f in fs:
+            out = out + block.transform(j, block.branch(x, f, j))
+        return out
 
 
 class Parallel(nn.Module):
@@ -26,4 +38,7 @@ class Parallel(nn.Module):
                 raise ValueError(f"residual=parallel sums the sublayers' branches: placement="
                                  f"{model.cfg.placement['name']!r} normalises the sum; use placement=pre|double|"
                                  f"post_nonres")
-            block.parallel = True
+            block.set_wiring("parallel", Summed(), "parallel")
+
+
+OPTIONS = {"parallel": Parallel}

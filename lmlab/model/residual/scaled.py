@@ -43,8 +43,11 @@ class Scaled(nn.Module):
 
     def attach(self, model: nn.Module) -> None:
         for block in model.h:
-            block.branch_scale = BranchScale(len(block.sublayer_names), self.d_model, self.branch_init,
-                                             self.per_channel)
+            block.add_transform("branch_scale", BranchScale(len(block.sublayer_names), self.d_model,
+                                                            self.branch_init, self.per_channel))
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return x if self.stream is None else self.stream[i].to(x.dtype) * x
+
+
+OPTIONS = {"scaled": Scaled}

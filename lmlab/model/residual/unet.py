@@ -42,3 +42,6 @@ class UNet(nn.Module):
         if i < self.n_layer // 2:
             self.skips[i] = x
         return x
+
+
+OPTIONS = {"unet": UNet}

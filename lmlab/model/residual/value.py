@@ -59,3 +59,6 @@ class ValueResidual(nn.Module):
     def attach(self, model: nn.Module) -> None:
         for i, block in enumerate(model.h):
             block.attn.value_mixes.append(ValueMix(i, self.first, self.init, self.learned))
+
+
+OPTIONS = {"value_residual": ValueResidual}

@@ -61,7 +61,7 @@ class ValueEmbed(nn.Module):
                 raise ValueError(f"residual.layers has {bad}, not layers of the model (0 .. {n_layer - 1})")
             return {i: t for t, i in enumerate(layers)}
         if tables > n_layer:
-            raise ValueError(f"residual.tables={tables} is more than model.n_layer={n_layer}: each table serves the "
+            raise ValueError(f"residual.value_embed.tables={tables} is more than model.n_layer={n_layer}: each table serves the "
                              f"first and the last `tables` layers")
         out = {n_layer - tables + t: t for t in range(tables)}
         out.update({t: t for t in range(tables)})
@@ -79,3 +79,6 @@ class ValueEmbed(nn.Module):
 
     def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         self.tokens.idx = idx
+
+
+OPTIONS = {"value_embed": ValueEmbed}

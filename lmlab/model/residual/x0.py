@@ -24,3 +24,6 @@ class X0(nn.Module):
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return x if i == 0 else x + self.lambdas[i].to(x.dtype) * self.x0
+
+
+OPTIONS = {"x0": X0}
