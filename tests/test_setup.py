@@ -62,8 +62,20 @@ def test_the_readme_set_up_passes_on_a_clean_clone_in_a_fresh_venv(tmp_path: Pat
     # the last run on AVX2 kernels: what a CPU without AVX-512 computes (torch takes the lower of this and the CPU's)
     runs = [(path, {}) for path in paths] if len(paths) > 1 else [(paths[0], {}), (paths[0], {})]
     runs[-1] = (runs[-1][0], {"ATEN_CPU_CAPABILITY": "avx2"})
-    for path, kernels in runs:
-        res = _sh(". .venv/bin/activate && make test", clone, {**env, "PATH": path, **kernels}, 1500)
-        failures = [line for line in res.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        assert res.returncode == 0, (kernels, failures, (res.stdout + res.stderr)[-3000:])
-        assert " passed" in res.stdout and " failed" not in res.stdout
+    # `make test` installs what the tests need (its collection alone, once: two installs at once would share the
+    # venv), then the runs go side by side, each on one core (OMP_NUM_THREADS=1, as make test sets it)
+    res = _sh('. .venv/bin/activate && make test ARGS=--collect-only', clone, env, 1500)
+    assert res.returncode == 0 and " tests collected" in res.stdout, (res.stdout + res.stderr)[-3000:]
+    procs = [subprocess.Popen(["bash", "-c", ". .venv/bin/activate && make test"], cwd=clone, text=True,
+                              env={**env, "PATH": path, **kernels}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for path, kernels in runs]
+    try:
+        outs = [proc.communicate(timeout=1500)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for (path, kernels), proc, out in zip(runs, procs, outs):
+        failures = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        assert proc.returncode == 0, (kernels, failures, out[-3000:])
+        assert " passed" in out and " failed" not in out
