@@ -14,7 +14,13 @@ from lmlab.config import GPTConfig
 from lmlab.analysis.generate import generate, sample
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
+from lmlab.model.attention import ATTENTIONS
+from lmlab.model.block import BLOCKS
+from lmlab.model.ffn import FFNS
+from lmlab.model.head import HEADS
+from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
+from lmlab.model.residual import RESIDUALS
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.model.attention.score import SCORES
 from lmlab.run.training import train
@@ -44,7 +50,17 @@ def _greedy_logits(model: GPT, use_cache: bool) -> tuple[torch.Tensor, torch.Ten
     return out, torch.stack(seen, dim=1)  # (B, NEW, V)
 
 
+# Every option of the axes that reach the cache, from their registries (a new option is covered without an edit here),
+# each at its defaults on RoPE (sizes only where a default does not fit this 2-layer model), then the combinations.
+SMALL = {"residual": {"value_embed": {"tables": 1}}, "attention": {"gqa": {"n_kv_head": 2}}}
 CASES = {f"position={p}": {"position": {"name": p}} for p in POSITIONS}
+CASES |= {f"attention={a}": {"position": {"name": "rope"}, "attention": {"name": a},
+                             "n_kv_head": SMALL["attention"].get(a, {}).get("n_kv_head")} for a in ATTENTIONS}
+CASES |= {f"residual={r}": {"position": {"name": "rope"}, "residual": {r: SMALL["residual"].get(r, {})}}
+          for r in RESIDUALS}
+CASES |= {f"{group}={name}": {"position": {"name": "rope"}, group: {"name": name}}
+          for group, registry in (("ffn", FFNS), ("placement", PLACEMENTS), ("block", BLOCKS), ("head", HEADS))
+          for name in registry}
 CASES |= {f"rope_scaling={s}": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": s}}
           for s in ROPE_SCALINGS if s != "none"}  # trained at 8: the text runs 3x past it
 CASES |= {
