@@ -20,6 +20,7 @@ from lmlab.model.ffn import FFNS, MLP
 from lmlab.model.gpt import GPT
 from lmlab.model.moe import MoE, balance_loss, bias_update, capacity, figures, route
 from lmlab.model.resolve import n_params_estimate, resolve
+from lmlab.model.side import objective_part
 from lmlab.run.perf import matmul_params
 from lmlab.registry import build
 
@@ -143,10 +144,12 @@ def test_balance_loss_z_loss_and_aux_against_their_formulas() -> None:
     f = torch.bincount(idx.reshape(-1), minlength=4).float() / (14 * 2)
     bal = 4 * (f * p.mean(0)).sum()
     zl = torch.logsumexp(z, -1).square().mean()
-    torch.testing.assert_close(m.aux, 0.1 * bal + 0.01 * zl)
-    torch.testing.assert_close(m.aux_parts["balance"], bal)
-    torch.testing.assert_close(m.aux_parts["router_z"], zl)
-    assert m.aux.requires_grad  # it trains the router
+    terms = {t.metric: t for t in m.terms}  # its side-channel terms (lmlab.model.side), before their weights
+    assert {k: t.weight for k, t in terms.items()} == {"moe_balance_loss": 0.1, "router_z_loss": 0.01}
+    torch.testing.assert_close(terms["moe_balance_loss"].value, bal)
+    torch.testing.assert_close(terms["router_z_loss"].value, zl)
+    torch.testing.assert_close(objective_part(m.terms), 0.1 * bal + 0.01 * zl)
+    assert objective_part(m.terms).requires_grad  # it trains the router
     fig = figures(m.stats, 4, 2)
     assert fig["balance_loss"] == pytest.approx(float(bal.detach()), rel=1e-5)
     assert fig["router_z_loss"] == pytest.approx(float(zl.detach()), rel=1e-5)
@@ -163,10 +166,12 @@ def test_gpt_adds_the_aux_losses_to_the_objective_in_training_only() -> None:
     idx = torch.randint(0, 40, (2, 16))
     model.train()
     objective, ce, _ = model(idx, idx, parts=True)
-    aux = sum(b.mlp.aux for b in model.h)
+    aux = sum(objective_part(b.mlp.terms) for b in model.h)
     torch.testing.assert_close(objective, ce + aux)
-    parts = model.aux_parts()
-    torch.testing.assert_close(parts["balance"], sum(b.mlp.aux_parts["balance"] for b in model.h))
+    logged = model.figures("train")  # summed over the layers, before the coefficients
+    assert sorted(logged) == ["moe_balance_loss", "router_z_loss"] and model.figures("val") == {}
+    torch.testing.assert_close(logged["moe_balance_loss"], sum(b.mlp.terms[0].value for b in model.h).detach())
+    assert model.side() == {"train": ["moe_balance_loss", "router_z_loss"], "val": [], "figures": ["moe"]}
     model.eval()
     torch.testing.assert_close(model(idx, idx), ce)  # same weights, no aux: validation is the LM loss
 

@@ -32,7 +32,7 @@ from lmlab.data.tasks import TASKS
 from lmlab.analysis.ladder import compute_spent, ladder_section, matmul_weights, size_keys
 from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
-from lmlab.record.summary import objective
+from lmlab.record.summary import objective, side
 from lmlab.record.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
 from lmlab.record.targets import TARGET_FIGURES, default_target, to_target
 
@@ -281,7 +281,7 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
         said = "".join(f"Note: {n}\n" for n in notes) + "\n"
         md = said + md
         atomic_write(sweep_dir / "compare.md", said + table)
-    routed = [r for r, s in summaries.items() if ((s.get("model") or {}).get("ffn") or {}).get("name") == "moe"]
+    routed = [r for r, s in summaries.items() if names.MOE in side(s, logged.get(r))["figures"]]
     if routed:  # an MoE's expert load by layer and step, one panel per run
         plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")
     profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
-from lmlab.model.loss import cross_entropy, linear_cross_entropy
+from lmlab.model.loss import Z_LOSS, cross_entropy, linear_cross_entropy
 from lmlab.model.memory import check_model_fits
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.head import HEADS
+from lmlab.model.head import HEADS, MTP_LOSS
 from lmlab.model.init import INITS
 from lmlab.model.attention.mask import documents
 from lmlab.model.norm import NORMS, NoNorm
@@ -29,6 +29,7 @@ from lmlab.model.placement import PLACEMENTS
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import Connections
 from lmlab.model.resolve import resolve
+from lmlab.model.side import SPLITS, Term, figures, objective_part
 from lmlab.registry import build, option_params
 
 
@@ -68,7 +69,7 @@ class GPT(nn.Module):
             self.register_buffer("untied", torch.tensor(self._untied))
             self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "_untied", bool(module.untied)))
         self.head = build("head", HEADS, cfg.head, cfg)  # extra predictions (head=mtp); next: none
-        self.head_losses: list[torch.Tensor] = []  # the last forward's extra-depth losses (detached), for the loggers
+        self.terms: list[Term] = []  # the last forward's side channel (lmlab.model.side)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -112,17 +113,38 @@ class GPT(nn.Module):
             cap = self.cfg.logit_softcap
             return logits if cap is None else cap * torch.tanh(logits / cap)
         out = self.lm_loss(self.ln_f(x), targets, z_loss=z_loss, parts=parts)
-        training = self.training and torch.is_grad_enabled()
-        aux = [m.aux for m in self._routed if m.aux is not None] if training else []
-        if self.head.depth:  # multi-token prediction: the extra depths' losses, kept apart for the loggers
-            extra = self.head.losses(x, idx, targets, doc, self.wte, self.pos, self.lm_loss)
-            self.head_losses = [v.detach() for v in extra]
-            if training:
-                aux += [w * v for w, v in zip(self.head.weights, extra, strict=False)]
-        if aux:  # the auxiliary losses (an MoE's balancing terms, MTP's) join the objective, not the cross-entropy
-            total = torch.stack(aux).sum()
+        # The side channel (lmlab.model.side): the sublayers' terms (an MoE's balancing losses), the head's (MTP's
+        # depths), the loss's own z-loss; the objective adds those it lacks, in training only.
+        terms = [t for m in self._sources for t in m.terms]
+        if self.head.depth:
+            terms += self.head.terms(x, idx, targets, doc, self.wte, self.pos, self.lm_loss)
+        if parts and z_loss:
+            terms.append(Term(Z_LOSS, out[2], z_loss, in_loss=True))
+        self.terms = terms
+        total = objective_part(terms) if self.training and torch.is_grad_enabled() else None
+        if total is not None:
             out = (out[0] + total, *out[1:]) if parts else out + total
         return out
+
+    def figures(self, split: str) -> dict[str, torch.Tensor]:
+        """The last forward's side-channel figures for `split` (train, val), by metric name, detached: what the
+        loggers show beside the LM loss (summed over an MoE's layers, before their coefficients)."""
+        return figures(self.terms, split)
+
+    def side(self, z_loss: float = 0.0) -> dict[str, list[str]]:
+        """What this model's side channel holds, as the summary records it: the metrics its terms are logged as, per
+        split (`z_loss`: the objective's PaLM z-loss coefficient, a training setting), and the figure groups its
+        sources log (`moe`: the routing figures of each layer)."""
+        declared = {**{k: v for m in self._sources for k, v in m.declared.items()}, **self.head.declared}
+        if z_loss:
+            declared[Z_LOSS] = ("train",)
+        return {**{split: sorted(k for k, where in declared.items() if split in where) for split in SPLITS},
+                "figures": sorted({g for m in self._sources for g in m.figure_groups})}
+
+    @property
+    def head_losses(self) -> list[torch.Tensor]:
+        """The last forward's extra-depth losses (head=mtp), detached, depth 1 first."""
+        return [t.value.detach() for t in self.terms if t.metric.startswith(MTP_LOSS)]
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, parts: bool = False) -> Any:
         """The output head's mean token cross-entropy on normed hidden states h (B, T, d) (lmlab.model.loss): µP's
@@ -181,20 +203,17 @@ class GPT(nn.Module):
 
     @property
     def _routed(self) -> list[nn.Module]:
-        """The sublayers that route tokens (an MoE): they add auxiliary losses, keep routing statistics and a
-        balancing bias. (No walrus in the comprehension: its cell variable is a graph break torch.compile cannot
-        resume from, which cut the compiled training forward short.)"""
+        """The sublayers that route tokens (an MoE): they keep routing statistics and a balancing bias. (No walrus in
+        the comprehension: its cell variable is a graph break torch.compile cannot resume from, which cut the compiled
+        training forward short.)"""
         sublayers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
         return [m for m in sublayers if hasattr(m, "update_bias")]
 
-    def aux_parts(self) -> dict[str, torch.Tensor]:
-        """The last training forward's auxiliary losses before their coefficients, summed over the layers (detached):
-        what the loggers show apart from the LM loss. Empty for a model without them."""
-        out: dict[str, torch.Tensor] = {}
-        for m in self._routed:
-            for name, value in m.aux_parts.items():
-                out[name] = out[name] + value if name in out else value
-        return out
+    @property
+    def _sources(self) -> list[nn.Module]:
+        """The sublayers with side-channel terms (lmlab.model.side): each records its `terms` in its forward."""
+        sublayers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
+        return [m for m in sublayers if hasattr(m, "terms")]
 
     def update_balancing(self, reduce: Any = None) -> None:
         """After an optimizer step: each routing sublayer's loss-free balancing bias moves by its load since the last

@@ -36,6 +36,7 @@ from torch import nn
 from lmlab.model.block import BLOCKS
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
+from lmlab.model.side import Term
 from lmlab.registry import NonNegativeFloat, PositiveInt, build
 
 if TYPE_CHECKING:
@@ -45,11 +46,15 @@ if TYPE_CHECKING:
 LMLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+MTP_LOSS = "mtp_loss_"  # the depths' side-channel terms (lmlab.model.side): <split>/mtp_loss_<k>, before weights
+
+
 class NextToken(nn.Module):
     """The next token only: no extra modules, no extra losses."""
 
     depth = 0
     weights: tuple[float, ...] = ()
+    declared: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -85,6 +90,18 @@ class MTP(nn.Module):
         """Its weights from the sizes alone (the size bounds): a block per depth, and M_k's 2d² when sequential."""
         per = build("block", BLOCKS, cfg.block, cfg).n_params() + (2 * cfg.d_model ** 2 if style == "sequential" else 0)
         return depth * per
+
+    @property
+    def declared(self) -> dict[str, tuple[str, ...]]:
+        """The terms it records (lmlab.model.side): each depth's loss, logged in training and validation."""
+        return {f"{MTP_LOSS}{k}": ("train", "val") for k in range(1, self.depth + 1)}
+
+    def terms(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None,
+              embed: nn.Module, pos: Position, lm_loss: LMLoss) -> list[Term]:
+        """`losses` as side-channel terms, each with its weight in the objective."""
+        return [Term(f"{MTP_LOSS}{k}", v, w, ("train", "val"))
+                for k, (w, v) in enumerate(zip(self.weights, self.losses(h, idx, targets, doc, embed, pos, lm_loss),
+                                               strict=False), 1)]
 
     def losses(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None,
                embed: nn.Module, pos: Position, lm_loss: LMLoss) -> list[torch.Tensor]:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+Z_LOSS = "z_loss"  # its side-channel term (lmlab.model.side): train/z_loss, mean (log Z)², already in the objective
+
 
 def _nll_sum(logp: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed −log p(target) over the valid rows of logp (N, V), and the (N, 1) class index used per row."""

@@ -18,8 +18,9 @@ Balancing, each an option, combinable:
 - `bias_update_rate` u: auxiliary-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after each optimizer step
   b_e ← b_e + u · sign(mean load − load_e), load_e the step's assignments to e; b steers the choice only, never the
   weights. b is a buffer (`expert_bias`): saved in the checkpoint, restored exactly on resume.
-The losses are summed over the MoE layers (Switch, ST-MoE) and added to the objective by the GPT (`aux`); their
-values before the coefficients are logged apart from the LM loss.
+The losses are the module's terms of the side channel (lmlab.model.side: `moe_balance_loss`, `router_z_loss`), summed
+over the MoE layers (Switch, ST-MoE) and added to the objective by the GPT; their values before the coefficients are
+logged apart from the LM loss.
 
 Compute: one gather and one scatter per layer. The N·k assignments are sorted by expert (a stable sort), the tokens
 gathered in that order, each expert's rows multiplied by its own matrices in one grouped matmul (`F.grouped_mm`
@@ -43,12 +44,14 @@ from torch import nn
 
 from lmlab.model.activation import Activation
 from lmlab.model.dense import DENSE_FFNS, GLU
+from lmlab.model.side import Term
 from lmlab.registry import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 SCORES = ("softmax", "sigmoid")
 # The routing statistics one forward leaves (`MoE.stats`), all sums over tokens (so ranks add them up):
 # counts (E) assignments per expert, prob (E) Σ p_e, then entropy Σ H(p), tokens N, dropped assignments, Σ (log Z)².
 STAT_TAIL = ("entropy", "tokens", "dropped", "lse_sq")
+BALANCE, ROUTER_Z = "moe_balance_loss", "router_z_loss"  # its side-channel terms: train/<name>, before coefficients
 
 
 def expert_kind(name: str) -> type:
@@ -189,8 +192,9 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # loss-free balancing's b: in the checkpoint
         self._load: torch.Tensor | None = None  # assignments per expert since the last bias update (not a buffer:
         # DDP would overwrite each rank's with rank 0's at every forward)
-        self.aux: torch.Tensor | None = None  # this training forward's weighted balancing losses (the GPT adds them)
-        self.aux_parts: dict[str, torch.Tensor] = {}  # ... and each before its coefficient, detached (logged apart)
+        self.terms: list[Term] = []  # this forward's balancing losses, before their coefficients (lmlab.model.side)
+        self.declared = {BALANCE: ("train",), ROUTER_Z: ("train",)}  # the terms it records, where they are logged
+        self.figure_groups = ("moe",)  # the monitor's moe/<figure>/layer_XX (lmlab.run.monitor)
         self.stats: torch.Tensor | None = None  # this training forward's routing sums (STAT_TAIL), detached
 
     @staticmethod
@@ -274,13 +278,8 @@ class MoE(nn.Module):
         """The balancing losses of this forward (for the objective), the load for the bias update, the statistics."""
         N = logits.size(0)
         lse = torch.logsumexp(logits, dim=-1)  # (N,)
-        parts = {"balance": balance_loss(counts.float(), p.sum(0), N, self.top_k), "router_z": lse.square().mean()}
-        aux = None
-        for name, coef in (("balance", self.balance_coef), ("router_z", self.z_coef)):
-            if coef:
-                aux = coef * parts[name] if aux is None else aux + coef * parts[name]
-        self.aux = aux if torch.is_grad_enabled() else None
-        self.aux_parts = {name: v.detach() for name, v in parts.items()}
+        self.terms = [Term(BALANCE, balance_loss(counts.float(), p.sum(0), N, self.top_k), self.balance_coef),
+                      Term(ROUTER_Z, lse.square().mean(), self.z_coef)]
         load = counts.detach().float()
         self._load = load if self._load is None else self._load + load
         with torch.no_grad():

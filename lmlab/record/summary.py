@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from lmlab import names
 from lmlab.record.rundir import RunDir
 from lmlab.record.targets import ToTarget, run_targets
 
@@ -81,6 +82,8 @@ class RunSummary(TypedDict, total=False):
     config: dict[str, Any]  # the whole resolved config
     signal: int | None  # the signal an interrupted run stopped for
     attempts: list[dict[str, Any]]  # one per start or resume: status, from_step, to_step, overrides, error, ...
+    side: dict[str, list[str]]  # the model's side channel (lmlab.model.side): the metrics logged beside the LM loss
+    #   per split ("train", "val": z_loss, moe_balance_loss, mtp_loss_1, ...) and the figure groups ("figures": moe)
     relaunched: str | None  # each resume that went on at the same global batch on another launch (world size,
     #   strategy, accumulation): "at step 3: world_size 2 -> 4, ..."; that attempt's `changed` has key -> [was, now]
 
@@ -117,6 +120,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "wall_time_s": wall_time,
         "n_params": lit.model.num_params(),
         "n_active_params": lit.model.num_params(active=True),
+        "side": lit.model.side(float(lit.hparams.optim.get("z_loss") or 0.0)),
         "overrides": overrides,
         **data.figures(),  # a task's own figures (data=position_probe); a corpus has none
         "error": error,
@@ -164,3 +168,12 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     if summary is None:
         raise FileNotFoundError(f"{Path(run_dir) / 'summary.json'} does not exist")
     return summary
+
+
+def side(summary: dict[str, Any], metrics: dict[str, Any] | None = None) -> dict[str, list[str]]:
+    """What a run's side channel held (RunSummary.side): its own record, or for a summary of an lmlab from before it
+    was recorded, the figure groups its metrics.csv has (`metrics`: metric name -> series)."""
+    if summary.get("side") is not None:
+        return summary["side"]
+    routed = any(k.startswith(f"{names.MOE}/") for k in metrics or {})  # moe/<figure>/layer_XX
+    return {"train": [], "val": [], "figures": [names.MOE] if routed else []}

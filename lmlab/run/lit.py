@@ -89,7 +89,7 @@ class LitGPT(L.LightningModule):
             self.model.untie()  # model.untie_at_step: the head trains apart from here (a resumed run: already untied)
         extra = self.model.extra_losses  # an MoE's balancing losses, MTP's depths join the objective, logged apart
         if z_loss or extra:  # the objective adds PaLM's z-loss; the loss logged and watched is the cross-entropy
-            objective, loss, z = self(x, y, z_loss=z_loss, parts=True)
+            objective, loss, _ = self(x, y, z_loss=z_loss, parts=True)
         else:
             objective = loss = self(x, y)
         if self.divergence.check(self.global_step, loss.item()):
@@ -98,12 +98,10 @@ class LitGPT(L.LightningModule):
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
         if self.logs_now():
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
-            if z_loss:
-                self.log(names.TRAIN_Z_LOSS, z, sync_dist=True)  # mean (log Z)², before its coefficient
-            for part, value in self.model.aux_parts().items():  # summed over the MoE layers, before coefficients
-                self.log(names.TRAIN_AUX[part], value, sync_dist=True)
-            for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: each depth's, before its weight
-                self.log(names.mtp_loss("train", k), value, sync_dist=True)
+            # the side channel (lmlab.model.side): z-loss, an MoE's balancing losses summed over its layers, MTP's
+            # depths, each before its coefficient
+            for metric, value in self.model.figures("train").items():
+                self.log(f"train/{metric}", value, sync_dist=True)
             # Host numbers go in as CPU tensors: Lightning copies a Python float to the model's device, and on a
             # GPU that blocking copy waits for all queued work.
             groups = self.trainer.optimizers[0].param_groups
@@ -122,8 +120,8 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         n = batch[0].size(0)
         self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
-        for k, value in enumerate(self.model.head_losses, 1):  # head=mtp: the extra depths', apart
-            self.log(names.mtp_loss("val", k), value, sync_dist=True, batch_size=n)
+        for metric, value in self.model.figures("val").items():  # head=mtp: the extra depths', apart
+            self.log(f"val/{metric}", value, sync_dist=True, batch_size=n)
 
     def on_validation_epoch_end(self) -> None:
         if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:
