@@ -29,14 +29,14 @@ from lmlab import names
 from lmlab.analysis.compare_gaps import CURVES, gaps, validations
 from lmlab.analysis.compare_stats import significance
 from lmlab.data.tasks import TASKS
-from lmlab.analysis.ladder import compute_spent, ladder_section, matmul_weights, size_keys
+from lmlab.analysis.ladder import matmul_weights, size_keys  # its own section registers with it
+from lmlab.analysis.sections import LR, SECTIONS, SEED, Sweep, section
 from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
 from lmlab.record.summary import objective, side
 from lmlab.record.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
 from lmlab.record.targets import TARGET_FIGURES, default_target, to_target
 
-SEED, LR = "seed", "optim.lr"
 FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s",
            *TARGET_FIGURES)  # over seeds (a figure to target: over the seeds that reached it)
 
@@ -250,52 +250,88 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     table = write_table(rows, cols, sweep_dir / "compare")
     md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + table
 
-    variant_keys = [k for k in varying if k != SEED]
+    sweep = Sweep(sweep_dir, runs, summaries, overrides, varying, rows, values, target, baseline, by_lr, routed)
+    for _, _, fn in SECTIONS:  # each study's or figure's own (lmlab.analysis.sections)
+        md += fn(sweep)
+    if sweep.notes:  # above the tables, printed and in compare.md
+        said = "".join(f"Note: {n}\n" for n in sweep.notes) + "\n"
+        md = said + md
+        atomic_write(sweep_dir / "compare.md", said + table)
+    return rows, md
 
-    def name(r: Path, by: Sequence[str]) -> str:
-        return ",".join(f"{k}={overrides[r].get(k, '')}" for k in by) or ("all seeds" if SEED in varying else r.name)
 
-    if SEED in varying:
-        grouped, group_values = variants(rows, values, variant_keys)
-        if by_lr:
-            mark_best_lr(grouped, group_values, [k for k in variant_keys if k != LR])
-        head = [*variant_keys, *by_lr, "n", "seeds", "status", "n_params", *routed, "ffn_params"]
-        md += "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
-            grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep_dir / "compare_variants",
-            md_cols=[*head, *FIGURES], md_cell=_mean_sd)
-        sizes = size_keys(variant_keys)
-        if len(grouped) > 1 and len(variant_keys) > len(sizes):
-            _, sig = significance(rows, [k for k in variant_keys if k not in sizes], sweep_dir / "compare_significance",
-                                  baseline, within=sizes)
-            md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
-    logged = {r: read_metrics(r / METRICS) for r in runs if (r / METRICS).exists()}
+# --- the sections every sweep may have (lmlab.analysis.sections); the ladder registers its own (lmlab.analysis.ladder) ---
+
+@section(10)
+def seeds(sweep: Sweep) -> str:
+    """With the seed varying: one row per variant (mean ± sd over seeds), and each variant paired against the
+    baseline over shared seeds."""
+    if SEED not in sweep.varying:
+        return ""
+    keys = sweep.variant_keys
+    grouped, group_values = variants(sweep.rows, sweep.values, keys)
+    if sweep.by_lr:
+        mark_best_lr(grouped, group_values, [k for k in keys if k != LR])
+    head = [*keys, *sweep.by_lr, "n", "seeds", "status", "n_params", *sweep.routed, "ffn_params"]
+    md = "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
+        grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep.dir / "compare_variants",
+        md_cols=[*head, *FIGURES], md_cell=_mean_sd)
+    sizes = size_keys(keys)
+    if len(grouped) > 1 and len(keys) > len(sizes):
+        _, sig = significance(sweep.rows, [k for k in keys if k not in sizes], sweep.dir / "compare_significance",
+                              sweep.baseline, within=sizes)
+        md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
+    return md
+
+
+@section(20)
+def curves(sweep: Sweep) -> str:
+    """The training and validation loss and the gradient norm over steps (a variant's seeds as their mean ± sd), and
+    a note for each plot or column the runs' validations could not fill."""
     series: dict[str, list] = {}
-    for r, metrics in logged.items():  # the seeds of a variant share its name: plotted as their mean with a ± sd band
-        series.setdefault(name(r, variant_keys), []).append(metrics)
-    plots = sweep_dir / "plots"
+    for r, metrics in sweep.logged.items():  # the seeds of a variant share its name
+        series.setdefault(sweep.name(r, sweep.variant_keys), []).append(metrics)
+    plots = sweep.dir / "plots"
     drawn = {metric: plot_curves(series, metric, plots / png, log=metric == names.GRAD_NORM, title=title)
              for (metric, png), title in zip(CURVES.items(), ("training loss", "validation loss",
                                                                 "global gradient norm (before clipping)"))}
-    notes = gaps(drawn, [validations(s, logged.get(r, {})) for r, s in summaries.items()], target)
-    if notes:  # above the tables, printed and in compare.md
-        said = "".join(f"Note: {n}\n" for n in notes) + "\n"
-        md = said + md
-        atomic_write(sweep_dir / "compare.md", said + table)
-    routed = [r for r, s in summaries.items() if names.MOE in side(s, logged.get(r))["figures"]]
-    if routed:  # an MoE's expert load by layer and step, one panel per run
-        plot_expert_load({name(r, varying): logged[r] for r in routed if r in logged}, plots / "expert_load.png")
-    profiles = {name(r, varying): s["grad_norm_at_init"] for r, s in summaries.items() if s.get("grad_norm_at_init")}
+    sweep.notes += gaps(drawn, [validations(s, sweep.logged.get(r, {})) for r, s in sweep.summaries.items()],
+                        sweep.target)
+    return ""
+
+
+@section(30)
+def expert_load(sweep: Sweep) -> str:
+    """An MoE's expert load by layer and step, one panel per run whose summary says it routes (its side channel's
+    `moe` figures)."""
+    routed = [r for r, s in sweep.summaries.items() if names.MOE in side(s, sweep.logged.get(r))["figures"]]
+    if routed:
+        plot_expert_load({sweep.name(r, sweep.varying): sweep.logged[r] for r in routed if r in sweep.logged},
+                         sweep.dir / "plots" / "expert_load.png")
+    return ""
+
+
+@section(40)
+def init_profiles(sweep: Sweep) -> str:
+    """The gradient norm per layer at init, and the blocks' Jacobian norms at their first and last measurement
+    (jacobian.every_n_steps)."""
+    plots = sweep.dir / "plots"
+    profiles = {sweep.name(r, sweep.varying): s["grad_norm_at_init"] for r, s in sweep.summaries.items()
+                if s.get("grad_norm_at_init")}
     if profiles:
         plot_init_profile(profiles, plots / "grad_norm_at_init.png")
     for at, stem, when in (("first", "jacobian_norms", "at its first measurement (step 0: init)"),
-                           ("last", "jacobian_norms_end", "at its last measurement")):  # jacobian.every_n_steps
-        jac = {name(r, varying): p for r, m in logged.items() if (p := layer_profile(m, names.JAC_NORM, at))}
+                           ("last", "jacobian_norms_end", "at its last measurement")):
+        jac = {sweep.name(r, sweep.varying): p for r, m in sweep.logged.items()
+               if (p := layer_profile(m, names.JAC_NORM, at))}
         if jac:
             plot_init_profile(jac, plots / f"{stem}.png", ylabel="‖∂x_l+1/∂x_l‖ / √n (RMS gain)",
                               title=f"Block Jacobian per layer, {when}")
-    md += ladder_section(rows, [compute_spent(s, row["flops_per_token"]) for s, row in zip(summaries.values(), rows)],
-                         variant_keys, sweep_dir, baseline,
-                         n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in zip(summaries.values(), rows)])
-    for task in dict.fromkeys(TASKS.values()):  # a task's own section (data=position_probe: compare_probe)
-        md += task.compare_section(sweep_dir, runs, overrides, variant_keys)
-    return rows, md
+    return ""
+
+
+@section(70)
+def tasks(sweep: Sweep) -> str:
+    """A task's own tables and plots (data=position_probe: its accuracy per position)."""
+    return "".join(task.compare_section(sweep.dir, sweep.runs, sweep.overrides, sweep.variant_keys)
+                   for task in dict.fromkeys(TASKS.values()))

@@ -23,6 +23,7 @@ from typing import Any
 
 from lmlab.analysis.compare_stats import pick_baseline, variant_name
 from lmlab.analysis.fits import compute_multiplier, crossover, fit_chinchilla, fit_power_law
+from lmlab.analysis.sections import Sweep, section
 from lmlab.record.plots import plot_loss_vs_compute
 from lmlab.record.tables import fmt, write_table
 
@@ -133,3 +134,12 @@ def ladder_section(rows: Sequence[dict[str, Any]], computes: Sequence[float | No
     md = (f"\nScaling fits L(C) = E + A·C^(−α) per variant (C: training FLOPs; multipliers: the compute each needs "
           f"for the baseline {base}'s loss, as a multiple of the baseline's)\n\n" + md)
     return md + (nd_section(rows, n_and_d, keys, sweep_dir) if n_and_d is not None else "")
+
+
+@section(60)
+def ladder(sweep: Sweep) -> str:
+    """Runs that differ by model size or budget: the scaling fits (lmlab.analysis.ladder)."""
+    pairs = list(zip(sweep.summaries.values(), sweep.rows))
+    return ladder_section(sweep.rows, [compute_spent(s, row["flops_per_token"]) for s, row in pairs],
+                          sweep.variant_keys, sweep.dir, sweep.baseline,
+                          n_and_d=[(row["n_matmul"], s.get("tokens")) for s, row in pairs])
