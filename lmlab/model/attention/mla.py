@@ -38,7 +38,10 @@ class MLA(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  kv_lora_rank: PositiveInt | None = None, q_lora_rank: PositiveInt | None = None,
                  qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
-                 v_head_dim: PositiveInt | None = None) -> None:
+                 v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None) -> None:
+        if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
+            raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
+                             f"{qk_norm_eps} does not apply; leave it null")
         if qk_norm:
             raise ValueError("attention=mla normalises its latents (RMSNorm on c_kv and c_q): attention.qk_norm=true "
                              "does not apply; use qk_norm=false")

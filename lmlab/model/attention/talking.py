@@ -34,9 +34,12 @@ class TalkingHeads(MHA):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None,
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None) -> None:
-        """MHA's keys but `sinks` (a sink column has no place in the mix of the heads' weights)."""
+        """MHA's keys; `sinks` refused (a sink column has no place in the mix of the heads' weights)."""
+        if sinks:
+            raise ValueError("attention=talking_heads mixes the heads' weights, where a sink logit per head has no "
+                             "place: attention.sinks=true does not apply; use sinks=false")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
                          qk_norm_eps=qk_norm_eps)
