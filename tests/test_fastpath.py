@@ -310,8 +310,9 @@ def test_bench_optimizer_state_bytes(optim: str) -> None:
     from lmlab.bench.timing import Contestant
     from lmlab.run.lit import configure_optimization
 
-    conf = Path(__file__).resolve().parents[1] / "lmlab" / "conf"
-    spec = OmegaConf.to_container(OmegaConf.load(conf / "optim" / f"{optim}.yaml"))
+    from lmlab import compose
+
+    spec = OmegaConf.to_container(compose([f"optim={optim}"]).optim)  # its YAML and the loop's keys (conf/optim_base)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
     params = [p for p in model.parameters() if p.requires_grad]

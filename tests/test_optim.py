@@ -12,6 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lmlab import compose
+
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.model.norm import NORMS
@@ -27,7 +29,8 @@ def _model(**kw) -> GPT:
 
 
 def _yaml(group: str, name: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"), resolve=True)
+    """The group's option as a run composes it (its YAML and the group's shared keys, conf/optim_base)."""
+    return OmegaConf.to_container(compose([f"{group}={name}"])[group], resolve=True)
 
 
 # ---- weight-decay groups ------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from lmlab import compose
+
 from lmlab.config import GPTConfig
 from lmlab.model.activation import ACTIVATIONS
 from lmlab.model.attention import ATTENTIONS
@@ -41,7 +43,8 @@ YAMLS = [(group, path) for group in sorted(GROUPS) for path in sorted((CONF / gr
 
 
 def _load(path: Path) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    """The option of `path` (conf/<group>/<option>.yaml) as a run composes it, the group's shared keys included."""
+    return OmegaConf.to_container(compose([f"{path.parent.name}={path.stem}"])[path.parent.name], resolve=True)
 
 
 def _option_spec(group: str, spec: dict) -> dict:
