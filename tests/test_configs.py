@@ -14,7 +14,7 @@ from lmlab.run.training import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search, recipe: _global_ files (own tests)
                 if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe", "speedrun_step",
-                                                 "data_base", "attention_base", "optim_base"))  # *_base: shared keys
+                                                 "data_base", "attention_base", "optim_base", "model_base"))  # *_base: shared
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from lmlab import CONF_DIR
+from lmlab import CONF_DIR, compose
 from lmlab.config import GPTConfig
 from lmlab.model.gau import GAU
 from lmlab.model.gpt import GPT
@@ -98,7 +98,7 @@ def test_monitor_groups_by_sublayer_name() -> None:
 
 
 def _params(model: str, block: str) -> int:
-    sizes = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"))
+    sizes = OmegaConf.to_container(compose([f"model={model}"]).model)  # its YAML and conf/model_base
     spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "block" / f"{block}.yaml"))
     with torch.device("meta"):
         return GPT(GPTConfig(**{**sizes, "vocab_size": 65}, block=spec)).num_params()
