@@ -16,10 +16,10 @@ from lmlab.model.resolve import resolve
 from lmlab.registry import build
 
 B, T, C, NH = 2, 7, 32, 4
-# The options that share key/value heads and weigh them with one softmax map: the formulas below are theirs.
-# attention=diff (two maps per head pair) is checked against its paper's equations in tests/test_window.py, MLA
-# (keys and values from a latent) against DeepSeek-V2's in tests/test_mla.py.
-SHARING = sorted(a for a in ATTENTIONS if a not in ("diff", "mla"))
+# The options that share key/value heads and weigh them with one map of scaled dot products: the formulas below are
+# theirs. The others say so (`scaled_dot_product = False`) and are checked against their own papers' equations:
+# attention=diff in tests/test_window.py, MLA (keys and values from a latent) in tests/test_mla.py, each other in its own.
+SHARING = sorted(a for a, option in ATTENTIONS.items() if option.scaled_dot_product)
 HS = C // NH
 TOL = dict(rtol=1e-5, atol=1e-6)
 

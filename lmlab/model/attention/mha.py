@@ -64,6 +64,9 @@ class MHA(nn.Module):
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
     mixes_tokens = True  # called as (x, pos, cache) by the block
+    # Its weights are one map of the scaled dot products q·k/√d of the fused q, k, v projection (what
+    # tests/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
+    scaled_dot_product = True
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
