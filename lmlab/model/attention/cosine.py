@@ -1,0 +1,87 @@
+"""attention=cosine: scaled cosine attention (Liu et al., 2022, Swin Transformer V2; the QK-norm of Henry et al., 2020).
+The logits are a learned temperature times the cosine of the query and the key, not their scaled dot product:
+
+    logit_h(i, j) = τ_h · q_i·k_j / (‖q_i‖ ‖k_j‖)        τ_h = exp(s_h), s_h learned per head, τ ≤ 100
+
+so a logit is bounded by τ whatever the activations' size: a large q or k cannot saturate the softmax (Swin V2's reason,
+at depth and scale) and the attention entropy cannot collapse by the logits growing. τ starts at `tau_init` (Swin V2:
+10) and is clamped at 100 as Swin V2 clamps it. RoPE rotates q and k before the cosine (a rotation keeps norms), ALiBi's
+bias adds to τ·cos, and the masks, windows, documents, softcap, sinks, gate and KV cache are MHA's. The score is the
+softmax; `temperature` and `logn_scaling`, a fixed scale on the logits, are the learned τ's job here and are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.model.attention.mha import MHA, Geometry
+from lmlab.model.attention.score import attend, explicit_weights
+from lmlab.registry import PositiveFloat
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
+    from lmlab.model.position import Position
+
+MAX_TAU = 100.0  # Swin V2's clamp of the learned logit scale
+
+
+class CosineAttention(MHA):
+    """MHA whose logits are τ_h·cos(q, k) (`lmlab.model.attention.cosine`)."""
+
+    scaled_dot_product = False  # its own formula: τ·cos (tests/test_cosine_attention.py)
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
+                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
+                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
+                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
+                 qk_norm_eps: PositiveFloat | None = None, tau_init: PositiveFloat = 10.0) -> None:
+        if score != "softmax":
+            raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
+                             f"not apply; use score=softmax")
+        for key, value, default in (("logn_scaling", logn_scaling, False), ("temperature", temperature, 1.0)):
+            if value != default:
+                raise ValueError(f"attention=cosine learns its logits' scale (τ, from attention.tau_init): "
+                                 f"attention.{key}={value} does not apply; leave it at {default}")
+        if tau_init > MAX_TAU:
+            raise ValueError(f"attention.tau_init={tau_init} is above τ's clamp of {MAX_TAU:g} (Swin V2's)")
+        super().__init__(cfg, layer, score=score, qk_norm=qk_norm, window=window, pattern=pattern, softcap=softcap,
+                         doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps)
+        self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
+
+    @classmethod
+    def geometry(cls, cfg: GPTConfig, **params: Any) -> Geometry:
+        mha = MHA.geometry(cfg, **params)
+        return dataclasses.replace(mha, n_params=mha.n_params + cfg.n_head)
+
+    @property
+    def tau(self) -> torch.Tensor:
+        """τ_h per head, clamped at MAX_TAU."""
+        return self.log_tau.clamp(max=math.log(MAX_TAU)).exp()
+
+    def cosine(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit queries times τ_h and unit keys: their dot products are the logits (q (B, h, T, d), k (B, hkv, S, d))."""
+        return F.normalize(q, dim=-1) * self.tau.to(q.dtype)[:, None, None], F.normalize(k, dim=-1)
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
+            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        q, k = self.cosine(q, k)
+        return attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0, self.window,
+                      self.softcap, docs, self.sink)
+
+    def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
+        q, k = self.cosine(q, k)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        weights, logits = explicit_weights(q, k, self.score, 1.0, pos, 0, self.window, self.softcap,
+                                           (doc, doc) if self.doc_mask else None, self.sink)
+        return weights, logits.amax(dim=(-2, -1))
+
+
+OPTIONS = {"cosine": CosineAttention}
