@@ -95,6 +95,8 @@ CASES |= {
                         "attention": {"name": "gqa", "gate": "elementwise", "window": 4}},
     "headwise_gate": {"attention": {"name": "mha", "gate": "headwise"}},
     "rope+nope_layers": {"position": {"name": "rope", "nope_layers": [1]}, "attention": {"name": "mha", "window": 6}},
+    "rope_pairs+yarn+partial": {"position": {"name": "rope", "layout": "pairs", "rotary_pct": 0.5}, "train_len": 8,
+                                "rope_scaling": {"name": "yarn"}},
     "diff+rope": {"position": {"name": "rope"}, "attention": {"name": "diff"}},
     "diff+window+softcap": {"position": {"name": "rope"}, "attention": {"name": "diff", "window": 5, "softcap": 3.0}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},

@@ -61,6 +61,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("placement", cfg.placement["name"], fam, f"placement={placement}")
     if cfg.param.get("name", "sp") != "sp":  # µP's attention scale and logit multiplier have no config field
         raise _refuse("param", cfg.param["name"], fam, "param=sp")
+    if cfg.position.get("layout", "half") != "half":  # these families rotate the halves (transformers' rotate_half)
+        raise _refuse("position.layout", cfg.position["layout"], fam, "position.layout=half")
     attn = cfg.attention
     if cfg.attention["name"] not in attentions:
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")

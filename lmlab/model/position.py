@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
@@ -137,9 +137,13 @@ class Learned(Position):
 
 
 class RoPE(Position):
-    """Rotary position embedding (Su et al., 2021), half-split layout as in GPT-NeoX / HF Llama.
+    """Rotary position embedding (Su et al., 2021).
 
     Rotates the first `rotary_pct` of each head's dims by angles t·θ_j, so q·k depends only on the offset;
+    `layout` says which dims rotate together at frequency θ_j: `half` (GPT-NeoX, Llama, transformers' rotate_half:
+    dims j and j + d/2) or `pairs` (the paper's, RoFormer's and GPT-J's: adjacent dims 2j and 2j + 1). The two are the
+    same function up to a fixed permutation of each head's dims, but a checkpoint of one is not a checkpoint of the
+    other;
     `nope_layers` (0-based) are left unrotated: NoPE layers among RoPE ones (iRoPE).
     The frequencies come from the `rope_scaling` option: static ones are computed once, dynamic ones
     (`fn.dynamic = True`) per forward from the current length. cos/sin tables are cached per length.
@@ -151,9 +155,9 @@ class RoPE(Position):
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, theta: PositiveFloat = 10000.0,
                  rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0, per_document: bool = False,
-                 nope_layers: list[int] | None = None) -> None:
+                 nope_layers: list[int] | None = None, layout: Literal["half", "pairs"] = "half") -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
-        self.head_dim, self.theta, self.rotary_pct = head_dim, theta, rotary_pct
+        self.head_dim, self.theta, self.rotary_pct, self.layout = head_dim, theta, rotary_pct, layout
         self.per_document = per_document
         self.nope_layers = frozenset(nope_layers or ())  # layers left unrotated: no positions at all (iRoPE)
         option_params("rope_scaling", ROPE_SCALINGS, scaling)  # an unknown name lists the choices
@@ -188,25 +192,30 @@ class RoPE(Position):
         torch.is_inference_mode_enabled(), which dynamo cannot trace, so every layer's rotation was a graph break."""
         if torch.compiler.is_compiling():
             inv_freq, factor = self.frequencies(T) if self.dynamic else (self.inv_freq, self.attention_factor)
-            return self._build(T, inv_freq, factor, device, dtype)
+            return self._build(T, inv_freq, factor, device, dtype, self.layout)
         mode = (device, dtype, torch.is_inference_mode_enabled())  # inference tensors can't enter autograd
         if self.dynamic:
             key = (T, *mode)
             if key not in self._cache:
                 if len(self._cache) >= 8:  # generation asks for every length in turn
                     self._cache.pop(next(iter(self._cache)))
-                self._cache[key] = self._build(T, *self.frequencies(T), device, dtype)
+                self._cache[key] = self._build(T, *self.frequencies(T), device, dtype, self.layout)
             return self._cache[key]
         tables = self._cache.get(mode)
         if tables is None or tables[0].size(0) < T:
-            tables = self._cache[mode] = self._build(T, self.inv_freq, self.attention_factor, device, dtype)
+            tables = self._cache[mode] = self._build(T, self.inv_freq, self.attention_factor, device, dtype,
+                                                     self.layout)
         return tuple(t[:T] for t in tables)
 
     @staticmethod
-    def _build(T: int, inv_freq: torch.Tensor, factor: float, device: torch.device, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, ...]:
+    def _build(T: int, inv_freq: torch.Tensor, factor: float, device: torch.device, dtype: torch.dtype,
+               layout: str = "half") -> tuple[torch.Tensor, ...]:
         t = torch.arange(T, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))  # (T, d/2)
+        if layout == "pairs":  # dims 2j and 2j + 1 at θ_j; the partner's sign: − on the even dim, + on the odd
+            emb = freqs.repeat_interleave(2, dim=-1)  # (T, d)
+            cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+            return cos, sin, sin * torch.tensor([-1.0, 1.0], device=device, dtype=dtype).repeat(sin.size(-1) // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
         cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
         half = sin.size(-1) // 2
@@ -226,7 +235,8 @@ class RoPE(Position):
             cos, signed_sin = cos[offset:], signed_sin[offset:]  # (T, d): the rows of these tokens' positions
         else:  # (B, 1, T, d): each token's row at its position within its document
             cos, signed_sin = cos[at][:, None], signed_sin[at][:, None]
-        return _rotate(q, cos, signed_sin, self.rot_dim), _rotate(k, cos, signed_sin, self.rot_dim)
+        rotate = _rotate_pairs if self.layout == "pairs" else _rotate
+        return rotate(q, cos, signed_sin, self.rot_dim), rotate(k, cos, signed_sin, self.rot_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int) -> torch.Tensor:
@@ -238,6 +248,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int
     rot, rest = x[..., :d], x[..., d:]
     x1, x2 = rot.chunk(2, dim=-1)
     rotated = torch.addcmul(rot * cos, torch.cat((x2, x1), dim=-1), signed_sin)
+    return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int) -> torch.Tensor:
+    """The adjacent-pairs layout: (x_2j, x_2j+1) ← (x_2j·cos − x_2j+1·sin, x_2j+1·cos + x_2j·sin) on the first d dims,
+    each pair's partner swapped in and the sign in the table (cat-free: a view of the pairs, flipped)."""
+    rot, rest = x[..., :d], x[..., d:]
+    swapped = rot.unflatten(-1, (d // 2, 2)).flip(-1).flatten(-2)
+    rotated = torch.addcmul(rot * cos, swapped, signed_sin)
     return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
