@@ -28,9 +28,10 @@ train: install
 test: dev
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(ARGS)
 
-# everything: units, e2e (runs, processes, sweeps) and slow; what CI runs
+# everything: units, e2e (runs, processes, sweeps) and slow; what CI runs (the 40 slowest tests listed at the end:
+# where the suite's time goes)
 test-all: dev
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" $(ARGS)
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" --durations=40 $(ARGS)
 
 bench: dev
 	$(PYTHON) -m lmlab.bench $(ARGS)
