@@ -18,47 +18,36 @@ from typing import Annotated
 
 import torch
 
+from lmlab.optim.elementwise import Elementwise
 from lmlab.registry import PositiveFloat, Range
 
 Betas3 = Annotated[tuple[float, float, float], Range(ge=0, lt=1)]
 
 
-class Adan(torch.optim.Optimizer):
+class Adan(Elementwise):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float, float] = (0.98, 0.92, 0.99),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201  (torch's Optimizer.step signature)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            b1, b2, b3 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad  # moments in fp32 at least
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    for key in ("m", "v", "n"):
-                        state[key] = torch.zeros_like(g)
-                    state["prev_grad"] = g.clone()
-                state["step"] += 1
-                k = state["step"]
-                diff = g - state["prev_grad"]
-                state["m"].mul_(b1).add_(g, alpha=1 - b1)
-                state["v"].mul_(b2).add_(diff, alpha=1 - b2)
-                ahead = g + b2 * diff  # the look-ahead gradient the second moment is of
-                state["n"].mul_(b3).addcmul_(ahead, ahead, value=1 - b3)
-                state["prev_grad"].copy_(g)
-                denom = (state["n"] / (1 - b3 ** k)).sqrt_().add_(group["eps"])
-                update = (state["m"] / (1 - b1 ** k) + b2 * state["v"] / (1 - b2 ** k)).div_(denom)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-group["lr"])
-        return loss
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        b1, b2, b3 = group["betas"]
+        if not state:
+            state["step"] = 0
+            for key in ("m", "v", "n"):
+                state[key] = torch.zeros_like(g)
+            state["prev_grad"] = g.clone()
+        state["step"] += 1
+        k = state["step"]
+        diff = g - state["prev_grad"]
+        state["m"].mul_(b1).add_(g, alpha=1 - b1)
+        state["v"].mul_(b2).add_(diff, alpha=1 - b2)
+        ahead = g + b2 * diff  # the look-ahead gradient the second moment is of
+        state["n"].mul_(b3).addcmul_(ahead, ahead, value=1 - b3)
+        state["prev_grad"].copy_(g)
+        denom = (state["n"] / (1 - b3 ** k)).sqrt_().add_(group["eps"])
+        update = (state["m"] / (1 - b1 ** k) + b2 * state["v"] / (1 - b2 ** k)).div_(denom)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update.to(p.dtype), alpha=-group["lr"])
 
 
 def adan(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas3 = (0.98, 0.92, 0.99),

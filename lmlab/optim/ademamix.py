@@ -22,6 +22,7 @@ from typing import Annotated
 
 import torch
 
+from lmlab.optim.elementwise import Elementwise
 from lmlab.registry import NonNegativeFloat, NonNegativeInt, PositiveFloat, Range
 
 Betas3 = Annotated[tuple[float, float, float], Range(ge=0, lt=1)]
@@ -36,40 +37,28 @@ def warmed(t: int, alpha: float, beta1: float, beta3: float, warmup: int) -> tup
     return min(t * alpha / warmup, alpha), min(math.exp(ln1 * ln3 / ((1 - frac) * ln3 + frac * ln1)), beta3)
 
 
-class AdEMAMix(torch.optim.Optimizer):
+class AdEMAMix(Elementwise):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
                  alpha: float = 5.0, warmup_steps: int = 0, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), alpha=alpha, warmup_steps=warmup_steps, eps=eps,
                                       weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201  (torch's Optimizer.step signature)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            b1, b2, b3 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad  # moments in fp32 at least
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    for key in ("m1", "m2", "v"):
-                        state[key] = torch.zeros_like(g)
-                state["step"] += 1
-                t = state["step"]
-                alpha, beta3 = warmed(t, group["alpha"], b1, b3, group["warmup_steps"])
-                state["m1"].mul_(b1).add_(g, alpha=1 - b1)
-                state["m2"].mul_(beta3).add_(g, alpha=1 - beta3)
-                state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                update = (state["m1"] / (1 - b1 ** t)).add_(state["m2"], alpha=alpha).div_(denom)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-group["lr"])
-        return loss
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        b1, b2, b3 = group["betas"]
+        if not state:
+            state["step"] = 0
+            for key in ("m1", "m2", "v"):
+                state[key] = torch.zeros_like(g)
+        state["step"] += 1
+        t = state["step"]
+        alpha, beta3 = warmed(t, group["alpha"], b1, b3, group["warmup_steps"])
+        state["m1"].mul_(b1).add_(g, alpha=1 - b1)
+        state["m2"].mul_(beta3).add_(g, alpha=1 - beta3)
+        state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (state["v"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+        update = (state["m1"] / (1 - b1 ** t)).add_(state["m2"], alpha=alpha).div_(denom)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update.to(p.dtype), alpha=-group["lr"])
 
 
 def ademamix(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas3 = (0.9, 0.999, 0.9999),
