@@ -92,3 +92,10 @@ def test_a_summary_says_what_its_run_had_and_an_older_one_is_read_from_its_metri
     assert side(recorded, {"moe/load_cv/layer_00": []}) == recorded["side"]
     assert side({}, {"moe/load_cv/layer_00": [], "train/loss": []})["figures"] == ["moe"]
     assert side({}, {"train/loss": []})["figures"] == []
+
+
+@pytest.mark.parametrize("bad", ["moe", 5, {"figures": "moe"}, {"train": [], "val": [], "figures": None}])
+def test_a_malformed_side_record_is_read_from_the_metrics_instead(bad) -> None:
+    """A hand-edited or hostile summary.json's `side` never breaks `eval.py compare=`: it is read as an older run's."""
+    assert side({"side": bad}, {"moe/load_cv/layer_00": []}) == {"train": [], "val": [], "figures": ["moe"]}
+    assert side({"side": bad}, {})["figures"] == []

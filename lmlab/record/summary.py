@@ -173,7 +173,8 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
 def side(summary: dict[str, Any], metrics: dict[str, Any] | None = None) -> dict[str, list[str]]:
     """What a run's side channel held (RunSummary.side): its own record, or for a summary of an lmlab from before it
     was recorded, the figure groups its metrics.csv has (`metrics`: metric name -> series)."""
-    if summary.get("side") is not None:
-        return summary["side"]
+    recorded = summary.get("side")
+    if isinstance(recorded, dict) and all(isinstance(recorded.get(k), list) for k in ("train", "val", "figures")):
+        return recorded  # (a malformed record, hand-edited or hostile, is read as an older one)
     routed = any(k.startswith(f"{names.MOE}/") for k in metrics or {})  # moe/<figure>/layer_XX
     return {"train": [], "val": [], "figures": [names.MOE] if routed else []}
