@@ -242,15 +242,15 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
-    routed = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
-    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *routed, "ffn_params",
+    active_col = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
+    cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *active_col, "ffn_params",
             "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
             *TARGET_FIGURES, "run",
             *(["problem"] if any(row["problem"] for row in rows) else [])]
     table = write_table(rows, cols, sweep_dir / "compare")
     md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + table
 
-    sweep = Sweep(sweep_dir, runs, summaries, overrides, varying, rows, values, target, baseline, by_lr, routed)
+    sweep = Sweep(sweep_dir, runs, summaries, overrides, varying, rows, values, target, baseline, by_lr, active_col)
     for _, _, fn in SECTIONS:  # each study's or figure's own (lmlab.analysis.sections)
         md += fn(sweep)
     if sweep.notes:  # above the tables, printed and in compare.md
@@ -272,7 +272,7 @@ def seeds(sweep: Sweep) -> str:
     grouped, group_values = variants(sweep.rows, sweep.values, keys)
     if sweep.by_lr:
         mark_best_lr(grouped, group_values, [k for k in keys if k != LR])
-    head = [*keys, *sweep.by_lr, "n", "seeds", "status", "n_params", *sweep.routed, "ffn_params"]
+    head = [*keys, *sweep.by_lr, "n", "seeds", "status", "n_params", *sweep.active_col, "ffn_params"]
     md = "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
         grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep.dir / "compare_variants",
         md_cols=[*head, *FIGURES], md_cell=_mean_sd)

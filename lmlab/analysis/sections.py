@@ -31,7 +31,7 @@ class Sweep:
     target: float | None  # the val loss the *_to_target columns count to
     baseline: str | None  # `baseline=key=value` of the significance tests
     by_lr: list[str]  # ["best_lr"] when optim.lr varies
-    routed: list[str]  # ["n_active_params"] when some run's active weights differ from its total (MoE)
+    active_col: list[str]  # ["n_active_params"] when some run's active weights differ from its total (MoE)
     notes: list[str] = field(default_factory=list)  # printed above the tables and in compare.md
 
     @property
