@@ -242,7 +242,8 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
-    active_col = ["n_active_params"] if any(row["n_active_params"] != row["n_params"] for row in rows) else []  # MoE runs
+    routes = any(row["n_active_params"] != row["n_params"] for row in rows)  # MoE runs: fewer weights per token
+    active_col = ["n_active_params"] if routes else []
     cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *active_col, "ffn_params",
             "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
             *TARGET_FIGURES, "run",
@@ -260,7 +261,7 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
     return rows, md
 
 
-# --- the sections every sweep may have (lmlab.analysis.sections); the ladder registers its own (lmlab.analysis.ladder) ---
+# --- the sections every sweep may have (lmlab.analysis.sections); the ladder registers its own (in ladder.py) ---
 
 @section(10)
 def seeds(sweep: Sweep) -> str:
