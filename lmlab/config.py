@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
 
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
-               "residual", "param", "head")
+               "residual", "param", "head", "mixer")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
@@ -64,6 +64,7 @@ class GPTConfig:
     residual: dict = field(default_factory=lambda: {"standard": {}})  # option name -> its keys (lmlab.model.residual)
     param: dict = field(default_factory=lambda: {"name": "sp"})  # the parametrisation (lmlab.model.param): sp, mup
     head: dict = field(default_factory=lambda: {"name": "next"})  # what is predicted (lmlab.model.head): next, mtp
+    mixer: dict = field(default_factory=lambda: {"name": "attention"})  # each layer's token mixer (lmlab.model.mixer)
     # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
     head_dim: int | None = None  # d_model / n_head
     kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)

@@ -20,6 +20,7 @@ TOKENS_PER_S, MFU, MAX_MEMORY = f"{PERF}tokens_per_s", f"{PERF}mfu", f"{PERF}max
 # Per-layer figures: <prefix>/layer_XX[/<sublayer>]
 PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "act/rms", "act/ratio"
 ATTN_ENTROPY, ATTN_MAX_LOGIT, ATTN_SINK_MASS = "attn/entropy", "attn/max_logit", "attn/sink_mass"
+MIXER = "mixer"  # mixer/<figure>/layer_XX: a recurrent mixer layer's state_norm, gate_mean, ... (lmlab.model.mixer)
 MOE = "moe"  # moe/<figure>/layer_XX: load_max_over_mean, load_cv, router_entropy, dropped, balance_loss, ...
 ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
 JAC_NORM = "jac/norm"  # ‖∂x_{l+1}/∂x_l‖_F / √n per block (lmlab.run.jacobian)

@@ -13,8 +13,8 @@ from lmlab.config import arch_config
 from lmlab.run.training import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir()  # experiment, hparams_search, recipe: _global_ files (own tests)
-                if p.is_dir() and p.name not in ("hydra", "experiment", "hparams_search", "recipe", "speedrun_step",
-                                                 "data_base", "attention_base", "optim_base", "model_base"))  # *_base: shared
+                if p.is_dir() and not p.name.endswith("_base")  # *_base: the keys a group's options share
+                and p.name not in ("hydra", "experiment", "hparams_search", "recipe", "speedrun_step"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))

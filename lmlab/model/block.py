@@ -21,6 +21,7 @@ from torch import nn
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.ffn import FFNS
 from lmlab.model.gau import GAU
+from lmlab.model.mixer import ATTENTION, MIXERS, layer_types
 from lmlab.registry import PositiveFloat, PositiveInt, build, option_params
 
 if TYPE_CHECKING:
@@ -28,7 +29,10 @@ if TYPE_CHECKING:
 
 
 class Transformer:
-    """The transformer layer (Vaswani et al., 2017): attention (the `attention` group), then the FFN (`ffn`)."""
+    """The transformer layer (Vaswani et al., 2017): a token mixer, then the FFN (`ffn`). The mixer of each layer comes
+    from the `mixer` group's pattern (lmlab.model.mixer): softmax attention (the `attention` group, sublayer `attn`)
+    or a recurrent mixer (sublayer `mix`: Gated DeltaNet, Mamba-2, linear attention). The attention geometry is that
+    of the attention layers (what positions, caches and FLOPs of those layers follow); `types` lists each layer's."""
 
     uses = ("attention", "ffn")
 
@@ -39,18 +43,26 @@ class Transformer:
         self.heads, self.head_dim = self.attention.heads, self.attention.head_dim
         self.cache_width = self.attention.cache_width
         self.attn_width = self.attention.attn_width  # MHA: QKᵀ over n_head heads of head_dim, then A·V as wide
+        self.types = layer_types(cfg)
+        self.mixer = None  # the recurrent mixer's geometry, when some layer has one
+        if any(t != ATTENTION for t in self.types):
+            mixer, params = option_params("mixer", MIXERS, cfg.mixer)
+            self.mixer = MIXERS[mixer].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"})
 
-    def n_params(self) -> int:
-        """The attention option's weights (its `geometry`), the FFN's (its option's count)."""
+    def n_params(self, layer: int = 0) -> int:
+        """Layer `layer`'s weights: its mixer's (the attention option's `geometry`, or the recurrent mixer's), the
+        FFN's (its option's count)."""
         cfg = self.cfg
         ffn, params = option_params("ffn", FFNS, cfg.ffn_spec)  # an MoE's count reads its own options
-        return self.attention.n_params + FFNS[ffn].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias, **params)
+        mix = self.attention.n_params if self.types[layer] == ATTENTION else self.mixer.n_params
+        return mix + FFNS[ffn].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias, **params)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
         cfg = self.cfg
-        return {"attn": build("attention", ATTENTIONS, cfg.attention, cfg, layer),
-                "mlp": build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden, activation=cfg.activation,
-                             bias=cfg.bias)}
+        mixer = ({"attn": build("attention", ATTENTIONS, cfg.attention, cfg, layer)} if self.types[layer] == ATTENTION
+                 else {"mix": build("mixer", MIXERS, cfg.mixer, cfg, layer)})
+        return {**mixer, "mlp": build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden,
+                                      activation=cfg.activation, bias=cfg.bias)}
 
 
 class GAUBlock:
@@ -66,12 +78,16 @@ class GAUBlock:
     def __init__(self, cfg: GPTConfig, *, s: PositiveInt = 128, expansion: PositiveFloat = 2.0,
                  score: str = "softmax_plus", qk_init: Literal["ones", "flash"] = "ones") -> None:
         self.cfg, self.s, self.score, self.qk_init = cfg, s, score, qk_init
+        if (mixer := cfg.mixer.get("name", ATTENTION)) != ATTENTION:
+            raise ValueError(f"mixer={mixer} chooses each transformer layer's token mixer; block=gau has one unit per "
+                             f"layer in its place: use block=transformer, or mixer=attention")
+        self.types = [ATTENTION] * cfg.n_layer
         self.e = max(1, round(expansion * cfg.d_model))
         self.heads, self.head_dim = 1, s
         self.cache_width = s + self.e  # one head: keys of size s, values of size e
         self.attn_width = s + self.e  # QKᵀ of key size s, then A·V of width e (= 2·d at FLASH's expansion)
 
-    def n_params(self) -> int:
+    def n_params(self, layer: int = 0) -> int:
         d, e, s = self.cfg.d_model, self.e, self.s
         return d * (2 * e + s) + e * d + 4 * s + self.cfg.bias * (2 * e + s + d)
 

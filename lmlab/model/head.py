@@ -88,7 +88,7 @@ class MTP(nn.Module):
     @classmethod
     def n_params(cls, cfg: GPTConfig, *, depth: int = 1, style: str = "sequential", **_) -> int:
         """Its weights from the sizes alone (the size bounds): a block per depth, and M_k's 2d² when sequential."""
-        per = build("block", BLOCKS, cfg.block, cfg).n_params() + (2 * cfg.d_model ** 2 if style == "sequential" else 0)
+        per = build("block", BLOCKS, cfg.block, cfg).n_params(cfg.n_layer - 1) + (2 * cfg.d_model ** 2 if style == "sequential" else 0)
         return depth * per
 
     @property

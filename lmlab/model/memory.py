@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lmlab.config import GPTConfig
+from lmlab.model.mixer import ATTENTION, layer_types
 from lmlab.model.resolve import n_params_estimate
 
 GiB = 2**30
@@ -88,10 +89,11 @@ def check_generation_fits(cfg: GPTConfig, prompt: int, new_tokens: int, batch: i
     cannot fit, naming the argument to lower. Each cached step after the first reads one position."""
     check_attention_fits(f"the prompt ({prompt} tokens, n={batch})", cfg.position["name"], cfg.attn_heads, prompt,
                          batch, device)
-    length, per_token = prompt + new_tokens, 2 * 4 * cfg.n_layer * batch * cfg.cache_width
+    attn_layers = layer_types(cfg).count(ATTENTION)  # a recurrent mixer's layer holds a fixed state, not a KV cache
+    length, per_token = prompt + new_tokens, 2 * 4 * attn_layers * batch * cfg.cache_width
     if (need := per_token * length) > (free := available_bytes(device)):
         raise ValueError(f"max_new_tokens={new_tokens} (+ a prompt of {prompt} tokens, n={batch}): the KV cache needs "
-                         f"~{need / GiB:.1f} GiB ({cfg.n_layer} layers x {cfg.cache_width} numbers per token); "
+                         f"~{need / GiB:.1f} GiB ({attn_layers} layers x {cfg.cache_width} numbers per token); "
                          f"available memory is ~{free / GiB:.1f} GiB ({device}), room for ~{free // per_token} "
                          f"tokens. Lower max_new_tokens or n")
 

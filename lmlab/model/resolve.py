@@ -13,6 +13,7 @@ size bounds (`lmlab.model.memory`).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from lmlab.config import DERIVED, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
@@ -20,6 +21,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.head import HEADS
+from lmlab.model.mixer import ATTENTION, MIXERS, layer_types
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import RESIDUALS, residual_params, residual_specs
 from lmlab.model.rope_scaling import ROPE_SCALINGS
@@ -41,6 +43,10 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     cfg.position = {**option_defaults(POSITIONS[pos_name]), **cfg.position}
     cfg.residual = {name: {**option_defaults(RESIDUALS[name]), **params}
                     for name, params in residual_specs(cfg.residual)}
+    mixer_name, _ = option_params("mixer", MIXERS, cfg.mixer)
+    cfg.mixer = {**option_defaults(MIXERS[mixer_name]), **cfg.mixer}
+    if "attention" in uses:
+        _check_attention_layers(cfg)
     derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
@@ -58,6 +64,20 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
         cfg.rope_scaling = {**cfg.rope_scaling, "original_max_len": cfg.train_len}
     assert cfg.resolved, [n for n in DERIVED if getattr(cfg, n) is None]
     return cfg
+
+
+def _check_attention_layers(cfg: GPTConfig) -> None:
+    """A stack without attention layers (mixer=gdn, no `attention` in mixer.pattern) takes no attention keys but
+    doc_mask (which resets the mixers' states at document starts): any other is refused by key, never ignored."""
+    if ATTENTION in layer_types(cfg):
+        return
+    defaults = {**option_defaults(ATTENTIONS["mha"]), "name": "mha", "doc_mask": cfg.attention.get("doc_mask")}
+    if changed := sorted(k for k, v in cfg.attention.items() if defaults.get(k, object()) != v):
+        shown = " ".join(f"attention.{k}={cfg.attention[k]}" if k != "name" else f"attention={cfg.attention[k]}"
+                         for k in changed)
+        raise ValueError(f"{shown}: mixer={cfg.mixer['name']} has no attention layer for it (mixer.pattern="
+                         f"{cfg.mixer.get('pattern')}); add attention to mixer.pattern (e.g. [{cfg.mixer['name']},"
+                         f"attention]) or leave the attention keys at their defaults")
 
 
 def _kv_heads(cfg: GPTConfig) -> int:
@@ -98,6 +118,7 @@ def n_params_estimate(cfg: GPTConfig) -> int:
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
     head, params = option_params("head", HEADS, cfg.head)
     untied = not cfg.tie_embeddings or cfg.untie_at_step is not None  # model.untie_at_step: a head matrix of its own
-    return (kind.n_params() * cfg.n_layer + cfg.vocab_size * cfg.d_model * (2 if untied else 1)
+    layers = sum(kind.n_params(kind.types.index(t)) * n for t, n in Counter(kind.types).items())  # per layer type
+    return (layers + cfg.vocab_size * cfg.d_model * (2 if untied else 1)
             + residual_params(cfg) + HEADS[head].n_params(cfg, **params)
             + POSITIONS[option_params("position", POSITIONS, cfg.position)[0]].n_params(cfg.d_model, cfg.max_seq_len))

@@ -310,12 +310,26 @@ class StabilityMonitor(Callback):
             metrics.update(self._attention_stats(trainer, pl_module))
         if self._due(step, self.every):
             metrics.update(self._routing_figures(trainer, pl_module))
+            metrics.update(self._mixer_figures(trainer, pl_module))
         if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
             metrics[names.LOSS_VS_UNIGRAM] = float(outputs["loss"]) - self.unigram
         self._recording, self._act, self._attn_in = False, {}, {}
         self._ratios_due, self._ratio = False, {}
         if metrics:
             log_at(trainer, metrics, step)
+
+    @torch.no_grad()
+    def _mixer_figures(self, trainer, pl_module) -> dict[str, float]:
+        """Each recurrent mixer layer's `mixer/<figure>/layer_XX` from this step's forward (its `figures()`: the final
+        state's norm, its gates' means; lmlab.model.mixer), averaged over ranks: what a linear layer has in place of
+        attention weights."""
+        layers = [(i, block.mix) for i, block in enumerate(pl_module.model.h) if hasattr(block, "mix")]
+        keys = [(i, fig, v) for i, m in layers for fig, v in m.figures().items()]
+        if not keys:
+            return {}
+        values = torch.stack([v.float() for *_, v in keys]).to(trainer.strategy.root_device)
+        values = trainer.strategy.reduce(values, reduce_op="mean") if trainer.world_size > 1 else values
+        return {names.per_layer(f"{names.MIXER}/{fig}", i): v for (i, fig, _), v in zip(keys, values.tolist())}
 
     @torch.no_grad()
     def _routing_figures(self, trainer, pl_module) -> dict[str, float]:
@@ -371,20 +385,21 @@ class StabilityMonitor(Callback):
             total = trainer.strategy.reduce(total, reduce_op="sum")
             n = trainer.strategy.reduce(n, reduce_op="sum")
             mx = trainer.strategy.reduce(mx, reduce_op="max")
-        distributions = [distribution(attention_sublayer(block)) for block in model.h]
-        with_sinks = [getattr(attention_sublayer(block), "sink", None) is not None for block in model.h]
+        layers = sorted(self._attn_in)  # the layers with attention weights (a hybrid stack's attention layers)
+        distributions = [distribution(attention_sublayer(model.h[i])) for i in layers]
+        with_sinks = [getattr(attention_sublayer(model.h[i]), "sink", None) is not None for i in layers]
         sink_mass = (sink_total / n.clamp_min(1)).tolist()
         first_rows = torch.tensor(first_counts, device=device)
         if trainer.world_size > 1:
             first_rows = trainer.strategy.reduce(first_rows, reduce_op="sum")
         first_mass = (first_total / first_rows.clamp_min(1)).tolist()
-        for i, (ent, m) in enumerate(zip((total / n.clamp_min(1)).tolist(), mx.tolist())):
-            if distributions[i]:
+        for j, (i, ent, m) in enumerate(zip(layers, (total / n.clamp_min(1)).tolist(), mx.tolist())):
+            if distributions[j]:
                 out[names.per_layer(names.ATTN_ENTROPY, i)] = ent
             out[names.per_layer(names.ATTN_MAX_LOGIT, i)] = m
-            if with_sinks[i]:  # the weight the sink takes: attention to nothing
-                out[names.per_layer(names.ATTN_SINK_MASS, i)] = sink_mass[i]
-            out[names.per_layer(names.ATTN_FIRST_MASS, i)] = first_mass[i]  # the first token as an implicit sink
+            if with_sinks[j]:  # the weight the sink takes: attention to nothing
+                out[names.per_layer(names.ATTN_SINK_MASS, i)] = sink_mass[j]
+            out[names.per_layer(names.ATTN_FIRST_MASS, i)] = first_mass[j]  # the first token as an implicit sink
         return out
 
     def _log_profile(self, trainer) -> None:

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lmlab import names
+from lmlab.model.mixer import MIXERS
+from lmlab.registry import option_params
 
 FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights a token uses, tied head "
                  "once, an MoE's top_k experts of n_experts; "
@@ -43,11 +45,17 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     """Model FLOPs per token of a GPT at `seq_len`, for a train step (forward + backward) and an eval forward
     (FLOPS_FORMULA): the scores QKᵀ and the weighted sum A·V cost 2·T per unit of the block's own `attn_width`
     forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
-    queries read a window of W keys (attention.window) costs W in place of T."""
+    queries read a window of W keys (attention.window) costs W in place of T. A recurrent mixer's layer (mixer=gdn,
+    mamba2, linear: sublayer `mix`) costs its own recurrence's FLOPs per token (its geometry's), whatever the length."""
     cfg = model.cfg
     blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
-    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks]
+    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks
+             if not hasattr(block, "mix")]
     n, attn = matmul_params(model), sum(spans) * cfg.attn_width
+    if mixers := sum(hasattr(block, "mix") for block in blocks):
+        name, params = option_params("mixer", MIXERS, cfg.mixer)
+        per = MIXERS[name].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"}).flops_per_token
+        attn += mixers * per / 2  # the `2 · attn` forward convention below: a mixer's forward FLOPs are `per`
     n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
     return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
 

@@ -14,12 +14,21 @@ import torch
 
 
 class LayerCache:
-    """One layer's keys and values, (B, nkv, length, hs) each; `offset`: where this forward's tokens start."""
+    """One layer's keys and values, (B, nkv, length, hs) each; `offset`: where this forward's tokens start. A
+    recurrent mixer's layer (lmlab.model.mixer) keeps its fixed-size state in `state` instead (its own tensors by
+    name, e.g. the conv window and the recurrent state), and no keys or values."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
         self.offset = 0
+
+    @property
+    def bytes(self) -> int:
+        """What this layer holds now: its keys and values, or its recurrent state."""
+        held = [t for t in (self.k, self.v, *self.state.values()) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat((self.k, k), dim=-2)

@@ -1,0 +1,86 @@
+"""What every token mixer other than softmax attention shares: its geometry record, the document resets of its
+recurrent state, and the short causal convolution the field's linear mixers put before their projections' use
+(Gated DeltaNet, Mamba-2).
+
+A recurrent mixer keeps a fixed-size state per sequence: when generating, `LayerCache.state` holds it (a dict of
+tensors the mixer owns, e.g. `{"conv": ..., "ssm": ...}`) in place of keys and values, so its bytes do not grow with
+the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MixerGeometry:
+    """A mixer layer from its sizes and keys alone (nothing built): what the size bound, the FLOPs and the cache
+    report read."""
+
+    n_params: int  # weights (gains aside: a lower bound within 1%)
+    state_numbers: int  # numbers its generation state holds per sequence (recurrent state + conv window): constant in T
+    flops_per_token: int  # forward FLOPs per token beyond its nn.Linear matmuls (the recurrence, chunked form)
+
+
+def segment_starts(doc: torch.Tensor | None, offset: int, T: int) -> torch.Tensor | None:
+    """(B, T) bool: where a new document starts among these T tokens (the first token of the text counts as no start:
+    there is no state before it). `doc` (B, offset + T): every position's document number, or None."""
+    if doc is None:
+        return None
+    here = doc[:, offset:offset + T]
+    before = doc[:, offset - 1:offset + T - 1] if offset > 0 else torch.cat((here[:, :1], here[:, :-1]), dim=1)
+    return here != before
+
+
+class ShortConv(nn.Module):
+    """A depthwise causal convolution of kernel `size` over the sequence, then SiLU (Mamba's and GDN's conv1d): each
+    channel mixes its last `size` tokens. With a `state` (B, C, size - 1), the tokens before these continue it; the
+    returned state is the last size - 1 inputs. `starts` (B, T): document starts, where the window is cut (tokens of
+    an earlier document read as zeros)."""
+
+    def __init__(self, channels: int, size: int, bias: bool = False, activation: bool = True) -> None:
+        super().__init__()
+        self.size, self.activation = size, activation
+        self.conv = nn.Conv1d(channels, channels, size, groups=channels, bias=bias, padding=0)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, starts: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> (B, T, C) and the new state (B, C, size - 1)."""
+        B, T, C = x.shape
+        xt = x.transpose(1, 2)  # (B, C, T)
+        past = xt.new_zeros(B, C, self.size - 1) if state is None else state.to(xt.dtype)
+        full = torch.cat((past, xt), dim=-1)  # (B, C, size - 1 + T)
+        if starts is not None and starts.any():
+            # token t reads inputs t - size + 1 .. t; those before its document's start are zeros
+            full = _cut_windows(full, starts, self.size)
+            y = (full * self.conv.weight[:, 0].to(full.dtype)[None, :, None, :]).sum(-1)  # (B, C, T)
+            if self.conv.bias is not None:
+                y = y + self.conv.bias[None, :, None]
+        else:
+            y = F.conv1d(full, self.conv.weight, self.conv.bias, groups=C)
+        new_state = full_state(past, xt, self.size)
+        y = y.transpose(1, 2)
+        return (F.silu(y) if self.activation else y), new_state
+
+
+def full_state(past: torch.Tensor, xt: torch.Tensor, size: int) -> torch.Tensor:
+    """The last size - 1 inputs (B, C, size - 1) after these tokens."""
+    return torch.cat((past, xt), dim=-1)[..., -(size - 1):] if size > 1 else past[..., :0]
+
+
+def _cut_windows(full: torch.Tensor, starts: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, C, size - 1 + T) -> (B, C, T, size): token t's window, inputs before its document's start zeroed."""
+    B, C, L = full.shape
+    T = L - (size - 1)
+    windows = full.unfold(-1, size, 1)  # (B, C, T, size): window t = inputs t - size + 1 .. t (in `full`'s frame)
+    # the position (in these T tokens) of the latest start at or before t; -1: none among them
+    idx = torch.arange(T, device=full.device).expand(B, T)
+    last_start = torch.where(starts, idx, torch.full_like(idx, -1)).cummax(dim=1).values  # (B, T)
+    # window slot s of token t reads token t - (size - 1) + s; keep it when that is >= last_start (or no start)
+    src = idx[..., None] - (size - 1) + torch.arange(size, device=full.device)  # (B, T, size)
+    keep = (last_start[..., None] < 0) | (src >= last_start[..., None])
+    return windows * keep[:, None].to(windows.dtype)
