@@ -14,7 +14,7 @@ from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.block import Transformer
 from lmlab.model.gpt import GPT, validate
-from lmlab.model.mixer import ATTENTION, MIXERS, layer_types
+from lmlab.model.mixer import ATTENTION, MIXERS, THE_MIXER, layer_types
 from lmlab.model.mixer.linear import FEATURES, LinearAttention
 from lmlab.model.resolve import n_params_estimate, resolve
 from lmlab.run.perf import flops_per_token
@@ -84,6 +84,9 @@ def test_a_packed_document_reads_as_it_would_alone(name, pattern) -> None:
     alone = masked(b)
     torch.testing.assert_close(masked(packed)[:, -9:], alone, rtol=1e-9, atol=1e-9)
     assert (plain(packed)[:, -9:] - alone).abs().max() > 1e-3  # without the mask the earlier document is read
+    cache = KVCache(len(masked.h))  # a prompt with the start inside it, then a token at a time: the state is cut too
+    steps = [masked(packed[:, :14], cache=cache)] + [masked(packed[:, t:t + 1], cache=cache) for t in range(14, 21)]
+    torch.testing.assert_close(torch.cat(steps, dim=1)[:, -9:], alone, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("name,pattern", STACKS)
@@ -106,7 +109,7 @@ def test_a_recurrent_layer_costs_the_same_flops_per_token_at_any_length(name) ->
 
 
 def test_a_hybrid_stacks_layers_as_its_pattern_says() -> None:
-    model = GPT(_cfg("linear", ["linear", "linear", ATTENTION, "linear"], n_layer=8))
+    model = GPT(_cfg("linear", ["linear", THE_MIXER, ATTENTION, "linear"], n_layer=8))  # `mixer`: mixer.name's
     assert layer_types(model.cfg) == ["linear", "linear", ATTENTION, "linear"] * 2
     assert [i for i, b in enumerate(model.h) if hasattr(b, "attn")] == [2, 6]
     assert all(isinstance(b.mix, LinearAttention) for b in model.h if hasattr(b, "mix"))

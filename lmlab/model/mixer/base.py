@@ -40,7 +40,7 @@ class ShortConv(nn.Module):
     """A depthwise causal convolution of kernel `size` over the sequence, then SiLU (Mamba's and GDN's conv1d): each
     channel mixes its last `size` tokens. With a `state` (B, C, size - 1), the tokens before these continue it; the
     returned state is the last size - 1 inputs. `starts` (B, T): document starts, where the window is cut (tokens of
-    an earlier document read as zeros)."""
+    an earlier document read as zeros, in these tokens' windows and in the state the next ones continue from)."""
 
     def __init__(self, channels: int, size: int, bias: bool = False, activation: bool = True) -> None:
         super().__init__()
@@ -63,6 +63,8 @@ class ShortConv(nn.Module):
         else:
             y = F.conv1d(full, self.conv.weight, self.conv.bias, groups=C)
         new_state = full_state(past, xt, self.size)
+        if starts is not None:
+            new_state = _cut_state(new_state, starts)
         y = y.transpose(1, 2)
         return (F.silu(y) if self.activation else y), new_state
 
@@ -70,6 +72,16 @@ class ShortConv(nn.Module):
 def full_state(past: torch.Tensor, xt: torch.Tensor, size: int) -> torch.Tensor:
     """The last size - 1 inputs (B, C, size - 1) after these tokens."""
     return torch.cat((past, xt), dim=-1)[..., -(size - 1):] if size > 1 else past[..., :0]
+
+
+def _cut_state(state: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """The state (B, C, size - 1), the last size - 1 inputs, with those before the last document start among these T
+    tokens zeroed: the next tokens' windows must not reach into the earlier document either."""
+    T, k1 = starts.size(1), state.size(-1)
+    idx = torch.arange(T, device=starts.device)
+    last = torch.where(starts, idx, torch.full_like(idx, -1)).amax(1, keepdim=True)  # (B, 1); -1: no start
+    slot = T - k1 + torch.arange(k1, device=starts.device)  # the token each slot holds (< 0: one before these)
+    return state * ((last < 0) | (slot >= last))[:, None].to(state.dtype)
 
 
 def _cut_windows(full: torch.Tensor, starts: torch.Tensor, size: int) -> torch.Tensor:
