@@ -227,3 +227,58 @@ def test_resume_takes_the_newest_checkpoint_lightnings_hpc_one_included(corpus, 
     os.utime(hpc, (later, later))
     summary = train(compose(tiny(corpus, cache, "trainer.max_steps=30")), run)
     assert summary["steps"] == 30 and summary["attempts"][-1]["from_step"] == 20
+
+
+_SLOW_FIRST_BATCH = """
+import sys, time
+from lightning.pytorch.callbacks import Callback
+from lmlab import compose
+from lmlab.run.training import train
+
+class SlowFirstBatch(Callback):  # the first batch takes minutes to assemble (a slow disk, a huge first document)
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == int(sys.argv[2]):
+            print("assembling the first batch", flush=True)
+            time.sleep(300)
+
+train(compose(sys.argv[3:]), sys.argv[1], callbacks=[SlowFirstBatch()])
+"""
+
+
+@pytest.mark.parametrize("at", [0, 8], ids=["fresh", "resumed"])
+def test_sigterm_while_the_first_batch_is_assembled_ends_the_run_within_seconds(corpus: Path, tmp_path: Path,
+                                                                                at: int) -> None:
+    """A SIGTERM while an attempt's first batch takes minutes ends the run at once (it waited for the end of that
+    step): `interrupted`, exit code 143, the checkpoint it started from kept; continued, it is the straight run."""
+    args = tiny(corpus, tmp_path / "cache")
+    run = tmp_path / "run"
+    if at:  # an earlier attempt was stopped after 8 steps
+        from tests.runs import CtrlC
+
+        with pytest.raises(SystemExit):
+            train(compose(args), run, callbacks=[CtrlC(at=at)])
+        args = [*args, "resume=true"]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_FIRST_BATCH, str(run), str(at), *args], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # a resume says first what it continues
+            if line.strip() == "assembling the first batch":
+                break
+        else:
+            pytest.fail(proc.stderr.read()[-3000:])
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, err[-3000:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGTERM and summary["steps"] == at
+    straight = tmp_path / "straight"
+    train(compose(tiny(corpus, tmp_path / "cache")), straight)
+    train(compose([*tiny(corpus, tmp_path / "cache")]), run)  # resume=auto: continues (or starts) as it was
+    assert figures(run) == figures(straight)

@@ -11,7 +11,11 @@ process at once, with the signal's exit code: there is nothing to save, and a to
 its finished shards next time. SIGUSR1 in a SLURM job requeues it first, so the job starts again
 (lmlab.run.early_signals
 keeps a signal that comes even earlier, while the entry point imports, and `install()` takes it over here).
-A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
+Between the start of fit and the end of the first step a process of one rank stops at once too (`StopAtOnce`, raised
+by the handler wherever the process is: assembling the first batch, compiling, stepping): no step of this attempt is
+done, so there is no boundary to wait for, and waiting could take minutes; the run records `interrupted` and keeps
+the checkpoint it started from. (With more ranks, the stop waits for the first step's boundary, which every rank
+reaches together.) A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
 checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
@@ -41,6 +45,15 @@ class RunInterrupted(Exception):
         self.signum = signum
 
 
+class StopAtOnce(BaseException):
+    """Raised by the signal handler inside fit before this attempt's first step is done (one rank): not an Exception,
+    so no code on the way out takes it for a failure of its own. Carries the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped at once by signal {signum}")
+        self.signum = signum
+
+
 class StopOnSignal(Callback):
     """Install with `install()` before fit and `restore()` after the last write; read `signum` afterwards.
     `checkpoint`: where the interrupted run's checkpoint goes."""
@@ -51,6 +64,7 @@ class StopOnSignal(Callback):
         self.signum: int = 0  # the signal the run stopped for, the same on every rank
         self.recording = False  # set by record(): training is over, what it did is being written
         self.preparing = True  # until prepared(): before the run starts, a signal stops the process at once
+        self.before_first_step = False  # inside fit, one rank, no step of this attempt done: stop at once
         self._original: dict[int, Any] = {}
 
     @property
@@ -62,6 +76,9 @@ class StopOnSignal(Callback):
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             stop_before_start(signum)
+        if self.before_first_step:
+            self.received = signum
+            raise StopAtOnce(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
@@ -74,7 +91,7 @@ class StopOnSignal(Callback):
     def record(self) -> None:
         """From here on the run is being saved and recorded (checkpoint, metrics, summary): a second Ctrl-C no longer
         stops at once, so it cannot cut the record of the run it already stopped."""
-        self.recording = True
+        self.recording, self.before_first_step = True, False
 
     def _take(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -107,8 +124,13 @@ class StopOnSignal(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._take()  # ours, whatever ran since install() (a caller's own handlers, say)
+        if stage == "fit" and trainer.world_size == 1 and not self.recording:
+            if self.received:  # it came while the run was being set up (loggers, the trainer): stop now
+                raise StopAtOnce(self.received)
+            self.before_first_step = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.before_first_step = False  # a step (or its first micro-batch) is done: from here, at its boundary
         signum = self.received
         if trainer.world_size > 1:  # any rank's signal stops every rank after this same step
             flag = torch.tensor(signum, device=pl_module.device)
@@ -117,6 +139,7 @@ class StopOnSignal(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.signum:
+            self.record()  # the stop is decided: a second Ctrl-C now must not cut the checkpoint's write short
             trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
             raise RunInterrupted(self.signum)
 

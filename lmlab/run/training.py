@@ -81,7 +81,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, requeue_on_slurm
+    from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, StopAtOnce, requeue_on_slurm
     from lmlab.run.lit import LitGPT
     from lmlab.run.monitor import StabilityMonitor
     from lmlab.run.perf import Throughput, flops_per_token
@@ -141,7 +141,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                                plugins=[atomic_checkpoint_io()])
     stop.take_over(trainer)
 
-    start, status, error, at_once = time.time(), "completed", None, False
+    start, status, error, at_once = time.time(), "completed", None, None
     tokens_at_start = lit.tokens_seen
     try:
         trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
@@ -155,9 +155,12 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     except RunInterrupted:  # a signal: the checkpoint is saved at the step boundary
         stop.record()
         status = "interrupted"
+    except StopAtOnce as stopped:  # a signal before this attempt's first step was done: nothing new to save
+        stop.record()
+        status, stop.signum, at_once = "interrupted", stopped.signum, stopped.signum
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C pressed twice (Lightning turns it into SystemExit(1))
         stop.record()
-        status, stop.signum, at_once = "interrupted", int(signal.SIGINT), True
+        status, stop.signum, at_once = "interrupted", int(signal.SIGINT), int(signal.SIGINT)
         trainer.save_checkpoint(run.last)  # at the start of the step it stopped in: resume continues from there
     except Exception as exc:  # recorded, then re-raised: the run dir keeps everything logged so far
         stop.record()
@@ -185,8 +188,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         print(f"interrupted by signal {signum} at step {summary['steps']}: {saved_at}"
               + (f"; {requeued}" if requeued else "")
               + f"\n  to continue: {continue_command(run.path)}  (its own overrides are taken again)")
-    if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for SIGINT (Lightning's was 1)
-        raise SystemExit(EXIT_CODES[int(signal.SIGINT)])
+    if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for the signal (Lightning's was 1)
+        raise SystemExit(EXIT_CODES[at_once])
     return summary
 
 
