@@ -359,3 +359,21 @@ def test_fsdp2_strategy_gathers_in_bf16_under_bf16_mixed_only(tiny_cfg, mesh, pr
     strategy.shard(model, checkpointing=False, compile=False)  # again (trainer.validate after fit): a no-op
     model(torch.randint(0, 50, (2, 16)))
     assert seen == [dtype]
+
+
+@pytest.mark.e2e
+def test_a_hybrid_stack_on_fsdp2_ranks_equals_one_process(runs) -> None:
+    """mixer=gdn with an attention layer in two: each block sharded whatever its mixer, the figures (the recurrent
+    layer's state norm among them) those of one process on the same global batch."""
+    base, args = runs["base"], [*runs["args"], "mixer=gdn", "mixer.pattern=[gdn,attention]", "position=rope"]
+    one, two = base / "hybrid_one", base / "hybrid_two"
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = drive([*args, "data.batch_size=4", *FSDP2], two, base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("train/loss", "grad/norm", "grad/norm/layer_00/mix", "grad/norm/layer_01/attn", "val/loss",
+                 "mixer/state_norm/layer_00", "mixer/gate_mean/layer_00", "attn/entropy/layer_01"):
+        a, b = metric(one, name), metric(two, name)
+        assert a.keys() == b.keys() and a, name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-7), (name, step)

@@ -8,6 +8,10 @@ elif sys.argv[1:2] == ["attention"]:  # python -m lmlab.bench attention ...: mas
     from lmlab.bench.attention import main
 
     main(sys.argv[2:])
+elif sys.argv[1:2] == ["mixer"]:  # python -m lmlab.bench mixer ...: recurrent mixers vs full attention
+    from lmlab.bench.mixer import main
+
+    main(sys.argv[2:])
 elif sys.argv[1:2] == ["train"]:  # python -m lmlab.bench train --name N -- overrides: train.py's perf figures
     from lmlab.bench.train_run import main
 
