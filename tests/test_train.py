@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -339,3 +341,43 @@ def test_a_continued_run_first_says_where_from_which_step_and_what_it_kept(corpu
     assert not [w for w in caught if "Checkpoint directory" in str(w.message)]
     train(compose(tiny(corpus, cache, *own, "trainer.max_steps=50")), run)  # library use: no command to name
     assert capsys.readouterr().out.splitlines()[0] == f"continuing {run} from step 40"
+
+
+class CtrlCTwiceInTheBookkeeping(Callback):
+    """Two real SIGINTs (Ctrl-C pressed twice) after the optimizer step of step `at` - 1, while Lightning logs its row
+    (`log`) or steps the schedule (`schedule`): the windows where a stop at once cut the step's bookkeeping short."""
+
+    def __init__(self, at: int, where: str) -> None:
+        self.at, self.where = at, where
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        owner, name = ((trainer._logger_connector, "update_train_step_metrics") if self.where == "log"
+                       else (trainer.fit_loop.epoch_loop, "update_lr_schedulers"))
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if trainer.global_step == self.at:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("where", ["log", "schedule"])
+def test_ctrl_c_twice_after_the_optimizer_step_stops_at_its_boundary_and_resumes_exactly(corpus, tmp_path,
+                                                                                         where) -> None:
+    """Pressed twice once the step's optimizer step is done, Ctrl-C stops at the step's boundary: the resumed run is
+    the straight one, every row (cut inside the bookkeeping, its rows came a step late or its schedule a step
+    behind)."""
+    cache = tmp_path / "cache"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(compose(tiny(corpus, cache)), straight)
+    summary = train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlCTwiceInTheBookkeeping(17, where)])
+    assert (summary["status"], summary["steps"], summary["signal"]) == ("interrupted", 17, signal.SIGINT)
+    train(compose(tiny(corpus, cache, "resume=true")), resumed)
+    a, b = metric(straight, "train/loss"), metric(resumed, "train/loss")
+    assert sorted(b) == sorted(a) == list(range(30))
+    for step in b:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step

@@ -16,7 +16,9 @@ by the handler wherever the process is: assembling the first batch, compiling, s
 done, so there is no boundary to wait for, and waiting could take minutes; the run records `interrupted` and keeps
 the checkpoint it started from. (With more ranks, the stop waits for the first step's boundary, which every rank
 reaches together.) A second SIGINT (Ctrl-C pressed again) stops at once, while training; once the run is being recorded (its
-checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short.
+checkpoint, metrics and summary) it only confirms the stop, so the record is never cut short. On one rank, a second
+SIGINT after the step's optimizer step stops at that step's boundary instead: the step's bookkeeping (its row, the
+schedule's step, the logging step) is not in the weights, and a checkpoint cut inside it resumed a step out of line.
 
 Lightning registers its own SIGTERM handler (which broadcasts from inside the handler and kills the other ranks)
 and, under SLURM, a SIGUSR1 handler that saves `hpc_ckpt_N.ckpt` and requeues the job. lmlab takes these signals
@@ -65,6 +67,8 @@ class StopOnSignal(Callback):
         self.recording = False  # set by record(): training is over, what it did is being written
         self.preparing = True  # until prepared(): before the run starts, a signal stops the process at once
         self.before_first_step = False  # inside fit, one rank, no step of this attempt done: stop at once
+        self._trainer: Any = None  # set in setup: what the handler asks whether the step's optimizer step is done
+        self._step_at_start = 0  # trainer.global_step when the current batch started
         self._original: dict[int, Any] = {}
 
     @property
@@ -80,8 +84,16 @@ class StopOnSignal(Callback):
             self.received = signum
             raise StopAtOnce(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT and not self.recording:
+            if self._stepped():  # the optimizer step is done: stop when its bookkeeping is, at the boundary
+                self.signum = signum
+                return
             raise KeyboardInterrupt  # pressed twice: stop now
         self.received = signum
+
+    def _stepped(self) -> bool:
+        """Whether this step's optimizer step is done (one rank; with more, every rank must stop at the same point)."""
+        trainer = self._trainer
+        return trainer is not None and trainer.world_size == 1 and trainer.global_step > self._step_at_start
 
     def prepared(self) -> None:
         """The run's plan is made (its data prepared) and the run is about to start: from here on a signal ends the
@@ -124,6 +136,7 @@ class StopOnSignal(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._take()  # ours, whatever ran since install() (a caller's own handlers, say)
+        self._trainer = trainer
         if stage == "fit" and trainer.world_size == 1 and not self.recording:
             if self.received:  # it came while the run was being set up (loggers, the trainer): stop now
                 raise StopAtOnce(self.received)
@@ -138,6 +151,7 @@ class StopOnSignal(Callback):
         self.signum = signum
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_start = trainer.global_step
         if self.signum:
             self.record()  # the stop is decided: a second Ctrl-C now must not cut the checkpoint's write short
             trainer.save_checkpoint(self.checkpoint)  # collective: every rank decided the same after the last step
