@@ -56,9 +56,10 @@ def run_data(run_dir: str | Path, run_cfg: dict[str, Any], seq_len: int):
 
 
     data = OmegaConf.to_container(OmegaConf.create({"data": run_cfg["data"]}), resolve=True)["data"]
-    if not module_class(data.get("name")).evaluable:
+    task = module_class(data.get("name"))
+    if not task.evaluable:
         raise ValueError(f"run={run_dir} trained on data={data['name']}, a task, not text: eval.py measures loss on "
-                         f"a corpus's validation text. The task's own figures are in <run>/probe.json and "
+                         f"a corpus's validation text. The task's own figures are in <run>/{task.figures_file} and "
                          f"summary.json; eval.py compare=<sweep> tabulates and plots them")
     data["tokenizer"] = str(Path(run_dir) / "tokenizer.json")  # the run's own tokenizer
     dm = module_class(data.get("name"))(data, seq_len=seq_len, seed=run_cfg.get("seed", 0))

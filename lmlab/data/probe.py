@@ -137,6 +137,7 @@ class PositionProbeDataModule(pl.LightningDataModule):
         atomic_write(path, self.tokenizer.to_str())
 
     evaluable = False  # eval.py's loss per length is a corpus's figure: the probe's are its own (probe.json)
+    figures_file = PROBE_FILE
 
     def callbacks(self, run_dir: str | Path) -> list[Callback]:
         return [ProbeMetrics(self, Path(run_dir))]

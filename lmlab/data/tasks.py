@@ -1,12 +1,12 @@
 """Which data module a `data` option is, and what the rest of lmlab may ask of one (the task protocol).
 
 A corpus (every `data.name` that is not a task) is read by `TextDataModule`; a synthetic task brings its own data
-module (`data=position_probe`: `lmlab.data.probe`). The training loop, the summary, eval and compare ask every data
+module (`data=position_probe`: `lmlab.data.probe`; `data=mqar`: `lmlab.data.mqar`). The training loop, the summary, eval and compare ask every data
 module the same things, and a corpus answers with nothing:
 
 - `callbacks(run_dir)`: the task's own callbacks (its metrics, its files in the run directory);
 - `figures()`: what `summary.json` records of it;
-- `evaluable`: whether `eval.py run=`'s loss per length applies to its runs;
+- `evaluable`: whether `eval.py run=`'s loss per length applies to its runs (a task's `figures_file`: where its own are);
 - a task only: `compare_section(sweep_dir, runs, overrides, keys)`, its own tables and plots in `eval.py compare=`
   ("" when no run of the sweep is one of its runs); compare asks every task in TASKS.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.data.datamodule import TextDataModule
+from lmlab.data.mqar import NAME as MQAR
+from lmlab.data.mqar import MQARDataModule
 from lmlab.data.probe import NAME as PROBE
 from lmlab.data.probe import PositionProbeDataModule
 from lmlab.data.token_bin import NAME as TOKEN_BIN
@@ -23,7 +25,7 @@ from lmlab.data.token_bin import TokenBinDataModule
 
 # data.name -> its data module; every other name is a corpus that TextDataModule tokenizes (token_bin is a corpus
 # already tokenized: its own module, with no section of its own in compare)
-TASKS = {PROBE: PositionProbeDataModule, TOKEN_BIN: TokenBinDataModule}
+TASKS = {PROBE: PositionProbeDataModule, MQAR: MQARDataModule, TOKEN_BIN: TokenBinDataModule}
 
 
 def module_class(name: str | None) -> type:

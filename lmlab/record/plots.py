@@ -305,3 +305,17 @@ def plot_loss_vs_compute(points: Mapping[str, Sequence[tuple[float, float]]], fi
             ax.fill_between(both, *band, color=dots.get_color(), alpha=0.15, linewidth=0)
     ax.set_xscale("log")
     return _finish(fig, ax, path, "training compute C (FLOPs)", "final val loss", "loss vs compute (fit, 95% band)")
+
+
+def plot_recall(curves: Mapping[str, Sequence[float | None]], path: str | Path, title: str = "") -> Path:
+    """Zoology's MQAR (data=mqar), one line per variant: the recall accuracy by key position (the pair a query's key
+    was in, 0 = the first pair). `curves`: name -> accuracies (a recall.json's by_key_position, or the mean of a
+    variant's seeds); None where no query asked that pair."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, accuracy in curves.items():
+        ax.plot(range(len(accuracy)), [math.nan if a is None else a for a in accuracy], marker="o", markersize=3,
+                linewidth=1, label=name)
+    ax.set_ylim(-0.02, 1.02)
+    return _finish(fig, ax, path, "key position (pair index in the context)", "recall accuracy",
+                   title or "MQAR: accuracy at the queries by key position")
