@@ -4,8 +4,8 @@ pattern over the layers, as the hybrid stacks of 2025–26 have them (Qwen3-Next
 layer, Nemotron-H's Mamba-2 with a few attention layers).
 
 `mixer=<name>` gives every layer that mixer; `mixer.pattern` lists a layer type per layer, cycled over `model.n_layer`
-(its length divides it): each entry the mixer's own name or `attention`, e.g. `mixer=gdn
-mixer.pattern=[gdn,gdn,gdn,attention]`. Attention layers take the whole `attention=` axis (windows, sinks, gates,
+(its length divides it): each entry the mixer's own name (or `mixer`, whichever mixer.name is: a sweep over mixers
+with one pattern) or `attention`, e.g. `mixer=gdn mixer.pattern=[gdn,gdn,gdn,attention]`. Attention layers take the whole `attention=` axis (windows, sinks, gates,
 MLA, ...); the mixer's layers take the mixer's own keys. `mixer=attention` (the default) is the plain transformer.
 
 Contract of a mixer option (one file each, ending in its `OPTIONS`, gathered here): `Mixer(cfg, layer, *, pattern,
@@ -24,6 +24,7 @@ from lmlab.model.mixer.base import MixerGeometry
 from lmlab.registry import gather
 
 ATTENTION = "attention"  # the pattern entry that means a softmax attention layer (the attention axis)
+THE_MIXER = "mixer"  # the pattern entry that means mixer.name's layer, whichever it is
 
 
 class Attention:
@@ -45,11 +46,12 @@ def layer_types(cfg: Any) -> list[str]:
         raise ValueError(f"mixer={name!r} is not an option; choose one of {sorted(MIXERS)}")
     if pattern is None:
         return [name] * cfg.n_layer
-    pattern = list(pattern)
+    pattern = [name if p == THE_MIXER else p for p in pattern]
     accepted = sorted({name, ATTENTION})
     if not pattern or (bad := [p for p in pattern if p not in accepted]):
         raise ValueError(f"mixer.pattern={pattern} has {bad if pattern else 'no entries'}: with mixer={name} each "
-                         f"entry is one of {accepted} (a layer's type; the pattern is cycled over the layers)")
+                         f"entry is one of {accepted} or {THE_MIXER} (a layer's type; the pattern is cycled over the "
+                         f"layers)")
     if cfg.n_layer % len(pattern):
         divisors = [n for n in range(1, cfg.n_layer + 1) if cfg.n_layer % n == 0]
         raise ValueError(f"mixer.pattern has {len(pattern)} entries, which does not divide model.n_layer="
@@ -57,4 +59,4 @@ def layer_types(cfg: Any) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(cfg.n_layer)]
 
 
-__all__ = ["ATTENTION", "MIXERS", "MixerGeometry", "layer_types"]
+__all__ = ["ATTENTION", "MIXERS", "THE_MIXER", "MixerGeometry", "layer_types"]
