@@ -1,6 +1,6 @@
 """Hugging Face `transformers` interop: an lmlab GPT to and from `LlamaForCausalLM` / `GPT2LMHeadModel` (and their
 relatives: Ministral for sliding windows, Gemma 2 for the double placement with softcaps, DeepSeek-V3 for
-attention=mla; and the MoE families built on Llama's layers).
+attention=mla; the MoE families built on Llama's layers; Bamba and Qwen3-Next for the hybrid mixers).
 
 These families are represented exactly, weight for weight:
 - Llama-like: placement=pre, norm=rms, a GLU FFN (swiglu; geglu/reglu/glu map to `hidden_act`), position=rope
@@ -15,6 +15,10 @@ These families are represented exactly, weight for weight:
   MHA, blocks parallel (residual=parallel: its use_parallel_residual) or sequential; zero biases where lmlab has none;
 - Mixtral / Qwen2-MoE / Qwen3-MoE: the Llama-like layers with ffn=moe (lmlab.interop.hf_moe says which routing each
   has; Qwen3-MoE's attention adds q/k norms);
+- Bamba / Qwen3-Next: the hybrids, Llama's layers with a recurrent mixer in some (mixer.pattern: the layer types),
+  partial RoPE: Bamba's Mamba-2 (mixer=mamba2) with Llama's attention; Qwen3-Next's Gated DeltaNet (mixer=gdn) with
+  its gated attention (attention.gate=elementwise, q/k norms) and zero-centred norms, every FFN dense
+  (lmlab.interop.hf_hybrid);
 - GPT-2-like: placement=pre, norm=layer, the MLP FFN (gelu, gelu_tanh, relu, silu), position=learned, MHA. GPT-2's
   layers always have biases: an lmlab model without them is exported with zero biases (the same function).
 head=mtp exports its next-token model (the MTP modules are left out: they train the trunk, and the logits are the
@@ -36,11 +40,14 @@ import torch
 from lmlab import env
 from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family, hf_config, lmlab_config  # noqa: F401  (public here)
+from lmlab.interop.hf_hybrid import HYBRID_TYPES
+from lmlab.interop.hf_hybrid import invert as hybrid_invert
+from lmlab.interop.hf_hybrid import state as hybrid_state
 from lmlab.interop.hf_moe import MOE_TYPES
 from lmlab.interop.hf_moe import invert as moe_invert
 from lmlab.interop.hf_moe import state as moe_state
-from lmlab.model.memory import check_model_fits
 from lmlab.model.gpt import GPT, validate
+from lmlab.model.memory import check_model_fits
 from lmlab.record.rundir import CHECKPOINTS, LAST, RunDir, atomic_write, load_model, load_run
 
 log = logging.getLogger(__name__)
@@ -190,6 +197,8 @@ def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
 
 def _invert(state: dict[str, torch.Tensor], model: GPT, fam: str) -> dict[str, torch.Tensor]:
     """transformers' state dict -> lmlab's, by running the forward mapping on names and inverting each rule."""
+    if fam in HYBRID_TYPES:
+        return hybrid_invert(state, model, fam)
     sd = {}
     if fam == "deepseek_v3":
         sd["wte.weight"] = state["model.embed_tokens.weight"]
@@ -284,9 +293,10 @@ def to_hf(model_or_run_dir: GPT | str | Path) -> Any:
           "deepseek_v3": transformers.DeepseekV3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
           "gpt_neox": transformers.GPTNeoXForCausalLM, "mixtral": transformers.MixtralForCausalLM,
           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+          "bamba": transformers.BambaForCausalLM, "qwen3_next": transformers.Qwen3NextForCausalLM,
           "gpt2": transformers.GPT2LMHeadModel}[fam](config)
-    state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state,
-             "gpt2": _gpt2_state}.get(fam, _llama_state)(model)
+    state = {"deepseek_v3": _deepseek_state, "gemma2": _gemma2_state, "gpt_neox": _neox_state, "gpt2": _gpt2_state,
+             **dict.fromkeys(HYBRID_TYPES, hybrid_state)}.get(fam, _llama_state)(model)
     result = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
     params = {n for n, _ in hf.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -409,7 +419,8 @@ def adopt(cfg: Any, arch: GPTConfig) -> None:
         if arch.position["name"] == "learned":
             cfg.model.max_seq_len = arch.max_seq_len
         cfg.model.train_len = arch.train_len
-        for group in ("block", "norm", "placement", "activation", "ffn", "position", "attention", "init", "residual"):
+        for group in ("block", "norm", "placement", "activation", "ffn", "position", "attention", "init", "residual",
+                      "mixer"):
             cfg[group] = OmegaConf.create(dict(getattr(arch, group)))
         if cfg.rope_scaling.name == "none":
             cfg.rope_scaling = OmegaConf.create(dict(arch.rope_scaling))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.config import GPTConfig
+from lmlab.interop.hf_hybrid import HYBRID_TYPES, check_hybrid, hybrid_family, hybrid_hf_config, lmlab_hybrid
 from lmlab.interop.hf_moe import (
     MOE_TYPES,
     check_deepseek_moe,
@@ -35,8 +36,11 @@ def family(cfg: GPTConfig) -> str:
     say which layers slide), 'deepseek_v3' (Llama-like with attention=mla: DeepSeek-V3's dense or routed layers),
     'mixtral' / 'qwen2_moe' / 'qwen3_moe' (Llama-like with ffn=moe: lmlab.interop.hf_moe), 'gemma2' (the
     double placement with softcaps and local/global layers), 'gpt_neox' (LayerNorm, an MLP and partial RoPE, the
-    blocks parallel or not) or 'gpt2', or NotRepresentable naming the first axis that fits none."""
+    blocks parallel or not), 'gpt2', or 'bamba' / 'qwen3_next' (a recurrent mixer in some layers:
+    lmlab.interop.hf_hybrid), or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
+    if cfg.mixer.get("name", "attention") != "attention":
+        return _check_hybrid(cfg)
     if cfg.attention.get("name") == "mla":
         return _check_deepseek(cfg)
     if cfg.placement["name"] == "double":
@@ -52,11 +56,11 @@ def family(cfg: GPTConfig) -> str:
 
 def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: tuple[str, ...] = ("mha", "gqa", "mqa"),
                   placement: str = "pre", softcaps: bool = False, residual: tuple[str, ...] = (),
-                  qk_norm: bool = False) -> None:
+                  qk_norm: bool = False, mixer: str = "attention", gate: bool = False) -> None:
     if cfg.block.get("name", "transformer") != "transformer":
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
-    if cfg.mixer.get("name", "attention") != "attention":  # every layer softmax attention in these families
-        raise _refuse("mixer", cfg.mixer["name"], fam, "mixer=attention")
+    if cfg.mixer.get("name", "attention") != mixer:  # every layer softmax attention, but in the hybrid families
+        raise _refuse("mixer", cfg.mixer["name"], fam, f"mixer={mixer}")
     if extra := [name for name in cfg.residual if name not in (*residual, "standard")]:
         raise _refuse("residual", extra[0], fam, f"residual={'|'.join(('standard', *residual))}")
     if cfg.placement["name"] != placement:
@@ -76,7 +80,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
-                  ("gate", None), ("sinks", False), *(() if windows else (("window", None), ("pattern", None))))
+                  *(() if gate else (("gate", None),)), ("sinks", False),
+                  *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")
@@ -120,17 +125,30 @@ def _check_rope_scaling(cfg: GPTConfig) -> None:
         raise _refuse("rope_scaling.ramp", cfg.rope_scaling["ramp"], "Llama", "rope_scaling.ramp=index")
 
 
-def _check_llama_layers(cfg: GPTConfig, fam: str, glu: bool = True) -> None:
+def _check_llama_layers(cfg: GPTConfig, fam: str, glu: bool = True, partial_rotary: bool = False) -> None:
     """What Llama-like families share: RMSNorm with a gain, a GLU FFN (`glu`: the MoE families check their experts
-    themselves), RoPE on every layer's whole rotated part."""
+    themselves), RoPE on every layer's whole rotated part (`partial_rotary`: or on its first rotary_pct)."""
     if cfg.norm["name"] != "rms" or not cfg.norm.get("affine", True):
         raise _refuse("norm", cfg.norm["name"], fam, "norm=rms with a gain")
     if glu and _glu_act(cfg) is None:
         raise _refuse("ffn", cfg.ffn["name"], fam, "a GLU FFN with a silu/gelu/gelu_tanh/relu gate")
     if cfg.position.get("nope_layers"):
         raise _refuse("position.nope_layers", cfg.position["nope_layers"], fam, "position.nope_layers=null")
-    if cfg.position.get("rotary_pct", 1.0) != 1.0:
+    if cfg.position.get("rotary_pct", 1.0) != 1.0 and not partial_rotary:
         raise _refuse("position.rotary_pct", cfg.position["rotary_pct"], fam, "rotary_pct=1")
+
+
+def _check_hybrid(cfg: GPTConfig) -> str:
+    """Bamba (mixer=mamba2) or Qwen3-Next (mixer=gdn; its attention's q/k norms and output gate): Llama's layers with
+    the mixer in some, RoPE on the first rotary_pct of each head (lmlab.interop.hf_hybrid checks the rest)."""
+    fam = hybrid_family(cfg)
+    name, qwen = HYBRID_TYPES[fam], fam == "qwen3_next"
+    if cfg.position["name"] != "rope":
+        raise _refuse("position", cfg.position["name"], name, "position=rope")
+    _check_common(cfg, name, mixer=cfg.mixer["name"], qk_norm=qwen, gate=qwen)
+    _check_llama_layers(cfg, name, partial_rotary=True)
+    check_hybrid(cfg, fam, _glu_act(cfg))
+    return fam
 
 
 def _check_deepseek(cfg: GPTConfig) -> str:
@@ -293,7 +311,7 @@ def hf_config(cfg: GPTConfig) -> Any:
             sliding_window=next((w for w in windows if w is not None), cfg.max_seq_len),
             layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
             attention_bias=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if fam in ("llama", "ministral", *MOE_TYPES):
+    if fam in ("llama", "ministral", *MOE_TYPES, *HYBRID_TYPES):
         rope, max_pos = _rope_parameters(cfg)
         common = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
@@ -303,6 +321,8 @@ def hf_config(cfg: GPTConfig) -> Any:
             rope_parameters=rope, attention_dropout=0.0)
         if fam in MOE_TYPES:
             return hf_moe_config(cfg, fam, common)
+        if fam in HYBRID_TYPES:
+            return hybrid_hf_config(cfg, fam, common)
         if fam == "llama":
             return transformers.LlamaConfig(**common, attention_bias=cfg.bias, mlp_bias=cfg.bias)
         windows = layer_windows(cfg)
@@ -323,7 +343,8 @@ def _exact_ffn(hidden: int) -> dict[str, Any]:
 
 
 def lmlab_config(hf: Any) -> GPTConfig:
-    """The GPTConfig of a transformers LlamaConfig, MistralConfig, MinistralConfig or GPT2Config."""
+    """The GPTConfig of a transformers LlamaConfig, MistralConfig, MinistralConfig or GPT2Config (and of the
+    relatives `family` names: lmlab.interop.hf_moe's, lmlab.interop.hf_hybrid's, ...)."""
     kind = hf.model_type
     if kind in ("llama", "mistral", "ministral", *MOE_TYPES):
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -353,6 +374,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
                                           **(_windows_back(hf, kind) if kind not in MOE_TYPES else moe_attention(hf))},
             init={"name": "gpt2"},
         )
+    if kind in HYBRID_TYPES:
+        return lmlab_hybrid(hf, _attention_name(hf.num_attention_heads, hf.num_key_value_heads))
     if kind == "deepseek_v3":
         return _deepseek_back(hf)
     if kind == "gemma2":
@@ -377,8 +400,8 @@ def lmlab_config(hf: Any) -> GPTConfig:
         )
     raise NotRepresentable(f"model_type={kind!r}: lmlab imports Llama-like (Mistral, Ministral, Mixtral, Qwen2-MoE, "
                            f"Qwen3-MoE), "
-                           f"Gemma 2, DeepSeek-V3-like (all layers dense or all routed), GPT-NeoX and GPT-2-like "
-                           f"models")
+                           f"Gemma 2, DeepSeek-V3-like (all layers dense or all routed), GPT-NeoX, GPT-2-like, "
+                           f"Bamba and Qwen3-Next (every layer dense) models")
 
 
 def _neox_back(hf: Any) -> GPTConfig:

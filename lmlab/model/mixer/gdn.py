@@ -55,7 +55,7 @@ class GatedDeltaNet(nn.Module):
                  head_dim: PositiveInt | None = None, v_head_dim: PositiveInt | None = None,
                  conv_size: PositiveInt = 4, chunk_size: PositiveInt = 64, norm_eps: PositiveFloat = 1e-6) -> None:
         super().__init__()
-        self.n_heads, self.n_v_heads, self.head_dim, self.v_head_dim = _sizes(cfg, n_heads, n_v_heads, head_dim,
+        self.n_heads, self.n_v_heads, self.head_dim, self.v_head_dim = head_sizes(cfg, n_heads, n_v_heads, head_dim,
                                                                                v_head_dim)
         self.chunk_size, self.norm_eps = chunk_size, norm_eps
         self.doc_reset = bool(cfg.attention.get("doc_mask"))
@@ -84,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         the decayed keys (c·(dk + dv)), the scores times U (2·c·dv), and three (dk × dv) products with the state
         (U's correction, the read-out, the update: 3 · 2·dk·dv); plus the conv (2·k per channel). Elementwise work
         (norms, gates, decays) left out."""
-        Hk, Hv, dk, dv = _sizes(cfg, n_heads, n_v_heads, head_dim, v_head_dim)
+        Hk, Hv, dk, dv = head_sizes(cfg, n_heads, n_v_heads, head_dim, v_head_dim)
         kd, vd = Hk * dk, Hv * dv
         conv_dim, proj = 2 * kd + vd, 2 * kd + 2 * vd + 2 * Hv
         n = (cfg.d_model * proj + conv_dim * conv_size + 2 * Hv + dv + vd * cfg.d_model
@@ -231,8 +231,8 @@ def hf_state(state: Mapping[str, torch.Tensor], prefix: str = "", *, n_heads: in
     return _convert(state, prefix, n_heads, to_hf=True)
 
 
-def _sizes(cfg: GPTConfig, n_heads: int | None, n_v_heads: int | None, head_dim: int | None,
-           v_head_dim: int | None) -> tuple[int, int, int, int]:
+def head_sizes(cfg: GPTConfig, n_heads: int | None, n_v_heads: int | None, head_dim: int | None,
+               v_head_dim: int | None) -> tuple[int, int, int, int]:
     """(key heads, value heads, key head size, value head size), checked: the key heads divide model.d_model when
     head_dim is derived, the value heads are a multiple of the key heads."""
     Hk = n_heads or cfg.n_head
