@@ -411,3 +411,18 @@ def test_a_full_disk_is_one_line_naming_the_directory(corpus: Path, tmp_path: Pa
     assert last.startswith(f"train.py: no space left on the device of {run / 'checkpoints'} to write "), last
     assert "the previous" in last and "hydra.run.dir=" in last
     assert (run / "metrics.csv").is_file() and not list(run.rglob(".*.tmp"))
+
+
+def test_a_value_from_the_environment_with_a_default_reads_back_where_the_variable_is_unset(corpus: Path,
+                                                                                            tmp_path: Path) -> None:
+    """The default corpus's `data.cache_dir=${oc.env:LMLAB_CACHE,${oc.env:HOME}/.cache/lmlab}` was recorded without its
+    default, so `eval.py run=` failed on every such run where LMLAB_CACHE is unset ("Environment variable
+    'LMLAB_CACHE' not found"): the record keeps the default, still as text."""
+    from lmlab.analysis.evaluate import evaluate
+
+    cache = tmp_path / "cache"
+    run = tmp_path / "run"
+    overrides = tiny(corpus, f"${{oc.env:LMLAB_TEST_UNSET,{cache}}}", "trainer.max_steps=2")
+    summary = train(compose(overrides), run, overrides=overrides)
+    assert summary["config"]["data"]["cache_dir"] == f"${{oc.env:LMLAB_TEST_UNSET,'{cache}'}}"
+    assert evaluate(run, lengths=[32])["rows"][0]["loss"] > 0

@@ -40,12 +40,25 @@ def recorded(cfg: Any) -> dict[str, Any]:
     from omegaconf.basecontainer import BaseContainer
 
     original = BaseContainer._resolvers.get("oc.env")
-    OmegaConf.register_new_resolver("oc.env", lambda key, default=None: "${oc.env:" + str(key) + "}", replace=True)
+    none = object()
+
+    def as_text(key: str, default: Any = none) -> str:  # the default kept: the record resolves where the run did
+        return "${oc.env:" + str(key) + ("}" if default is none else f",{_quoted(default)}}}")
+
+    OmegaConf.register_new_resolver("oc.env", as_text, replace=True)
     try:
         return OmegaConf.to_container(cfg, resolve=True)
     finally:
         if original is not None:
             BaseContainer._resolvers["oc.env"] = original
+
+
+def _quoted(value: Any) -> str:
+    """An interpolation argument for `value` (its own `${oc.env:...}` texts stay interpolations): null, or a quoted
+    string."""
+    if value is None:
+        return "null"
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class RunSummary(TypedDict, total=False):
