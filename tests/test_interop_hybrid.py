@@ -18,6 +18,7 @@ from lmlab.config import GPTConfig  # noqa: E402
 from lmlab.interop.hf import NotRepresentable, family, from_hf, lmlab_config, to_hf  # noqa: E402
 from lmlab.model.gpt import GPT, validate  # noqa: E402
 from lmlab.model.mixer import layer_types  # noqa: E402
+from tests.test_interop_hf import _logits  # noqa: E402  (lmlab's or a transformers model's logits, fp32)
 
 V = 128
 BASE = dict(vocab_size=V, n_layer=4, d_model=64, n_head=4, max_seq_len=32, activation={"name": "silu"},
@@ -81,12 +82,6 @@ def _randomise(model: torch.nn.Module, centred: bool = False, seed: int = 0) -> 
             else:  # large enough that every weight matters, small enough that fp32's rounding stays ~1e-6
                 p.normal_(0, 0.05)
     return model.eval()
-
-
-def _logits(model, idx: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(idx)
-    return (out.logits if hasattr(out, "logits") else out).float()
 
 
 def _tokens(n: int, seed: int = 0) -> torch.Tensor:
