@@ -8,7 +8,7 @@ THIS_LMLAB = $(PYTHON) -c "import os, sys, importlib.util as u; os.chdir('/'); s
 # and these packages are there (found, not imported: a second, not ten)
 HAS = $(PYTHON) -c "import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))"
 RUN_DEPS = torch lightning hydra omegaconf wandb datasets tokenizers matplotlib tensorboardX
-DEV_DEPS = $(RUN_DEPS) pytest transformers hydra_plugins.hydra_submitit_launcher hydra_plugins.hydra_optuna_sweeper \
+DEV_DEPS = $(RUN_DEPS) pytest xdist transformers hydra_plugins.hydra_submitit_launcher hydra_plugins.hydra_optuna_sweeper \
 	lm_eval accelerate tensorboard playwright
 
 .PHONY: install dev train test test-all bench
@@ -24,14 +24,19 @@ dev:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
-# units: no training run, no process started (about a minute)
+# pytest-xdist workers, one test file each at a time (a file's shared fixtures, e.g. its trained runs, are made once);
+# one CPU thread each. `make test WORKERS=0` runs in this process, one test after the other.
+WORKERS ?= auto
+XDIST = $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadfile)
+
+# units: no training run, no process started (about two minutes here, on two workers)
 test: dev
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) $(ARGS)
 
 # everything: units, e2e (runs, processes, sweeps) and slow; what CI runs (the 40 slowest tests listed at the end:
 # where the suite's time goes)
 test-all: dev
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "" --durations=40 $(ARGS)
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) -m "" --durations=40 $(ARGS)
 
 bench: dev
 	$(PYTHON) -m lmlab.bench $(ARGS)

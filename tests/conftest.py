@@ -10,7 +10,7 @@ from pathlib import Path
 # torch.compile's on-disk cache is not keyed on ATEN_CPU_CAPABILITY: kernels compiled under AVX-512 and reused under
 # avx2 (or the other way) gave NaN losses and a segfault here. One cache per capability: a folder of the user's cache
 # when they chose one, else beside torch's default. A cache this file chose for an outer test session (inherited by
-# the `make test` that tests/test_setup.py runs under avx2) is keyed on that session's capability: chosen again.
+# the `make test` that tests/e2e/project/test_setup.py runs under avx2) is keyed on that session's capability: chosen again.
 _DEFAULT_CACHE = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 _OURS = "lmlab-tests-"
 _chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _DEFAULT_CACHE

@@ -1,4 +1,4 @@
-"""The `slurm` fixture and helpers for the tests on a real SLURM scheduler (tests/test_slurm*.py).
+"""The `slurm` fixture and helpers for the tests on a real SLURM scheduler (tests/e2e/slurm/).
 
 The tests do not start a cluster: `.ci/run` does (`bash scripts/local_slurm.sh start`, a one-node cluster on the
 test machine) and stops it afterwards; where no controller answers `scontrol ping` they are skipped, saying so.

@@ -8,7 +8,7 @@ Layout, under `<cache_dir>/shards/<key>/` (the key hashes the corpus fingerprint
     shard-00000.json          written last: the shard is complete (a resumed preparation skips it)
     index.json                written last of all: the shards, in order, with their token counts
 
-Invariants (tests/test_shards.py checks each):
+Invariants (tests/unit/data/test_shards.py checks each):
 - The token stream is the documents' tokens in corpus order, each document followed by the end-of-document
   id when `eod` is set. Documents are cut into shards by characters read, never by process, so 1 and N
   processes, and a preparation resumed after a kill, write byte-identical shards.

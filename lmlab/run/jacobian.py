@@ -6,7 +6,7 @@ path). lmlab measures ‖J_l‖ per block as its RMS gain, ‖J_l‖_F / √n ov
 stream, estimated by vector-Jacobian products with Gaussian probes: E‖Jᵀu‖² = ‖J‖_F² for u ~ N(0, I) (the same
 Frobenius norm as the JVPs' E‖Jv‖², and one backward works through every op of the model, fused autograd Functions
 included, where forward-mode torch.func.jvp does not), so √(mean over probes of ‖Jᵀu‖² / n) is unbiased in the
-square (tests/test_jacobian.py checks it against autograd's full Jacobian). One forward of the block, then a backward
+square (tests/unit/run/test_jacobian.py checks it against autograd's full Jacobian). One forward of the block, then a backward
 per probe.
 
 Logged as `jac/norm/layer_XX` every `jacobian.every_n_steps` steps (0: off, the default) on the first sequence of the

@@ -3,7 +3,7 @@ the data pipeline or the training numbers fails a test (torchtitan's tests/asset
 
     python -m tests.golden.regenerate        # rewrite tests/golden/*.json on purpose (say why in the commit)
 
-`tests/test_golden.py` computes the same figures with the same functions and compares them with the files.
+`tests/unit/project/test_golden.py` computes the same figures with the same functions and compares them with the files.
 """
 
 from __future__ import annotations

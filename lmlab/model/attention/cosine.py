@@ -34,7 +34,7 @@ MAX_TAU = 100.0  # Swin V2's clamp of the learned logit scale
 class CosineAttention(MHA):
     """MHA whose logits are τ_h·cos(q, k) (`lmlab.model.attention.cosine`)."""
 
-    scaled_dot_product = False  # its own formula: τ·cos (tests/test_cosine_attention.py)
+    scaled_dot_product = False  # its own formula: τ·cos (tests/unit/model/attention/test_cosine_attention.py)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,

@@ -28,7 +28,7 @@ class DiffAttention(MHA):
     of size d learned per layer (init N(0, 0.1)), λ_init = 0.8 − 0.6·exp(−0.3·(l − 1)) at layer l = 1 .. L. Softmax
     scores only; windows, documents and softcaps apply to both maps."""
 
-    scaled_dot_product = False  # its own formula: two maps per head pair (tests/test_window.py)
+    scaled_dot_product = False  # its own formula: two maps per head pair (tests/unit/model/attention/test_window.py)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,

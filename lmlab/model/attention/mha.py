@@ -65,7 +65,7 @@ class MHA(nn.Module):
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
     mixes_tokens = True  # called as (x, pos, cache) by the block
     # Its weights are one map of the scaled dot products q·k/√d of the fused q, k, v projection (what
-    # tests/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
+    # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
     scaled_dot_product = True
 
     @staticmethod

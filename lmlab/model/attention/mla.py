@@ -32,7 +32,7 @@ class MLA(MHA):
     are up-projected at every step (no weight absorption): the cache is small, the compute MHA's. qk_norm does not
     apply (the latents are normalised)."""
 
-    scaled_dot_product = False  # its own formula: keys and values from a latent (tests/test_mla.py)
+    scaled_dot_product = False  # its own formula: keys and values from a latent (tests/unit/model/attention/test_mla.py)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,

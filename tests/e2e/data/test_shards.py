@@ -1,0 +1,68 @@
+"""Token shards (lmlab/data/shards.py): the stream is the documents' tokens in order, whatever the number of
+processes, shards or interruptions; the end-of-document token is where documents end; a second job waits for
+the first; a prepared corpus is never read again."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+from tests.unit.data.test_shards import dm_for
+
+
+def test_the_data_benchmark_reports_speed_memory_and_the_targets(tmp_path: Path) -> None:
+    from lmlab.bench.data import main, parse_size, tree_rss
+
+    assert parse_size("1GB") == 10**9 and parse_size("100MB") == 10**8 and parse_size("300KB") == 300_000
+    import os
+
+    assert tree_rss(os.getpid()) > 10**7  # this process holds torch: tens of MB at least
+    out = main(["--size", "300KB", "--num-proc", "1", "2", "--work", str(tmp_path), "--no-first-step"])
+    one, two = out["rows"]
+    corpus = sorted((tmp_path / "corpus-300000").glob("*.txt"))
+    assert sum(f.stat().st_size for f in corpus) >= 300_000 and one["tokens"] == two["tokens"] > 290_000
+    assert one["peak_rss_gb"] > 0.01 and one["mb_per_s"] > 0 and two["num_proc"] == 2
+    assert "speedup_2_procs_0mb" in out["targets"]
+
+
+def test_a_signal_during_data_preparation_stops_at_once_and_the_next_run_goes_on(tmp_path: Path) -> None:
+    """SIGTERM while a new corpus is being tokenized: train.py exits 143 promptly (the flag that a training step
+    reads came too late: scancel waited for SLURM's SIGKILL), no index is written, and the next run finishes the
+    preparation from the shards already done, to the same shards as an uninterrupted one."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.runs import ROOT, tiny
+
+    rng = random.Random(0)
+    docs = tmp_path / "big"
+    docs.mkdir()
+    line = " ".join(rng.choice(["the", "king", "queen", "lord", "night"]) for _ in range(12)) + ".\n"
+    for i in range(120):  # 120 files of ~600 kB: several seconds of tokenizing in 2 processes
+        (docs / f"doc{i:03d}.txt").write_text(line * 9000)
+    args = [*tiny(docs, tmp_path / "cache", "trainer.max_steps=1"), "data.num_proc=2", "data.shard_size=2000000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cache").glob("shards/*/shard-*.json")):  # a shard is done: preparation is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - sent < 10, err[-3000:]
+    (shard_dir,) = (tmp_path / "cache" / "shards").iterdir()
+    assert not (shard_dir / "index.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
+    done = {p.name for p in shard_dir.glob("shard-*.json")}
+    assert done and len(done) < 20
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not list(shard_dir.glob(".shard-*.tmp"))
+    resumed = {p.name: p.read_bytes() for p in sorted(shard_dir.glob("shard-*"))}
+    clean = dm_for(tmp_path, docs, cache="clean", seq_len=32, shard_size=2000000, num_proc=2)
+    assert {p.name: p.read_bytes() for p in sorted(clean.shard_dir.glob("shard-*"))} == resumed

@@ -1,0 +1,29 @@
+"""optim=muon: which tensors Muon takes (by rule, on every block kind), one step against torch.optim.Muon and
+torch.optim.AdamW, the Newton–Schulz iteration by hand, the learning-rate scale conventions, the momentum warm-up,
+and the one-object state_dict a checkpoint and a resume use; an MoE's stacked expert matrices orthogonalised one
+expert at a time (a batched Newton–Schulz) against a per-expert loop of torch's Muon."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("name", ["muon", "schedulefree"])
+def test_ddp_two_cpu_ranks_follow_one_process(name: str, corpus, tmp_path) -> None:
+    """2 CPU ranks (gloo) with 4 sequences each take the steps of one process with the 8 of the same global batch:
+    the same train and val losses to float rounding (the all-reduced gradient's summation order; Muon's bf16
+    Newton–Schulz amplifies it a little)."""
+    from tests.runs import ROOT, cli, metric, tiny
+
+    args = [a for a in tiny(corpus, tmp_path / "cache", f"optim={name}", "trainer.max_steps=20")
+            if not a.startswith("data.batch")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
+              "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for key in ("train/loss", "val/loss"):
+        a, b = metric(one, key), metric(two, key)
+        assert a.keys() == b.keys() and len(a) >= 2
+        assert list(b.values()) == pytest.approx(list(a.values()), rel=2e-3), key
