@@ -36,6 +36,17 @@ def segment_starts(doc: torch.Tensor | None, offset: int, T: int) -> torch.Tenso
     return here != before
 
 
+def recurrent_inputs(x: torch.Tensor, cache: object | None, doc: torch.Tensor | None, doc_reset: bool
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.dtype]:
+    """What a recurrent mixer's forward starts from, for `x` (B, T, d): the state it continues (the cache's
+    `LayerCache.state`, filled in place; a fresh dict without a cache), where documents start among these T tokens
+    (None without document ids or with `doc_reset` off) and its recurrence's dtype (float32, float64 for float64 `x`:
+    bf16 autocast leaves the state in float32)."""
+    offset, state = (0, {}) if cache is None else (cache.offset, cache.state)
+    starts = segment_starts(doc, offset, x.size(1)) if doc_reset else None
+    return state, starts, torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class ShortConv(nn.Module):
     """A depthwise causal convolution of kernel `size` over the sequence, then SiLU (Mamba's and GDN's conv1d): each
     channel mixes its last `size` tokens. With a `state` (B, C, size - 1), the tokens before these continue it; the

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, segment_starts
+from lmlab.model.mixer.base import MixerGeometry, ShortConv, recurrent_inputs
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -98,13 +98,10 @@ class GatedDeltaNet(nn.Module):
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         Hk, Hv, dk, dv = self.n_heads, self.n_v_heads, self.head_dim, self.v_head_dim
-        offset = 0 if cache is None else cache.offset
-        state = {} if cache is None else cache.state
-        starts = segment_starts(doc, offset, T) if self.doc_reset else None
+        state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
         qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, Hv * dv), dim=-1)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         qkv, conv_state = self.conv(qkv, state.get("conv"), starts)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.autocast(x.device.type, enabled=False):
             q, k, v = qkv.to(dtype).split((Hk * dk, Hk * dk, Hv * dv), dim=-1)
             q, k = (l2norm(t.unflatten(-1, (Hk, dk))).repeat_interleave(Hv // Hk, dim=2).transpose(1, 2)
@@ -116,8 +113,7 @@ class GatedDeltaNet(nn.Module):
             o = o.transpose(1, 2)  # (B, T, Hv, dv): the gated RMSNorm per head
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(dtype)
             o = (o * F.silu(z.to(dtype).unflatten(-1, (Hv, dv)))).flatten(2)
-        if cache is not None:
-            cache.state.update(conv=conv_state, ssm=S)
+        state.update(conv=conv_state, ssm=S)
         self._figures = {"state_norm": S.detach().flatten(2).norm(dim=-1).mean(),
                          "gate_mean": torch.exp(g.detach()).mean(), "beta_mean": beta.detach().mean()}
         return self.out_proj(o.to(x.dtype))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, segment_starts
+from lmlab.model.mixer.base import MixerGeometry, recurrent_inputs
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -64,18 +64,14 @@ class LinearAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        offset = 0 if cache is None else cache.offset
+        state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for t in self.c_attn(x).split(self.c_attn.fused, dim=-1))  # (B, h, T, d)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         q, k, v = self.feature(q.to(dtype)), self.feature(k.to(dtype)), v.to(dtype)
-        state = None if cache is None else cache.state
         S = state["S"] if state else q.new_zeros(B, self.n_heads, self.head_dim, self.head_dim)
         z = state["z"] if state else q.new_zeros(B, self.n_heads, self.head_dim)
-        starts = segment_starts(doc, offset, T) if self.doc_reset else None
         y, S, z = chunked(q, k, v, S, z, self.chunk_size, starts, self.normalize, self.eps)
-        if cache is not None:
-            cache.state.update(S=S, z=z)
+        state.update(S=S, z=z)
         self._state_norm = S.detach().flatten(2).norm(dim=-1).mean()
         return self.c_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 

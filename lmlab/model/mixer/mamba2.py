@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, segment_starts
+from lmlab.model.mixer.base import MixerGeometry, ShortConv, recurrent_inputs
 from lmlab.registry import PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
@@ -95,12 +95,9 @@ class Mamba2(nn.Module):
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, P, N, G = self.n_heads, self.head_dim, self.d_state, self.n_groups
-        offset = 0 if cache is None else cache.offset
-        state = {} if cache is None else cache.state
-        starts = segment_starts(doc, offset, T) if self.doc_reset else None
+        state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
         xBC, conv_state = self.conv(xBC, state.get("conv"), starts)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.autocast(x.device.type, enabled=False):
             xs, Bm, Cm = xBC.to(dtype).split((self.d_inner, G * N, G * N), dim=-1)
             xs = xs.reshape(B, T, H, P)
@@ -110,8 +107,7 @@ class Mamba2(nn.Module):
             y, ssm = ssd(xs, dt, A, Bm, Cm, self.chunk_size, state.get("ssm"), starts)
             y = (y + self.D.to(dtype)[:, None] * xs).reshape(B, T, self.d_inner)
             y = self.gated_norm(y, z.to(dtype))
-        if cache is not None:
-            cache.state.update(conv=conv_state, ssm=ssm)
+        state.update(conv=conv_state, ssm=ssm)
         self._figures = {"state_norm": ssm.detach().flatten(2).norm(dim=-1).mean(),
                          "gate_mean": torch.exp(dt.detach() * A.detach()).mean(), "dt_mean": dt.detach().mean()}
         return self.out_proj(y.to(x.dtype))

@@ -9,13 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.runs import ROOT
 
 # --- eval.py: the arguments are checked before any run is loaded ---
 
-@pytest.mark.parametrize(("args", "message"), [
+BAD_EVAL_ARGS = [
     (["lengths=[0]"], "lengths=[0] must be"),
     (["lengths=[-5]"], "lengths=[-5] must be"),
     (["lengths=[abc]"], "lengths=['abc'] must be"),
@@ -25,15 +23,39 @@ from tests.runs import ROOT
     (["dynamic_step=-1"], "dynamic_step=-1 must be an integer >= 1 or null"),
     (["threads=0"], "threads=0 must be an integer >= 1 or null"),
     (["threads=abc"], "threads='abc' must be an integer >= 1 or null"),
-])
-def test_eval_cli_refuses_bad_arguments_before_loading_the_run(args: list[str], message: str, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "eval.py", f"run={tmp_path / 'no_such_run'}", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out
-    assert message in out, out
-    assert "last.ckpt" not in out and "no such run directory" not in out, out  # the argument error came first
+]
+
+# eval.py's own entry (`run`, what `python eval.py` calls) once per argument list, in one process (one start-up for
+# all of them, ~10 s each): each list's exit status and what it printed, as JSON
+_EVAL_EACH = """
+import contextlib, io, json, sys
+from lmlab.commands.eval import run
+results = []
+for args in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            run("python eval.py", args)
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    results.append([code, out.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_eval_cli_refuses_bad_arguments_before_loading_the_run(tmp_path: Path) -> None:
+    """Each bad argument: a non-zero exit naming the argument and what it accepts, before the run is looked for."""
+    import json
+
+    lists = [[f"run={tmp_path / 'no_such_run'}", *args] for args, _ in BAD_EVAL_ARGS]
+    proc = subprocess.run([sys.executable, "-c", _EVAL_EACH, json.dumps(lists)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    wrong = [(args, code, out) for (args, message), (code, out) in zip(BAD_EVAL_ARGS, results, strict=True)
+             if code in (0, None) or message not in out or "last.ckpt" in out or "no such run directory" in out]
+    assert wrong == [], wrong  # each refused, naming its argument, and the argument error came first
 
 
 def test_a_refusal_is_one_line_and_exit_code_2_without_a_traceback(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ def _tiny_gpt(tiny_cfg, **overrides):
     return GPT(validate(tiny_cfg(**overrides)))
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+# compiled: ~25 s of compiling, the `slow` tier (make test-all)
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_shard_model_composes_checkpointing_and_compile_per_block(tiny_cfg, mesh, compile: bool) -> None:
     """fully_shard per block over checkpointing (and compile) applied to each block's forward: the loss and every
     gradient of the unsharded model, each block's forward run twice (the recompute), one all-gather per block."""
