@@ -35,9 +35,10 @@ run's seed: the same in every run, so accuracies of different runs are measured 
 
 The metric (`recall_metrics`): accuracy of the argmax over the whole vocabulary at the query positions (Zoology's
 accuracy), overall, by query index (the j-th query of its sequence) and by key position (the pair its key was in).
-`RecallMetrics` measures it at every validation (not the sanity check) on the validation examples, logs
-`recall/accuracy` and writes <run>/recall.json; summary.json gets `recall_accuracy`, `recall_chance_accuracy` (1 /
-the number of values: a guess over the value vocabulary), `recall_n_pairs` and `recall_step`.
+`MQARDataModule.measure` measures it at every validation (not the sanity check) on the validation examples; as for
+every synthetic task (lmlab.data.synthetic) it is logged (`recall/accuracy`) and written to <run>/recall.json;
+summary.json gets `recall_accuracy`, `recall_chance_accuracy` (1 / the number of values: a guess over the value
+vocabulary), `recall_n_pairs` and `recall_step`.
 """
 
 from __future__ import annotations
@@ -52,14 +53,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from lmlab.data.datamodule import StepSampler
+from lmlab.data.synthetic import SyntheticTask, check_split, variants
 from lmlab.record.tables import write_table
 from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values
 
@@ -213,17 +213,16 @@ def predictions(model: Any, inputs: torch.Tensor, batch_size: int) -> torch.Tens
                       for i in range(0, inputs.size(0), batch_size)])
 
 
-class MQARDataModule(pl.LightningDataModule):
+class MQARDataModule(SyntheticTask):
     """MQAR with the surface the training loop reads from a data module (lmlab.run.training): vocab_size, train/val
     dataloaders, unigram_entropy, save_tokenizer, tokenizer_kind/_sha256, state_dict; plus `callbacks` (the recall
     metrics) and `figures` (summary.json's). `data` is the composed `data` group, `seq_len` `model.max_seq_len`."""
 
     tokenizer_kind = NAME
-    evaluable = False  # eval.py's loss per length is a corpus's figure: MQAR's are its own (recall.json)
     figures_file = RECALL_FILE
+    logged = {"recall/accuracy": "accuracy"}
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
-        super().__init__()
         spec = {**_DEFAULTS, **{k: v for k, v in dict(data).items() if k != "name"}}
         if unknown := sorted(set(spec) - set(_TYPES)):
             raise ValueError(f"data={NAME} does not take {['data.' + k for k in unknown]}; it takes "
@@ -232,31 +231,13 @@ class MQARDataModule(pl.LightningDataModule):
         n_queries = spec["n_queries"] if spec["n_queries"] is not None else spec["n_pairs"]
         self.task = MQARTask(seq_len=int(seq_len), n_pairs=spec["n_pairs"], n_queries=n_queries,
                              vocab_size=spec["vocab_size"], power_a=float(spec["power_a"])).check()
-        self.batch_size, self.val_windows_n = spec["batch_size"], spec["val_windows"]
-        self.num_workers = spec["num_workers"]
+        super().__init__(vocab_size=self.task.vocab_size, unk="0", batch_size=spec["batch_size"])
+        self.val_windows_n, self.num_workers = spec["val_windows"], spec["num_workers"]
         self.seq_len, self.seed = int(seq_len), int(seed)
-        self.vocab_size = self.task.vocab_size
-        self.tokenizer = self._tokenizer()
-        self.tokenizer_sha256 = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
         # what a resume checks it draws again (lmlab.run.plan.check_same_data), before the run directory is touched
         recipe = "data.n_pairs, data.n_queries, data.vocab_size, data.power_a, model.max_seq_len"
         self.shards = {f"data={NAME} ({recipe})": {"sha256": self.task.fingerprint()}}
         self.train_dataset = MQARExamples(self.task, self.seed)
-        self.last: dict[str, Any] | None = None  # the latest measurement (RecallMetrics)
-
-    def _tokenizer(self):
-        """Words "0" .. "V−1" (whitespace-separated) -> ids 0 .. V − 1: eval/generate read and write the task."""
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        tok = Tokenizer(models.WordLevel({str(i): i for i in range(self.vocab_size)}, unk_token="0"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return tok
-
-    def prepare_data(self) -> None:  # nothing to fetch
-        pass
-
-    def setup(self, stage: str | None = None) -> None:
-        pass
 
     @functools.cached_property
     def _val(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,23 +260,20 @@ class MQARDataModule(pl.LightningDataModule):
         return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*self.val_inputs()), batch_size=self.batch_size, shuffle=False)
-
     def unigram_entropy(self, split: str = "val") -> float:
         """The targets are values, each uniform over the value vocabulary: ln(n_values), the loss of a model that
         knows which tokens are values and nothing of the pairs."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split={split!r}; choose 'train' or 'val'")
+        check_split(split)
         return math.log(self.task.n_values)
 
-    def save_tokenizer(self, path: str | Path) -> None:
-        from lmlab.record.rundir import atomic_write
-
-        atomic_write(path, self.tokenizer.to_str())
-
-    def callbacks(self, run_dir: str | Path) -> list[Callback]:
-        return [RecallMetrics(self, Path(run_dir))]
+    def measure(self, trainer, pl_module) -> dict[str, Any]:
+        """The recall accuracy of the model on the validation examples, overall and by key position (recall.json)."""
+        x, y = self.val_inputs()
+        task = self.task
+        return {"step": int(trainer.global_step), "seq_len": task.seq_len, "n_pairs": task.n_pairs,
+                "n_queries": task.n_queries, "vocab_size": task.vocab_size, "power_a": task.power_a,
+                "chance_accuracy": task.chance_accuracy,
+                **recall_metrics(predictions(pl_module, x, self.batch_size), x, y, task.n_pairs)}
 
     def figures(self) -> dict[str, Any]:
         """What summary.json records of MQAR: the latest accuracy (None before any validation)."""
@@ -309,19 +287,14 @@ class MQARDataModule(pl.LightningDataModule):
         """For the runs that hold a recall.json (data=mqar): compare_recall.{md,csv}, one row per variant (its seeds
         averaged) with the recall accuracy at the last validation, and plots/mqar_recall.png, the accuracy by key
         position per variant. "" when no run has one."""
-        groups: dict[tuple, list[dict[str, Any]]] = {}
-        for r in runs:
-            if (recall := read_recall(r)) is not None:
-                groups.setdefault(tuple(overrides[r].get(k, "") for k in keys), []).append(recall)
-        if not groups:
+        if not (groups := variants(runs, overrides, keys, RECALL_FILE)):
             return ""
         from lmlab.record.plots import plot_recall  # matplotlib: imported when there is something to draw
 
         rows, curves = [], {}
-        for key, recalls in groups.items():
-            label = ",".join(f"{k}={v}" for k, v in zip(keys, key)) or "run"
+        for label, (values, recalls) in groups.items():
             first = recalls[0]
-            rows.append({**dict(zip(keys, key)), "n": len(recalls), "step": first["step"],
+            rows.append({**values, "n": len(recalls), "step": first["step"],
                          "n_pairs": first["n_pairs"], "n_queries": first["n_queries"],
                          "accuracy": statistics.fmean(r["accuracy"] for r in recalls),
                          "chance_accuracy": first["chance_accuracy"]})
@@ -345,34 +318,3 @@ class MQARDataModule(pl.LightningDataModule):
 def _mean(values: Sequence[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.fmean(known) if known else None
-
-
-class RecallMetrics(Callback):
-    """At every validation (not the sanity check): the recall accuracy of the model on MQAR's validation examples,
-    logged (`recall/accuracy`) and written to <run>/recall.json (rank 0)."""
-
-    def __init__(self, data: MQARDataModule, run_dir: Path) -> None:
-        self.data, self.path = data, run_dir / RECALL_FILE
-
-    @torch.no_grad()
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        x, y = self.data.val_inputs()
-        task = self.data.task
-        result = {"step": int(trainer.global_step), "seq_len": task.seq_len, "n_pairs": task.n_pairs,
-                  "n_queries": task.n_queries, "vocab_size": task.vocab_size, "power_a": task.power_a,
-                  "chance_accuracy": task.chance_accuracy,
-                  **recall_metrics(predictions(pl_module, x, self.data.batch_size), x, y, task.n_pairs)}
-        self.data.last = result
-        pl_module.log("recall/accuracy", torch.tensor(result["accuracy"]))
-        if trainer.is_global_zero:
-            from lmlab.record.rundir import atomic_write
-
-            atomic_write(self.path, json.dumps(result, indent=1))
-
-
-def read_recall(run_dir: str | Path) -> dict[str, Any] | None:
-    """A run's recall.json, or None if it has none."""
-    path = Path(run_dir) / RECALL_FILE
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -15,25 +15,22 @@ weights vary with distance (rope, alibi). relu2 without positions is position-bl
 divisor n = i + 1: i + 1 equal weights relu²(c)/(i + 1) sum to relu²(c) at every i.
 
 The metrics (`position_metrics`, per position and their means) are measured at every validation on the fixed
-validation windows by `ProbeMetrics`, logged as `probe/accuracy` and `probe/error` and written to `probe.json` in
-the run directory; their means go into summary.json (`probe_accuracy`, `probe_error`).
+validation windows (`measure`; lmlab.data.synthetic logs them as `probe/accuracy` and `probe/error` and writes them
+to `probe.json` in the run directory); their means go into summary.json (`probe_accuracy`, `probe_error`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset
 
+from lmlab.data.synthetic import SyntheticTask, check_split, variants
 from lmlab.record.tables import write_table
 
 NAME = "position_probe"
@@ -73,16 +70,17 @@ class _Repeat(IterableDataset):
             yield self.pair
 
 
-class PositionProbeDataModule(pl.LightningDataModule):
+class PositionProbeDataModule(SyntheticTask):
     """The probe with the surface the training loop reads from a data module (lmlab.run.training): vocab_size,
     train/val dataloaders, unigram_entropy, save_tokenizer, tokenizer_kind/_sha256, state_dict; plus `callbacks`
     (the metrics) and `figures` (their means for summary.json). `data` is the composed `data` group, `seq_len`
     `model.max_seq_len`."""
 
     tokenizer_kind = NAME
+    figures_file = PROBE_FILE
+    logged = {"probe/accuracy": "mean_accuracy", "probe/error": "mean_error"}
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
-        super().__init__()
         spec = {"batch_size": 1, "val_windows": 1, "num_workers": 0, **dict(data)}
         if unknown := sorted(set(spec) - _KEYS):
             raise ValueError(f"data={NAME} does not take {unknown}; it takes {sorted(_KEYS - {'name'})}")
@@ -92,27 +90,10 @@ class PositionProbeDataModule(pl.LightningDataModule):
         if int(seq_len) < 2:
             raise ValueError(f"model.max_seq_len={seq_len} must be at least 2 for data={NAME} (one position is "
                              f"always right)")
-        self.batch_size, self.val_windows_n = spec["batch_size"], spec["val_windows"]
-        self.num_workers = int(spec["num_workers"])
+        # the words "0" .. "n": the input token 0 and the positions 1 .. seq_len
+        super().__init__(vocab_size=int(seq_len) + 1, unk=str(INPUT_TOKEN), batch_size=spec["batch_size"])
+        self.val_windows_n, self.num_workers = spec["val_windows"], int(spec["num_workers"])
         self.seq_len, self.seed = int(seq_len), int(seed)
-        self.vocab_size = self.seq_len + 1  # the input token 0 and the positions 1 .. seq_len
-        self.tokenizer = self._tokenizer()
-        self.tokenizer_sha256 = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
-        self.last: dict[str, Any] | None = None  # the latest measurement (ProbeMetrics)
-
-    def _tokenizer(self):
-        """Words "0" .. "n" (whitespace-separated) -> ids 0 .. n, so eval/generate can read and write the task."""
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        tok = Tokenizer(models.WordLevel({str(i): i for i in range(self.vocab_size)}, unk_token=str(INPUT_TOKEN)))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return tok
-
-    def prepare_data(self) -> None:  # nothing to fetch
-        pass
-
-    def setup(self, stage: str | None = None) -> None:
-        pass
 
     def val_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed validation windows, (val_windows, seq_len) each: the same in every run and every call."""
@@ -122,25 +103,17 @@ class PositionProbeDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Repeat(probe_pair(self.seq_len)), batch_size=self.batch_size, num_workers=0)
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*self.val_inputs()), batch_size=self.batch_size, shuffle=False)
-
     def unigram_entropy(self, split: str = "val") -> float:
         """The targets are the positions 1 .. n once each: ln n, the loss of the best position-blind model."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split={split!r}; choose 'train' or 'val'")
+        check_split(split)
         return math.log(self.seq_len)
 
-    def save_tokenizer(self, path: str | Path) -> None:
-        from lmlab.record.rundir import atomic_write
-
-        atomic_write(path, self.tokenizer.to_str())
-
-    evaluable = False  # eval.py's loss per length is a corpus's figure: the probe's are its own (probe.json)
-    figures_file = PROBE_FILE
-
-    def callbacks(self, run_dir: str | Path) -> list[Callback]:
-        return [ProbeMetrics(self, Path(run_dir))]
+    def measure(self, trainer, pl_module) -> dict[str, Any]:
+        """The per-position metrics of the model on the validation windows (probe.json)."""
+        x, y = self.val_inputs()
+        logits = pl_module(x.to(pl_module.device)).cpu()
+        return {"step": int(trainer.global_step), "seq_len": self.seq_len, "chance_accuracy": 1.0 / self.seq_len,
+                **position_metrics(logits, y)}
 
     def figures(self) -> dict[str, Any]:
         """What summary.json records of the probe: the latest means (None before any validation)."""
@@ -155,19 +128,14 @@ class PositionProbeDataModule(pl.LightningDataModule):
         """For the runs that hold a probe.json (data=position_probe): compare_probe.{md,csv}, one row per variant (its
         seeds averaged) with the mean accuracy, error |argmax − position| and p(true position) over positions, and
         plots/position_probe.png, accuracy and error at each position per variant. "" when no run has one."""
-        if not any((r / "probe.json").is_file() for r in runs):
+        if not (groups := variants(runs, overrides, keys, PROBE_FILE)):
             return ""
         from lmlab.record.plots import plot_probe  # matplotlib: imported when there is something to draw
 
-        groups: dict[tuple, list[dict[str, Any]]] = {}
-        for r in runs:
-            if (probe := read_probe(r)) is not None:
-                groups.setdefault(tuple(overrides[r].get(k, "") for k in keys), []).append(probe)
         rows, curves = [], {}
-        for key, probes in groups.items():
-            label = ",".join(f"{k}={v}" for k, v in zip(keys, key)) or "run"
+        for label, (values, probes) in groups.items():
             means = {f: statistics.fmean(p[f"mean_{f}"] for p in probes) for f in ("accuracy", "error", "p_true")}
-            rows.append({**dict(zip(keys, key)), "n": len(probes), "step": probes[0]["step"], **means,
+            rows.append({**values, "n": len(probes), "step": probes[0]["step"], **means,
                          "chance_accuracy": probes[0]["chance_accuracy"]})
             per_position = {f: [statistics.fmean(v) for v in zip(*(p[f] for p in probes))]
                             for f in ("accuracy", "error")}
@@ -184,33 +152,3 @@ class PositionProbeDataModule(pl.LightningDataModule):
         if state and state.get("seq_len") != self.seq_len:
             raise ValueError(f"the checkpoint's probe has model.max_seq_len={state.get('seq_len')}, the config "
                              f"{self.seq_len}; resume with the run's config")
-
-
-class ProbeMetrics(Callback):
-    """At every validation (not the sanity check): the per-position metrics of the model on the probe's validation
-    windows, logged (`probe/accuracy`, `probe/error`) and written to <run>/probe.json (rank 0)."""
-
-    def __init__(self, data: PositionProbeDataModule, run_dir: Path) -> None:
-        self.data, self.path = data, run_dir / PROBE_FILE
-
-    @torch.no_grad()
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        x, y = self.data.val_inputs()
-        logits = pl_module(x.to(pl_module.device)).cpu()
-        result = {"step": int(trainer.global_step), "seq_len": self.data.seq_len,
-                  "chance_accuracy": 1.0 / self.data.seq_len, **position_metrics(logits, y)}
-        self.data.last = result
-        pl_module.log("probe/accuracy", torch.tensor(result["mean_accuracy"]))
-        pl_module.log("probe/error", torch.tensor(result["mean_error"]))
-        if trainer.is_global_zero:
-            from lmlab.record.rundir import atomic_write
-
-            atomic_write(self.path, json.dumps(result, indent=1))
-
-
-def read_probe(run_dir: str | Path) -> dict[str, Any] | None:
-    """A run's probe.json, or None if it has none."""
-    path = Path(run_dir) / PROBE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,8 +1,9 @@
 """Which data module a `data` option is, and what the rest of lmlab may ask of one (the task protocol).
 
 A corpus (every `data.name` that is not a task) is read by `TextDataModule`; a synthetic task brings its own data
-module (`data=position_probe`: `lmlab.data.probe`; `data=mqar`: `lmlab.data.mqar`). The training loop, the summary, eval and compare ask every data
-module the same things, and a corpus answers with nothing:
+module (`data=position_probe`: `lmlab.data.probe`; `data=mqar`: `lmlab.data.mqar`), a `lmlab.data.synthetic.
+SyntheticTask` (its word tokenizer, its figures measured, logged and written at every validation). The training
+loop, the summary, eval and compare ask every data module the same things, and a corpus answers with nothing:
 
 - `callbacks(run_dir)`: the task's own callbacks (its metrics, its files in the run directory);
 - `figures()`: what `summary.json` records of it;
