@@ -10,7 +10,8 @@ from pathlib import Path
 # torch.compile's on-disk cache is not keyed on ATEN_CPU_CAPABILITY: kernels compiled under AVX-512 and reused under
 # avx2 (or the other way) gave NaN losses and a segfault here. One cache per capability: a folder of the user's cache
 # when they chose one, else beside torch's default. A cache this file chose for an outer test session (inherited by
-# the `make test` that tests/e2e/project/test_setup.py runs under avx2) is keyed on that session's capability: chosen again.
+# the `make test` that tests/e2e/project/test_setup.py runs under avx2) is keyed on that session's capability: chosen
+# again.
 _DEFAULT_CACHE = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 _OURS = "lmlab-tests-"
 _chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _DEFAULT_CACHE
@@ -33,6 +34,23 @@ TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
 
 # No test reaches W&B's servers, whatever credentials the machine has; subprocesses (train.py) inherit it.
 os.environ["WANDB_MODE"] = "offline"
+
+
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first — those with a `slow` test, then the rest of tests/e2e/, then the units — so that the
+    xdist workers, which take files in this order, do not end on one long file while the others idle. A file's tests
+    keep their order."""
+
+    def rank(item: pytest.Item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.path.is_relative_to(E2E) else 2
+
+    first = {}
+    for item in items:
+        first[item.path] = min(first.get(item.path, 2), rank(item))
+    items.sort(key=lambda item: first[item.path])
 
 
 @pytest.fixture(autouse=True)

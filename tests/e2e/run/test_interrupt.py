@@ -107,12 +107,9 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
                 assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.02)
             target = _children(proc.pid)[0]
-            while not (run / "metrics.csv").exists():  # training has begun: rank 1's set-up time is not a clock
-                assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
-                time.sleep(0.02)
-        while twice and not (run / "metrics.csv").exists():  # the second Ctrl-C stops at once: inside training
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.02)
+        # training has begun (set-up time is no clock on a loaded machine: a signal before the first step ends the
+        # run at once, with nothing to resume; and the second Ctrl-C stops at once, inside training)
+        _wait_for(run / "metrics.csv", proc)
         time.sleep(random.uniform(0.1, 0.8) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
         os.kill(target, signum)
         if twice:
