@@ -24,10 +24,11 @@ dev:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
-# pytest-xdist workers, one test file each at a time (a file's shared fixtures, e.g. its trained runs, are made once);
+# pytest-xdist workers, one test file each at a time (a file's shared fixtures, e.g. its trained runs, are made once),
+# in the order tests/conftest.py puts them (longest first; not xdist's own, which puts the files with most tests first);
 # one CPU thread each. `make test WORKERS=0` runs in this process, one test after the other.
 WORKERS ?= auto
-XDIST = $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # units: no training run, no process started (about two minutes here, on two workers)
 test: dev
