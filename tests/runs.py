@@ -44,6 +44,19 @@ def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+
+def one_and_two_ranks(args: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """train.py `args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), then 2 CPU DDP
+    ranks x batch 4 (tmp_path/two), both on the CPU; both must complete. `args` sets no data.batch_size."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", "trainer.accelerator=cpu", f"hydra.run.dir={one}",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
+              "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return one, two
+
 class CtrlC(Callback):
     """Presses Ctrl-C before the step `at` starts (Lightning turns it into SystemExit after its shutdown)."""
 

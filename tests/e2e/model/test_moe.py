@@ -50,22 +50,16 @@ def test_ddp_and_fsdp2_routing_figures_equal_one_process_on_the_same_global_batc
     process's, at every step. (The balance loss is left out of this objective: like Switch's, each rank's is its own
     batch's, a product of two means that the averaged gradients do not make global; the z-loss, a mean, and the bias,
     from the summed load, are.)"""
-    from tests.runs import ROOT, cli, tiny
+    from tests.runs import ROOT, cli, one_and_two_ranks, tiny
 
     moe = [a for a in MOE if not a.startswith("ffn.balance_loss")]
     common = [a for a in tiny(corpus, tmp_path / "cache", *moe) if not a.startswith(("trainer.max_steps",
                                                                                       "data.batch"))]
-    common += ["trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.accelerator=cpu",
-               "trainer.precision=32-true", "logger=csv"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    res = cli(str(ROOT / "train.py"), *common, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer.devices=2", "trainer.strategy=ddp",
-              f"hydra.run.dir={two}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    common += ["trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.precision=32-true", "logger=csv"]
+    one, two = one_and_two_ranks(common, tmp_path)
     sharded = tmp_path / "fsdp2"  # the experts sharded with their block (torch's fully_shard, gloo)
-    res = cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer=fsdp2", "trainer.devices=2",
-              f"hydra.run.dir={sharded}", cwd=tmp_path)
+    res = cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer=fsdp2", "trainer.accelerator=cpu",
+              "trainer.devices=2", f"hydra.run.dir={sharded}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     a = _rows(one)
     figs = [c for c in a[0] if c.startswith("moe/")]

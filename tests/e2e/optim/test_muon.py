@@ -13,16 +13,11 @@ def test_ddp_two_cpu_ranks_follow_one_process(name: str, corpus, tmp_path) -> No
     """2 CPU ranks (gloo) with 4 sequences each take the steps of one process with the 8 of the same global batch:
     the same train and val losses to float rounding (the all-reduced gradient's summation order; Muon's bf16
     Newton–Schulz amplifies it a little)."""
-    from tests.runs import ROOT, cli, metric, tiny
+    from tests.runs import metric, one_and_two_ranks, tiny
 
     args = [a for a in tiny(corpus, tmp_path / "cache", f"optim={name}", "trainer.max_steps=20")
             if not a.startswith("data.batch")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
-              "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = one_and_two_ranks(args, tmp_path)
     for key in ("train/loss", "val/loss"):
         a, b = metric(one, key), metric(two, key)
         assert a.keys() == b.keys() and len(a) >= 2

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
 from lmlab.run.training import train
-from tests.runs import ROOT, CtrlC, metric, tiny
+from tests.runs import ROOT, CtrlC, metric, one_and_two_ranks, tiny
 from tests.runs import cli as _cli
 
 
@@ -154,12 +154,7 @@ def test_ddp_figures_equal_one_process_on_the_same_global_batch(corpus: Path, tm
     common = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "data.batch"))]
     common += ["trainer.max_steps=3", "trainer.val_check_interval=3", "monitor.every_n_steps=1",
                "monitor.attn_every_n_steps=1", "optim.grad_clip=0"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    res = _cli(str(ROOT / "train.py"), *common, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = _cli(str(ROOT / "train.py"), *common, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
-               "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = one_and_two_ranks(common, tmp_path)
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     for name in ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/layer_01/ffn", "grad/norm/embed",
                  "param/norm/layer_01", "update/ratio/layer_00", "act/rms/layer_01", "attn/entropy/layer_00",
