@@ -12,6 +12,18 @@ UNICODE_PATH_KEYS = ("data.paths", "hf_data_paths", "hydra.run.dir", "hydra.swee
 # the prefix of its refusals and the command its hints print.
 PROG = {"train": "python train.py", "eval": "python eval.py", "generate": "python generate.py"}
 
+# The arguments each command was typed with (before lmlab added its own, such as dirname_exclusions'): what a sweep's
+# manifest records as its command, to run again on `lmlab sweep resume`.
+TYPED: dict[str, list[str]] = {}
+
+
+def typed_command(command: str = "train") -> list[str]:
+    """[prog, *the arguments as typed] of `command` in this process (sys.argv when it was not started through
+    lmlab.commands)."""
+    import sys
+
+    return [PROG[command], *TYPED.get(command, sys.argv[1:])]
+
 
 # Keys a run may change when it is continued (lmlab/run/plan.py refuses an architecture change, not these): a sweep
 # job's
@@ -64,7 +76,11 @@ def quote_paths(argv: Sequence[str], keys: Iterable[str]) -> list[str]:
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if eq and key in keys and value and value[0] not in "'\"":
+        if eq and key in keys and value.startswith("[") and value.endswith("]"):  # a list: each item quoted
+            if not set("'\"") & set(value):  # (one the user quoted is left as typed)
+                items = [i.strip() for i in value[1:-1].split(",") if i.strip()]
+                arg = f"{key}=[{','.join(repr(i) for i in items)}]"
+        elif eq and key in keys and value and value[0] not in "'\"":
             arg = f"{key}='{value}'"
         elif eq and key.lstrip("+") in UNICODE_PATH_KEYS and not value.isascii():
             arg = f"{key}={_quote_unicode(value)}"

@@ -1,6 +1,8 @@
-"""lmlab's SLURM launchers, in the hydra_plugins namespace where Hydra requires launchers to live:
-`hydra/launcher=slurm` (launcher.py: hydra-submitit-launcher's, waiting for every job and reporting how each ended)
-and `hydra/launcher=slurm_dry_run` (below). SLURM goes through hydra-submitit-launcher (`pip install '.[slurm]'`).
+"""lmlab's launchers, in the hydra_plugins namespace where Hydra requires launchers to live, each recording its sweep
+in the sweep's manifest (recorded.py: the default `hydra/launcher=serial`, and `local`): `hydra/launcher=slurm`
+(launcher.py: hydra-submitit-launcher's, waiting for every job and reporting how each ended, or with `wait=false`
+returning at once) and `hydra/launcher=slurm_dry_run` (below). SLURM goes through hydra-submitit-launcher
+(`pip install '.[slurm]'`).
 
 `hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml) maps `trainer.num_nodes` x `trainer.devices` to
 `--nodes` x `--ntasks-per-node`, one GPU per task (`--gpus-per-node` = `trainer.devices`), so that srun starts one
@@ -52,7 +54,8 @@ class DryRunSlurmLauncher(LmlabSlurmLauncher):
         try:
             with mock.patch.object(SlurmExecutor, "_submit_command", sbatch), \
                     mock.patch.object(SlurmExecutor, "affinity", classmethod(lambda cls: 2)):
-                super().launch(job_overrides, initial_job_idx)
+                self.launch_recorded([(i, list(o), self.job_dir(o, i))  # not recorded: a dry run writes nothing
+                                      for i, o in enumerate(job_overrides, start=initial_job_idx)])
         except _Submitted:
             pass
         finally:  # the job pickles submitit wrote for the jobs that were not submitted

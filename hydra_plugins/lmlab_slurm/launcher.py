@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra_plugins.lmlab_slurm.recorded import Recorded
+
 try:  # hydra imports every module of hydra_plugins at start-up: without the slurm extra, there is nothing here
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 except ImportError:  # pragma: no cover
@@ -37,9 +39,16 @@ REFUSALS = {  # the most specific first: one refusal can print several of these 
 }
 
 
-class LmlabSlurmLauncher(SlurmLauncher or object):
-    """`launch` as hydra-submitit-launcher's (the same executor, parameters and job array), then `wait` and
-    `report` instead of submitit's `results()`."""
+class LmlabSlurmLauncher(Recorded, SlurmLauncher or object):
+    """`launch` as hydra-submitit-launcher's (the same executor, parameters and job array), recorded in the sweep's
+    manifest (recorded.py: the SLURM job ids too), then `wait` and `report` instead of submitit's `results()` -- or,
+    with `hydra.launcher.wait=false`, return at once: the jobs are SLURM's, `lmlab sweep status DIR` follows them."""
+
+    recorded_as = "slurm"
+
+    def __init__(self, **params: Any) -> None:
+        self.wait = bool(params.pop("wait", True))
+        super().__init__(**params)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """In the job: catch SIGUSR1/SIGTERM before anything is imported (lmlab.run.early_signals), then the job."""
@@ -61,67 +70,90 @@ class LmlabSlurmLauncher(SlurmLauncher or object):
                                       if k not in ("submitit_folder", "max_num_timeout")})
         return executor
 
-    def job_dir(self, overrides: Sequence[str], idx: int) -> Path:
-        """Where job `idx` writes its run: the sweep dir and subdir its own config resolves to (Hydra copies the
-        sweep's resolver cache into each job's config, so `${now:...}` is the same time here and in the job)."""
-        from omegaconf import open_dict
-
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(cfg.hydra.job):
-            cfg.hydra.job.num = idx
-            cfg.hydra.job.id = f"job_id_for_{idx}"
-        return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+    def launch_recorded(self, jobs: Sequence[tuple[int, list[str], Path]]) -> Sequence[Any]:
         import logging
+        import os
 
         from hydra.core.singleton import Singleton
         from hydra.core.utils import JobReturn, JobStatus, filter_overrides
         from submitit.core.utils import FailedJobError
 
         from hydra_plugins.lmlab_slurm import report, watch
+        from lmlab.record import sweep
 
         log = logging.getLogger("hydra_plugins.hydra_submitit_launcher.submitit_launcher")
-        executor = self.executor()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        if not jobs:
+            return []
+        if not self.wait and searching(self.config):
+            print("train.py: hydra.launcher.wait=false submits every job at once; a search "
+                  f"(hydra.sweeper={self.config.hydra.sweeper._target_}) chooses its next trials from the results of "
+                  "the last, so it waits: leave hydra.launcher.wait=true with hparams_search", file=sys.stderr)
+            raise SystemExit(2)
+        executor = self.executor()
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
-        sweep_dir.mkdir(parents=True, exist_ok=True)
         if "mode" in self.config.hydra.sweep:
             sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
         params = []
-        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+        for idx, overrides, _ in jobs:
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        job_overrides = [o for _, o, _ in jobs]
         shown = swept(job_overrides)
-        dirs = [self.job_dir(o, idx) for idx, o in enumerate(job_overrides, start=initial_job_idx)]
+        dirs = [d for _, _, d in jobs]
         try:
-            jobs = executor.map_array(self, *zip(*params))
+            submitted = executor.map_array(self, *zip(*params))
         except FailedJobError as err:
             refuse(str(err), self.params)
-        print(f"slurm: submitted {len(jobs)} job(s): {', '.join(j.job_id for j in jobs)}; waiting for them "
-              f"(logs: {sweep_dir}/.submitit/)", flush=True)
+        previous = {j["dir"]: j.get("submissions", 0) for j in (sweep.read(sweep_dir) or {"jobs": []})["jobs"]}
+        rel = [os.path.relpath(d, sweep_dir) for d in dirs]
+        sweep.record_jobs(sweep_dir, {r: {"scheduler_id": j.job_id, "state": "pending", "log": str(j.paths.stderr),
+                                          "submissions": previous.get(r, 0) + 1} for r, j in zip(rel, submitted)})
+        ids = ", ".join(j.job_id for j in submitted)
+        if not self.wait:  # fire and forget: the jobs are SLURM's, the manifest says where they are
+            print(f"slurm: submitted {len(submitted)} job(s): {ids}; not waiting (hydra.launcher.wait=false). "
+                  f"Follow them with: lmlab sweep status {sweep_dir}", flush=True)
+            return [JobReturn(overrides=list(o), status=JobStatus.COMPLETED, _return_value=float("inf"))
+                    for o in job_overrides]
+        print(f"slurm: submitted {len(submitted)} job(s): {ids}; waiting for them "
+              f"(logs: {sweep_dir}/.submitit/; from another shell: lmlab sweep status {sweep_dir})", flush=True)
         try:
-            watched = watch.wait(jobs)
+            watched = watch.wait(submitted)
         except KeyboardInterrupt:  # the jobs are SLURM's now: say so, and how to stop them
-            ids = " ".join(j.job_id for j in jobs)
-            print(f"\nslurm: stopped waiting; the jobs run on (squeue -j {ids.split('_')[0]}; scancel {ids})",
-                  file=sys.stderr)
+            ids = " ".join(j.job_id for j in submitted)
+            print(f"\nslurm: stopped waiting; the jobs run on (lmlab sweep status {sweep_dir}; "
+                  f"squeue -j {ids.split('_')[0]}; scancel {ids})", file=sys.stderr)
             raise SystemExit(130) from None
-        results, failed = [], 0
+        results, failed, report_lines = [], 0, []
         for w, overrides, run_dir, text in zip(watched, job_overrides, dirs, shown):
             out, bad = report.line(w.job.job_id, text, run_dir, w.outcome, w.lost, w.job.paths.stderr)
             print(out, flush=True)
+            if bad:
+                report_lines.append(out)
             failed += bad
             if w.outcome is not None and w.outcome[0] == "success":
                 results.append(w.outcome[1])
             else:  # no JobReturn came back: one in its place, so a sweeper reading the batch gets every job
                 results.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
                                          _return_value=float("inf")))
-        print(f"slurm: {len(jobs) - failed} of {len(jobs)} job(s) finished" + (f", {failed} failed" if failed else ""),
-              flush=True)
-        if failed:
+        states = {r["dir"]: {"state": r["state"]} for r in sweep.job_states(sweep_dir) if r["dir"] in set(rel)}
+        sweep.record_jobs(sweep_dir, states)
+        print(f"slurm: {len(submitted) - failed} of {len(submitted)} job(s) finished"
+              + (f", {failed} failed" if failed else ""), flush=True)
+        if failed and not searching(self.config):
             raise SystemExit(1)
+        if failed:  # the search goes on past them; train.py exits 1 at its end, listing them
+            from lmlab.commands.train import FAILED_JOBS
+
+            FAILED_JOBS.extend(line for line in report_lines if " failed" in line or "SLURM state" in line)
         return results
+
+
+def searching(config: Any) -> bool:
+    """Whether a sweeper other than the basic one drives the sweep (Optuna): it reads a failed job's +inf and goes on
+    to its next trials, so a failed job does not end the command there (train.py says so at the end)."""
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    return bool(target) and not target.endswith("BasicSweeper")
 
 
 def swept(job_overrides: Sequence[Sequence[str]]) -> list[str]:

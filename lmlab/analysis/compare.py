@@ -20,6 +20,7 @@ varies both N and D, L(N, D) (lmlab.analysis.ladder).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from lmlab.analysis.compare_gaps import CURVES, gaps, validations
 from lmlab.analysis.compare_stats import significance
 from lmlab.data.tasks import TASKS
 from lmlab.analysis.ladder import matmul_weights, size_keys  # its own section registers with it
-from lmlab.analysis.sections import LR, SECTIONS, SEED, Sweep, section
+from lmlab.analysis.sections import LR, SECTIONS, SEED, SWEEP, Sweep, section
 from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
 from lmlab.record.summary import objective, side
@@ -198,18 +199,47 @@ def _mean_sd(row: dict[str, Any], col: str) -> str:
     return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {sd:.2g}" if abs(sd) < 100 else f"{_fmt(mean)} ± {sd:.0f}"
 
 
-def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | None = None
-            ) -> tuple[list[dict[str, Any]], str]:
+def sweep_dirs(sweep_dir: str | Path | Sequence[str | Path]) -> list[Path]:
+    """compare='s one directory, or its list of them."""
+    return [Path(sweep_dir)] if isinstance(sweep_dir, (str, Path)) else [Path(d) for d in sweep_dir]
+
+
+def output_dir(dirs: Sequence[Path], out: str | Path | None = None) -> Path:
+    """Where compare writes: `out`, else the sweep directory, else (several sweeps) `<first>/vs_<the others' names>`."""
+    if out:
+        return Path(out)
+    return dirs[0] if len(dirs) == 1 else dirs[0] / ("vs_" + "_".join(sweep_labels(dirs)[1:]))
+
+
+def sweep_labels(dirs: Sequence[Path]) -> list[str]:
+    """Each sweep's name in the tables (`sweep` column): its directory's name, with its parent's when two share it."""
+    names = [d.resolve().name for d in dirs]
+    if len(set(names)) < len(names):
+        names = [f"{d.resolve().parent.name}_{d.resolve().name}" for d in dirs]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None = None, target: float | None = None,
+            out: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """Rows (one per run) with the overrides that differ between runs; writes compare.{md,csv}, plots/ and, when the
     seed varies, compare_variants.{md,csv} and compare_significance.{md,csv} (against `baseline`, a `key=value[,...]`
-    naming one variant). `target`: the val loss the *_to_target columns count to (None: the runs' first configured
-    target, else the sweep's highest best val loss). Returns the rows and the markdown of the tables."""
-    sweep_dir = Path(sweep_dir)
-    runs = find_runs(sweep_dir)
-    if not runs:
-        raise FileNotFoundError(f"compare={sweep_dir}: no run directories (with summary.json) under it")
+    naming one variant). Several sweep directories are one comparison, each run keyed by its overrides and its sweep
+    (`sweep=<its directory's name>`), written to `out` (default `<first>/vs_<the others>`). `target`: the val loss
+    the *_to_target columns count to (None: the runs' first configured target, else the sweep's highest best val
+    loss). Returns the rows and the markdown of the tables."""
+    dirs = sweep_dirs(sweep_dir)
+    sweep_dir, root = output_dir(dirs, out), Path(os.path.commonpath([d.resolve() for d in dirs]))
+    found = {d: find_runs(d) for d in dirs}
+    for d, runs in found.items():
+        if not runs:
+            raise FileNotFoundError(f"compare={d}: no run directories (with summary.json) under it")
+    runs = [r for rs in found.values() for r in rs]
     summaries = {r: _read(r) for r in runs}
     overrides = {r: _overrides(s) for r, s in summaries.items()}
+    if len(dirs) > 1:  # the sweep a run came from is one of its keys: a baseline sweep against a new one
+        for d, label in zip(dirs, sweep_labels(dirs)):
+            for r in found[d]:
+                overrides[r][SWEEP] = label
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
     varying.sort(key=lambda k: (k == LR, k == SEED))  # the architecture first, then its lr, then the seed
@@ -229,7 +259,7 @@ def compare(sweep_dir: str | Path, baseline: str | None = None, target: float | 
             "final_val_loss": final, "best_val_loss": s.get("best_val_loss"),
             "loss_vs_unigram": final - unigram if final is not None and unigram is not None else None,
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
-            "run": str(r.relative_to(sweep_dir)), "problem": s.get("problem", ""),
+            "run": os.path.relpath(r.resolve(), root), "problem": s.get("problem", ""),
         })
     configured = [(s.get("config") or {}).get("targets") or [] for s in summaries.values()]
     target = default_target([row["best_val_loss"] for row in rows], configured) if target is None else float(target)

@@ -17,6 +17,7 @@ from lmlab.record.plots import read_metrics
 from lmlab.record.rundir import METRICS
 
 SEED, LR = "seed", "optim.lr"
+SWEEP = "sweep"  # compare= over several sweeps: the sweep a run came from, one of its keys
 
 
 @dataclass

@@ -14,7 +14,9 @@ COMMANDS = {
     "train": "train one variant, or a sweep with -m (python train.py)",
     "eval": "evaluate a run: run=<run dir> (python eval.py)",
     "generate": "sample text from a run: run=<run dir> prompt=\"...\" (python generate.py)",
-    "compare": "compare the runs of a sweep: lmlab compare <sweep dir> (python eval.py compare=<dir>)",
+    "compare": "compare the runs of a sweep, or of several: lmlab compare <sweep dir> [<sweep dir> ...] "
+               "(python eval.py compare=<dir>)",
+    "sweep": "a sweep's jobs: lmlab sweep status <sweep dir> [--json|--watch], lmlab sweep resume <sweep dir>",
     "bench": "the benchmark: lmlab bench [...] (python -m lmlab.bench)",
 }
 
@@ -37,9 +39,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"lmlab: unknown command {name!r}; the commands are {', '.join(COMMANDS)}\n\n{usage()}",
               file=sys.stderr)
         raise SystemExit(2)
-    if name == "compare":
-        if len(rest) == 1 and "=" not in rest[0]:
-            rest = [f"compare={rest[0]}"]
+    if name == "compare":  # lmlab compare A [B ...] [key=value ...]: the directories are compare='s
+        dirs = [a for a in rest if "=" not in a and not a.startswith("-")]
+        if dirs:
+            quoted = ["'" + d.replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs]  # Hydra's quoting
+            rest = [f"compare={quoted[0]}" if len(dirs) == 1 else f"compare=[{','.join(quoted)}]",
+                    *(a for a in rest if a not in dirs)]
         name = "eval"
     if name == "bench":
         sys.argv = ["lmlab bench", *rest]

@@ -35,11 +35,12 @@ def main(cfg: DictConfig) -> None:
     env.offline()
     env.set_threads(cfg.threads)
     if cfg.compare:
-        from lmlab.analysis.compare import compare
+        from lmlab.analysis.compare import compare, output_dir, sweep_dirs
 
-        _, md = compare(cfg.compare, baseline=cfg.get("baseline"), target=cfg.get("target"))
+        dirs = sweep_dirs(list(cfg.compare) if OmegaConf.is_list(cfg.compare) else cfg.compare)
+        _, md = compare(dirs, baseline=cfg.get("baseline"), target=cfg.get("target"), out=cfg.get("out"))
         files = ("compare.md", "compare_variants.md", "compare_significance.md", "plots/")
-        written = [f"{Path(cfg.compare) / f}" for f in files]
+        written = [f"{output_dir(dirs, cfg.get('out')) / f}" for f in files]
         print(md + "\n-> " + ", ".join(p for p in written if Path(p).exists()))
         return
     if cfg.hf:  # a transformers directory, read as a run (its own eval output goes to out or <hf>/eval)

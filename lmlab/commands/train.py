@@ -7,6 +7,8 @@ or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`)."""
 from __future__ import annotations
 
 import math
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -14,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 import lmlab  # noqa: F401  (registers the config resolvers)
-from lmlab.cli import PROG, dirname_exclusions, quote_paths
+from lmlab.cli import PROG, TYPED, dirname_exclusions, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
 from lmlab.run.early_signals import catch_early
 
@@ -24,6 +26,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
     catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.run.early_signals)
     PROG["train"] = prog
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
+    TYPED["train"] = list(argv)
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
     refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
@@ -58,10 +61,13 @@ def main(cfg: DictConfig) -> float:
         from lmlab.run.training import train
 
         group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.record.tracking
+        job_event(hc, "running", host=socket.gethostname(), pid=os.getpid())
         summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
+        job_event(hc, summary["status"], steps=summary["steps"])
     except Exception as err:
         if not sweeping:
             raise
+        job_event(hc, "failed", error=str(err).splitlines()[0] if str(err) else type(err).__name__)
         # a refusal (nothing written) is one line; a failure is recorded in its summary.json, with its traceback here
         if isinstance(err, ValueError | FileNotFoundError):
             print(f"{PROG['train'].removeprefix('python ')}: {hc.runtime.output_dir}: {err}", file=sys.stderr)
@@ -83,14 +89,24 @@ def main(cfg: DictConfig) -> float:
     return objective(summary)
 
 
+def job_event(hc, state: str, **fields) -> None:
+    """A sweep's job says how it is doing in the sweep's manifest (lmlab.record.sweep; rank zero only)."""
+    from lmlab.env import is_rank_zero
+
+    if hc.mode.name == "MULTIRUN" and is_rank_zero():
+        from lmlab.record.sweep import job_event as record
+
+        record(hc.sweep.dir, hc.runtime.output_dir, state, **fields)
+
+
 def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     """A run directory that holds a run is continued with its own overrides, this command's on top (`python train.py
     hydra.run.dir=<run> trainer.max_steps=1200` needs nothing else typed again); an architecture the command changes is
     refused by the resume's checks, naming the key. `resume=false` starts over, from this command alone."""
+    from omegaconf import OmegaConf
+
     from lmlab.cli import merge_overrides
     from lmlab.record.rundir import RunDir
-
-    from omegaconf import OmegaConf
 
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # `${oc.env:KEY}` kept, not its secret
     if str(cfg.get("resume", "auto")).lower() == "false":

@@ -119,3 +119,27 @@ def test_the_baseline_is_named_by_value_or_by_key() -> None:
     assert pick_baseline(names, ["swiglu"]) == names[1]  # a Hydra list
     with pytest.raises(ValueError, match=r"baseline='mlp' must name exactly one variant.*\(2 match\)"):
         pick_baseline(names, "mlp")
+
+
+def test_two_sweeps_are_one_comparison_seeds_aggregated_and_paired_across_them(tmp_path: Path) -> None:
+    """A baseline sweep and a new one, the same command (ffn=mlp, 2 seeds each): the sweep a run came from is its key,
+    the variants table has one row per sweep (n=2, mean ± sd), the new one is paired against the baseline's seeds."""
+    base, new = tmp_path / "runs" / "baseline", tmp_path / "runs" / "new"
+    for sweep, values in ((base, [2.00, 2.10]), (new, [1.90, 2.02])):
+        for seed, best in zip("12", values):
+            _run(sweep, ["ffn=mlp", f"seed={seed}"], best, [(0, 4.0), (10, 3.0), (20, best)])
+    rows, md = compare([base, new])
+    out = base / "vs_new"
+    assert [(r["sweep"], r["seed"], r["run"]) for r in rows] == [
+        ("baseline", "1", "baseline/ffn=mlp,seed=1"), ("baseline", "2", "baseline/ffn=mlp,seed=2"),
+        ("new", "1", "new/ffn=mlp,seed=1"), ("new", "2", "new/ffn=mlp,seed=2")]
+    with open(out / "compare_variants.csv") as f:
+        variants = {r["sweep"]: r for r in csv.DictReader(f)}
+    assert variants["new"]["n"] == "2" and float(variants["new"]["best_val_loss_mean"]) == pytest.approx(1.96)
+    assert float(variants["baseline"]["best_val_loss_sd"]) == pytest.approx(stats.tstd([2.00, 2.10]))
+    with open(out / "compare_significance.csv") as f:
+        (pair,) = csv.DictReader(f)
+    assert pair["variant"] == "sweep=new" and pair["baseline"] == "sweep=baseline"
+    assert float(pair["p"]) == pytest.approx(stats.ttest_rel([1.90, 2.02], [2.00, 2.10]).pvalue)
+    assert (out / "compare.md").is_file() and not (base / "compare.md").exists()  # the sweeps' own files untouched
+    assert md.count("| sweep ") >= 2  # the runs table and the variants table

@@ -21,7 +21,7 @@ def test_the_command_lists_its_commands_and_refuses_an_unknown_one(capsys) -> No
         main(["trian", "norm=rms"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown command 'trian'" in err and "train, eval, generate, compare, bench" in err
+    assert "unknown command 'trian'" in err and "train, eval, generate, compare, sweep, bench" in err
 
 
 def test_resumable_keys_are_the_ones_a_continued_run_may_change() -> None:
