@@ -69,8 +69,10 @@ class Recorded:
         resume = sweep.RESUME
         if resume is not None:
             refuse_drift(sweep_dir, base, resume.get("allowed", ()))
-        sweep.record_launch(sweep_dir, command=typed_command(), cwd=os.getcwd(), base=base,
-                            launcher=self.recorded_as, jobs=jobs)
+        command = typed_command()
+        params = OmegaConf.select(self.config, "hydra.sweeper.params") or {}
+        sweep.record_launch(sweep_dir, command=command, cwd=os.getcwd(), base=base, launcher=self.recorded_as,
+                            jobs=jobs, swept=sweep.swept_keys(command[1:], list(params)))
         skip = set(resume.get("skip", ())) if resume is not None else set()
         chosen = [i for i, job in enumerate(jobs) if job["dir"] not in skip]
         ran = self.launch_recorded([(initial_job_idx + i, list(job_overrides[i]), dirs[i]) for i in chosen])

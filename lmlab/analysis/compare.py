@@ -242,8 +242,10 @@ def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None =
                 overrides[r][SWEEP] = label
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
-    varying.sort(key=lambda k: (k == LR, k == SEED))  # the architecture first, then its lr, then the seed
-    runs = sorted(runs, key=lambda r: [_sort_key(overrides[r].get(k, "")) for k in varying])  # by value: lr 1e-3 < 1e-2
+    varying.sort(key=lambda k: (k != SWEEP, k == LR, k == SEED))  # the sweep, the architecture, its lr, the seed
+    order = dict(zip(sweep_labels(dirs), range(len(dirs)))) if len(dirs) > 1 else {}  # the sweeps as given
+    runs = sorted(runs, key=lambda r: [(order[overrides[r][k]],) if k == SWEEP else _sort_key(overrides[r].get(k, ""))
+                                       for k in varying])  # by value: lr 1e-3 < 1e-2; the first sweep's runs first
     summaries = {r: summaries[r] for r in runs}
     for r, s in summaries.items():
         if RunLock.holder(r) is not None:

@@ -108,14 +108,16 @@ def drift(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tupl
 
 
 def record_launch(sweep_dir: str | Path, *, command: Sequence[str], cwd: str, base: Mapping[str, Any],
-                  launcher: str, jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                  launcher: str, jobs: Sequence[Mapping[str, Any]], swept: Sequence[str] = ()) -> dict[str, Any]:
     """Before a batch of jobs starts: the sweep (on its first batch) and these jobs, in the manifest. A job already
-    there (the same run directory: a resumed or re-run sweep) keeps its entry, with what changed updated."""
+    there (the same run directory: a resumed or re-run sweep) keeps its entry, with what changed updated. `swept`:
+    the keys the sweep varies (its sweep overrides, a search's parameters)."""
     with updating(sweep_dir) as manifest:
         if "command" not in manifest:
             manifest.update({"format": FORMAT, "command": list(command), "cwd": cwd,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "base_config": dict(base),
                              "base_hash": config_hash(base)})
+        manifest["swept"] = sorted(set(manifest.get("swept") or []) | set(swept))
         manifest["submitter"] = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": launcher,
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         by_dir = {job["dir"]: job for job in manifest["jobs"]}
@@ -137,6 +139,38 @@ def record_jobs(sweep_dir: str | Path, changes: Mapping[str, Mapping[str, Any]])
         for job in manifest["jobs"]:
             if job["dir"] in changes:
                 job.update(changes[job["dir"]], updated=now)
+
+
+def swept_keys(command: Sequence[str], search_params: Sequence[str] = ()) -> list[str]:
+    """The keys a sweep command varies: its sweep overrides (`a=1,2`, `choice(...)`, `range(...)`) and the parameters
+    its search draws (hydra.sweeper.params)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, keys = OverridesParser.create(), set(search_params)
+    for arg in command:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001  (Hydra itself reports a malformed override)
+            continue
+        if override.is_sweep_override():
+            keys.add(override.key_or_group)
+    return sorted(keys)
+
+
+def swept_tags(hydra: Any, overrides: Sequence[str]) -> list[str]:
+    """A sweep job's values of the keys its sweep varies, as `key=value` tags (W&B groups runs by them); [] outside
+    a recorded sweep."""
+    from lmlab.cli import override_key
+
+    if hydra is None or hydra.mode.name != "MULTIRUN":
+        return []
+    try:
+        swept = set((read(str(hydra.sweep.dir)) or {}).get("swept") or [])
+    except ValueError:
+        return []
+    return [o[:64] for o in overrides if override_key(o) in swept]  # (W&B's limit on a tag)
 
 
 def job_event(sweep_dir: str | Path, run_dir: str | Path, state: str, **fields: Any) -> None:

@@ -157,9 +157,10 @@ class Tracking:
 
     @classmethod
     def start(cls, cfg: Any, run_dir: RunDir, *, overrides: list[str], group: str | None, resume_step: int | None,
-              n_params: int, n_active_params: int | None = None) -> Tracking:
+              n_params: int, n_active_params: int | None = None, tags: list[str] | None = None) -> Tracking:
         """The loggers of `cfg.logger` after lmlab's MetricsCSV. `resume_step`: the step a resumed run continues
-        from (None: a fresh start, which gets a new W&B run; a resume continues the one the directory names)."""
+        from (None: a fresh start, which gets a new W&B run; a resume continues the one the directory names).
+        `tags`: the W&B run's tags beside logger.wandb.tags and the experiment (a sweep job's swept `key=value`s)."""
         from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
         from omegaconf import OmegaConf
 
@@ -176,7 +177,7 @@ class Tracking:
         for name, spec in (cfg.logger or {}).items():
             extra: dict[str, Any] = {}
             if _is(spec, WandbLogger):  # the run is lmlab's: created here, Lightning's logger writes to it
-                wandb_run = cls._wandb_run(config, dict(spec), run_dir, overrides, group, resume_step)
+                wandb_run = cls._wandb_run(config, dict(spec), run_dir, overrides, group, resume_step, tags or [])
                 extra = {"experiment": wandb_run, "save_dir": str(run_dir.path)}
                 spec = OmegaConf.create({k: v for k, v in spec.items() if k not in (*INIT_KEYS, "offline")})
             elif _is(spec, TensorBoardLogger):
@@ -191,7 +192,7 @@ class Tracking:
 
     @staticmethod
     def _wandb_run(config: dict[str, Any], spec: dict[str, Any], run_dir: RunDir, overrides: list[str],
-                   group: str | None, resume_step: int | None):
+                   group: str | None, resume_step: int | None, tags: list[str]):
         """The job's W&B run (rank 0 only; other ranks log nothing): the directory's run continued on resume."""
         if not is_rank_zero():
             return None
@@ -206,7 +207,7 @@ class Tracking:
         run_dir.wandb.mkdir(parents=True, exist_ok=True)
         run = _init(project=spec.get("project") or "lmlab", entity=spec.get("entity"), notes=spec.get("notes"),
                     dir=str(run_dir.path), name=name, group=group, job_type="train", config=config,
-                    tags=[*(spec.get("tags") or []), *([experiment] if experiment else [])],
+                    tags=[*(spec.get("tags") or []), *([experiment] if experiment else []), *tags],
                     id=stored["id"] if stored else None, resume="allow" if stored else None,
                     mode="offline" if spec.get("offline") else None)
         # Every figure is plotted against the training step it was measured at, resumed runs included.

@@ -133,9 +133,12 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
+    from lmlab.record.sweep import swept_tags
+
     tracking = Tracking.start(cfg, run, overrides=overrides, group=group, n_params=lit.model.num_params(),
                               n_active_params=lit.model.num_params(active=True),
-                              resume_step=resume_step if saved is not None else None)
+                              resume_step=resume_step if saved is not None else None,
+                              tags=swept_tags(hydra, overrides))  # a sweep job: the values of the swept keys
     trainer: L.Trainer = build(cfg.trainer, "trainer", L.Trainer, default_root_dir=str(run.path),  # lmlab.record.trusted
                                use_distributed_sampler=False, logger=tracking.loggers, callbacks=callbacks,
                                plugins=[atomic_checkpoint_io()])

@@ -4,6 +4,7 @@ ends with the uninterrupted sweep's metrics.csv, a second resume that does nothi
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -97,3 +98,24 @@ def test_a_sweep_killed_midway_resumes_to_the_uninterrupted_results(corpus: Path
     jobs = json.loads(lmlab_sweep("status", str(d), "--json", cwd=tmp_path).stdout)["jobs"]
     assert [(j["state"], j["step"], j["max_steps"]) for j in jobs] == [("completed", 700, 700)] * 2
     assert len(list(d.glob("*/summary.json"))) == 2  # the same two directories, continued
+
+
+def test_lmlab_compare_over_two_sweeps_aggregates_the_seeds_and_pairs_them(corpus: Path, tmp_path: Path) -> None:
+    """A baseline sweep and a new one (placement=pre and placement=post, 2 seeds each) through the real commands:
+    `lmlab compare A B` is one table with the sweep as a key, a row per variant over its seeds, the paired verdict."""
+    for name, placement in (("baseline", "pre"), ("new", "post")):
+        res = cli(str(ROOT / "train.py"), "-m", *tiny(corpus, tmp_path / "cache"), f"placement={placement}",
+                  "seed=1,2", f"hydra.sweep.dir={tmp_path / name}", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    res = cli("-m", "lmlab", "compare", str(tmp_path / "baseline"), str(tmp_path / "new"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "baseline" / "vs_new"
+    with open(out / "compare_variants.csv") as f:
+        variants = {(r["sweep"], r["placement"]): r for r in csv.DictReader(f)}
+    assert set(variants) == {("baseline", "pre"), ("new", "post")}
+    assert all(v["n"] == "2" and v["seeds"] == "1,2" for v in variants.values())
+    with open(out / "compare_significance.csv") as f:
+        (pair,) = csv.DictReader(f)
+    assert pair["variant"] == "sweep=new,placement=post" and pair["baseline"] == "sweep=baseline,placement=pre"
+    assert pair["distinguishable"] and "Paired against the baseline" in res.stdout
+    assert f"-> {out}/compare.md" in res.stdout

@@ -85,6 +85,7 @@ def test_an_in_process_sweep_gives_one_wandb_run_per_job(corpus: Path, tmp_path:
         assert run["summary"]["final_val_loss"] == pytest.approx(summary["final_val_loss"])
         assert run["summary"]["tokens_per_s"] == pytest.approx(summary["tokens_per_s"])
         assert "completed" in run["tags"] and run["state"] == "finished"
+        assert f"seed={seed}" in run["tags"]  # the swept key's value: W&B groups the sweep's runs by it
     assert groups == {"sweep"}  # the sweep's directory name (no experiment)
     assert "wandb sync" in res.stdout and "wandb leet" in res.stdout
 

@@ -137,3 +137,21 @@ def test_a_damaged_manifest_is_refused_with_its_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"sweep\.json is not valid JSON"):
         sweep.read(tmp_path)
     assert sweep.read(tmp_path / "elsewhere") is None
+
+
+def test_the_swept_keys_are_the_sweep_overrides_and_the_searchs_parameters(tmp_path: Path) -> None:
+    command = ["-m", "a=1,2", "b=3", "c=choice(x,y)", "d=range(0,4)", "hydra.sweep.dir=x", "e=[1,2]"]
+    assert sweep.swept_keys(command, ["optim.lr"]) == ["a", "c", "d", "optim.lr"]  # a list value is one value
+    sweep.record_launch(tmp_path, command=["python train.py", *command], cwd=".", base={}, launcher="basic", jobs=[],
+                        swept=sweep.swept_keys(command))
+
+    class Hydra:
+        class mode:  # noqa: N801  (HydraConfig's shape)
+            name = "MULTIRUN"
+
+        class sweep:  # noqa: N801
+            dir = str(tmp_path)
+
+    assert sweep.swept_tags(Hydra, ["a=2", "b=3", "c=y", "d=0"]) == ["a=2", "c=y", "d=0"]
+    Hydra.mode.name = "RUN"
+    assert sweep.swept_tags(Hydra, ["a=2"]) == [] and sweep.swept_tags(None, ["a=2"]) == []
