@@ -168,8 +168,8 @@ def _sort_key(value: str) -> tuple:
 
 def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequence[str]
              ) -> tuple[list[dict[str, Any]], list[float]]:
-    """One row per variant (the rows that share `keys`, i.e. differ only by seed): n, seeds, statuses, the mean and
-    sd of each figure over the seeds that have it; and each variant's objective (the mean of its runs')."""
+    """One row per variant (the rows that share `keys`, i.e. differ only by seed): n, seeds, statuses, the mean, the
+    sd and the 95% confidence half-width of the mean (`_ci95`) of each figure over the seeds that have it; and each variant's objective (the mean of its runs')."""
     groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(tuple(row.get(k) for k in keys), []).append(i)
@@ -187,9 +187,19 @@ def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequ
             xs = [float(r[fig]) for r in runs if isinstance(r.get(fig), (int, float)) and math.isfinite(r[fig])]
             row[f"{fig}_mean"] = statistics.fmean(xs) if xs else None
             row[f"{fig}_sd"] = statistics.stdev(xs) if len(xs) > 1 else None
+            row[f"{fig}_ci95"] = ci95(xs)
         out.append(row)
         objectives.append(statistics.fmean(values[i] for i in members))  # +inf if any seed failed
     return out, objectives
+
+
+def ci95(xs: Sequence[float]) -> float | None:
+    """The half-width of the 95% confidence interval of the mean of `xs` (Student's t, n - 1 degrees of freedom)."""
+    if len(xs) < 2:
+        return None
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
 
 
 def _mean_sd(row: dict[str, Any], col: str) -> str:
@@ -307,7 +317,7 @@ def seeds(sweep: Sweep) -> str:
         mark_best_lr(grouped, group_values, [k for k in keys if k != LR])
     head = [*keys, *sweep.by_lr, "n", "seeds", "status", "n_params", *sweep.active_col, "ffn_params"]
     md = "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
-        grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd"))], sweep.dir / "compare_variants",
+        grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd", "ci95"))], sweep.dir / "compare_variants",
         md_cols=[*head, *FIGURES], md_cell=_mean_sd)
     sizes = size_keys(keys)
     if len(grouped) > 1 and len(keys) > len(sizes):

@@ -137,6 +137,8 @@ def test_two_sweeps_are_one_comparison_seeds_aggregated_and_paired_across_them(t
         variants = {r["sweep"]: r for r in csv.DictReader(f)}
     assert variants["new"]["n"] == "2" and float(variants["new"]["best_val_loss_mean"]) == pytest.approx(1.96)
     assert float(variants["baseline"]["best_val_loss_sd"]) == pytest.approx(stats.tstd([2.00, 2.10]))
+    half = stats.t.ppf(0.975, 1) * stats.tstd([1.90, 2.02]) / 2 ** 0.5  # the mean's 95% interval, n = 2
+    assert float(variants["new"]["best_val_loss_ci95"]) == pytest.approx(half)
     with open(out / "compare_significance.csv") as f:
         (pair,) = csv.DictReader(f)
     assert pair["variant"] == "sweep=new" and pair["baseline"] == "sweep=baseline"
