@@ -75,3 +75,14 @@ def tiny_cfg():
 def corpus(tmp_path_factory) -> Path:
     """~60 kB of structured text in two files, for the tests that train (tests/runs.py)."""
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The pid of a process that has ended (a submitter, a lock holder that is gone)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid

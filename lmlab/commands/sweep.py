@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lmlab.cli import PROG, dirname_exclusions, override_key
 from lmlab.record import sweep
+from lmlab.record.saved import SavedStateRefused, check_command
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -96,17 +97,23 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
         print(f"{prog}: nothing to resume: every job finished or is still pending or running "
               f"({', '.join(f'{n} {s}' for s, n in sweep.counts(rows).items())})")
         return
-    print(f"{prog}: {len(todo)} job(s) to run: " + ", ".join(f"#{r['num']} ({r['state']})" for r in todo), flush=True)
-    command = list(manifest["command"])
+    command = manifest.get("command")
+    if not isinstance(command, list) or not command:
+        _refuse(prog, f"{sweep.path_of(sweep_dir)}: no command recorded: not a manifest lmlab wrote")
+    try:
+        check_command(command[1:], sweep.path_of(sweep_dir))  # a shared sweep directory is data, not code
+    except SavedStateRefused as err:
+        _refuse(prog, str(err))
     typed = [a for a in command[1:] if not override_key(a).startswith(("hydra.sweep.dir",
                                                                           "hydra.job.config.override_dirname"))]
+    print(f"{prog}: {len(todo)} job(s) to run: " + ", ".join(f"#{r['num']} ({r['state']})" for r in todo), flush=True)
     keys = [override_key(a) for a in extra if "=" in a]
     excluded = [k for arg in dirname_exclusions([*typed, *extra]) for k in arg.partition("=[")[2][:-1].split(",") if k]
     names = sorted(set(excluded) | set(keys))  # the resume's own keys leave the jobs' directory names as they were
     argv = [*typed, *extra, f"hydra.sweep.dir={sweep_dir.resolve()}",
             *([f"hydra.job.config.override_dirname.exclude_keys=[{','.join(names)}]"] if names else [])]
     cwd = manifest.get("cwd")
-    if cwd and Path(cwd).is_dir():
+    if isinstance(cwd, str) and Path(cwd).is_dir():
         os.chdir(cwd)  # where it was typed: relative paths in the command mean what they meant
     sweep.RESUME = {"skip": [r["dir"] for r in rows if r["state"] not in again], "allowed": keys}
     PROG["train"] = command[0] if command else PROG["train"]

@@ -133,3 +133,70 @@ def _target_in(node: Any, key: str) -> str | None:
     elif isinstance(node, Sequence) and not isinstance(node, str):
         return next((f for i, v in enumerate(node) if (f := _target_in(v, f"{key}[{i}]"))), None)
     return None
+
+
+# --- a sweep's recorded command (sweep.json), which `lmlab sweep resume` runs again ------------------------------
+
+FLAGS = ("-m", "--multirun")  # a config directory or name (--config-dir, -cp, -cn) could point at anyone's YAMLs
+# Hydra's own keys a sweep's command may set: scheduling requests and search settings, as scalars. Not the ones that
+# run something (hydra.callbacks, a launcher's `setup` lines or extra sbatch parameters, hydra.job.env_set,
+# hydra.searchpath, a search's custom_search_space, a `_target_` anywhere).
+HYDRA_GROUPS = {"hydra/launcher": ("serial", "local", "slurm", "slurm_dry_run", "basic", "submitit_local",
+                                   "submitit_slurm", "lmlab_submitit_slurm"),
+                "hydra/sweeper": ("basic", "optuna")}
+HYDRA_SCALARS = re.compile(
+    r"^hydra\.(sweep\.(dir|subdir)|job\.config\.override_dirname\.exclude_keys"
+    r"|launcher\.(timeout_min|cpus_per_task|gpus_per_node|tasks_per_node|mem_gb|nodes|name|partition|qos|comment"
+    r"|constraint|exclude|gres|cpus_per_gpu|gpus_per_task|mem_per_gpu|mem_per_cpu|account|signal_delay_s"
+    r"|max_num_timeout|array_parallelism|wait|stderr_to_stdout)"
+    r"|sweeper\.(direction|study_name|n_trials|n_jobs|max_failure_rate|max_batch_size|sampler\.seed"
+    r"|sampler\.n_startup_trials|params\.[\w.\-/]+))$")
+
+
+def check_command(argv: Sequence[str], path: Path) -> list[str]:
+    """The arguments of a sweep's recorded command (`path`: its sweep.json), each checked as data before `lmlab sweep
+    resume` runs them: the sweep's own overrides (sweeps of values included), its launcher and search settings as
+    scalars; anything that would run code or read configs from elsewhere is refused naming the argument and why."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise SavedStateRefused(f"{path}: command[{i + 1}] is a {type(arg).__name__}, not an argument")
+        reason = _command_refusal(arg, parser)
+        if reason:
+            raise SavedStateRefused(f"{path}: command[{i + 1}] {arg!r} is refused ({reason}); `lmlab sweep resume` "
+                                    f"runs a sweep's recorded command only as data: if you trust it, run the command "
+                                    f"yourself with hydra.sweep.dir=<the sweep>")
+    return list(argv)
+
+
+def _command_refusal(arg: str, parser: Any) -> str | None:
+    if arg.startswith("-"):
+        return None if arg in FLAGS else "a flag other than -m: it could read configs from elsewhere"
+    try:
+        parsed = parser.parse_override(arg)
+    except Exception as err:  # noqa: BLE001  (Hydra's grammar error, any kind)
+        return f"not an override: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+    key = parsed.key_or_group
+    if any(HYDRA_KEYS.match(part) for part in re.split(r"[./@]", key)):
+        return f"{key!r} is one of Hydra's instantiation keys"
+    if key.startswith("hydra/"):
+        allowed = HYDRA_GROUPS.get(key, ())
+        return None if str(parsed.value()) in allowed else f"{key} accepts {', '.join(allowed) or 'nothing'} here"
+    if key.split(".")[0] == "hydra":
+        if not HYDRA_SCALARS.match(key):
+            return f"{key} is not among the launcher and search settings a recorded sweep may set"
+        value = parsed.value()
+        if isinstance(value, Mapping) or (isinstance(value, Sequence) and not isinstance(value, str)
+                                          and key != "hydra.job.config.override_dirname.exclude_keys"):
+            return f"{key} takes a single value here"
+    if parsed.is_sweep_override():
+        text = arg.partition("=")[2]
+        bad = [r for r in RESOLVER.findall(text) if r not in RESOLVERS]
+        if bad:
+            return f"the resolver {bad[0]!r} builds values when the config is read"
+        return f"{key}: Hydra's instantiation keys are not data" if "_target_" in text else None
+    if key.split(".")[0] == "hydra" or parsed.is_delete():
+        return None
+    return _value_refusal(parsed.value(), key, None)

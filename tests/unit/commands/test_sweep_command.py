@@ -38,3 +38,22 @@ def test_json_for_scripts_and_a_directory_without_a_manifest_is_refused(tmp_path
         main(["sweep", "resume", str(tmp_path / "nothing")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "has no sweep.json: not the directory of a sweep" in err, err
+
+
+def test_resume_refuses_a_hostile_recorded_command_before_anything_runs(tmp_path: Path, capsys,
+                                                                       dead_pid: int) -> None:
+    """A shared sweep directory's sweep.json whose command would write a file when composed: refused, exit 2,
+    nothing written (the job is `not started`, so the resume would otherwise run the command)."""
+    from lmlab.record import sweep
+
+    marker = tmp_path / "pwned"
+    _manifest(tmp_path, [_job("a", 0)], dead_pid)
+    manifest = json.loads(sweep.path_of(tmp_path).read_text())
+    manifest["command"] = ["python train.py", "-m", "seed=1,2",
+                           f"+trainer.plugins={{_target_:lmlab.record.rundir.atomic_write,path:{marker},data:x}}"]
+    sweep.path_of(tmp_path).write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep", "resume", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "command[3]" in err and "instantiation keys are not data" in err, err
+    assert not marker.exists() and not (tmp_path / "a").exists()

