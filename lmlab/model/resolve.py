@@ -47,6 +47,8 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     cfg.mixer = {**option_defaults(MIXERS[mixer_name]), **cfg.mixer}
     if "attention" in uses:
         _check_attention_layers(cfg)
+    else:
+        _check_no_attention(cfg, block_name)
     derived["kv_heads"] = _kv_heads(cfg) if "attention" in uses else 0
     derived["ffn_hidden"] = _ffn_hidden(cfg) if "ffn" in uses else 0
     for name, value in derived.items():
@@ -78,6 +80,18 @@ def _check_attention_layers(cfg: GPTConfig) -> None:
         raise ValueError(f"{shown}: mixer={cfg.mixer['name']} has no attention layer for it (mixer.pattern="
                          f"{cfg.mixer.get('pattern')}); add attention to mixer.pattern (e.g. [{cfg.mixer['name']},"
                          f"attention]) or leave the attention keys at their defaults")
+
+
+def _check_no_attention(cfg: GPTConfig, block: str) -> None:
+    """A block kind without an attention sublayer (block=gau: one unit per layer) does not read the attention group:
+    the option (mha, gqa, ...) is a transformer's and is recorded as unused, but a behaviour every attention option
+    takes (a document mask, a window, a softcap, sinks, a gate, q/k norms: conf/attention_base/shared.yaml) set away
+    from its default would be expected of the unit's attention too and do nothing, so it is refused by key."""
+    shared = option_defaults(ATTENTIONS["mha"])  # MHA takes exactly the shared keys
+    if changed := sorted(k for k, v in shared.items() if cfg.attention.get(k, v) != v):
+        shown = " ".join(f"attention.{k}={cfg.attention[k]}" for k in changed)
+        raise ValueError(f"{shown}: block={block} has no attention sublayer for it (one unit per layer, with its own "
+                         f"keys: block.*); use block=transformer, or leave the attention keys at their defaults")
 
 
 def _kv_heads(cfg: GPTConfig) -> int:

@@ -160,3 +160,16 @@ def test_flash_qk_init_makes_gau_tiny_at_init_with_relu2_only() -> None:
     assert gau.q_gamma.std().item() == pytest.approx(0.02, rel=0.5) and not gau.q_beta.any()
     assert torch.equal(GAU(D, S, E, score="relu2", activation={"name": "silu"}, bias=False, train_len=8).k_gamma,
                        torch.ones(S))  # the default: γ = 1, today's numbers
+
+
+@pytest.mark.parametrize("key, value", [("doc_mask", True), ("window", 8), ("softcap", 30.0), ("sinks", True),
+                                        ("gate", "headwise"), ("qk_norm", True), ("score", "relu2")])
+def test_an_attention_behaviour_a_gau_would_not_honour_is_refused_by_key(key: str, value: object) -> None:
+    """A GAU attends with its own unit (block.score, one head): an attention key every option takes, set away from its
+    default, would do nothing under block=gau (a document mask that masks nothing), so it is refused naming it; the
+    transformer takes it."""
+    attention = {"name": "mha", key: value}
+    with pytest.raises(ValueError, match=rf"attention\.{key}={value}: block=gau has no attention sublayer"):
+        resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, block={"name": "gau", "s": 8},
+                          attention=attention, eod_id=0))
+    resolve(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, attention=attention, eod_id=0))

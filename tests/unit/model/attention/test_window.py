@@ -296,6 +296,12 @@ def test_differential_attention_is_the_papers_equations() -> None:
         torch.testing.assert_close(weights.sum(-1), (1 - lam).expand(B, 2, T), **TOL)  # rows sum to 1 − λ
 
 
+def test_attention_differential_is_the_name_spec_lists_for_diff() -> None:
+    """`attention=differential` (SPEC's name) composes to attention=diff itself: the same keys, the same model."""
+    a, b = compose(["attention=differential"]), compose(["attention=diff"])
+    assert a.attention == b.attention and a.attention.name == "diff"
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"n_head": 3, "d_model": 48}, "model.n_head=3 must be even"),
     ({"attention": {"name": "diff", "score": "relu2"}}, "attention=diff is a difference of two softmax maps"),
