@@ -101,14 +101,18 @@ class LmlabSlurmLauncher(Recorded, SlurmLauncher or object):
         job_overrides = [o for _, o, _ in jobs]
         shown = swept(job_overrides)
         dirs = [d for _, _, d in jobs]
+        # `pending` before sbatch, not after: a job refused at once (optim.lr=abc) can say `failed` before sbatch
+        # returns here, and a word written after it would bury the job's own (the job then read as lost)
+        previous = {j["dir"]: j.get("submissions", 0) for j in (sweep.read(sweep_dir) or {"jobs": []})["jobs"]}
+        rel = [os.path.relpath(d, sweep_dir) for d in dirs]
+        sweep.record_jobs(sweep_dir, {r: {"state": "pending", "error": None, "submissions": previous.get(r, 0) + 1}
+                                      for r in rel})
         try:
             submitted = executor.map_array(self, *zip(*params))
         except FailedJobError as err:
             refuse(str(err), self.params)
-        previous = {j["dir"]: j.get("submissions", 0) for j in (sweep.read(sweep_dir) or {"jobs": []})["jobs"]}
-        rel = [os.path.relpath(d, sweep_dir) for d in dirs]
-        sweep.record_jobs(sweep_dir, {r: {"scheduler_id": j.job_id, "state": "pending", "log": str(j.paths.stderr),
-                                          "submissions": previous.get(r, 0) + 1} for r, j in zip(rel, submitted)})
+        sweep.record_jobs(sweep_dir, {r: {"scheduler_id": j.job_id, "log": str(j.paths.stderr)}
+                                      for r, j in zip(rel, submitted)})
         ids = ", ".join(j.job_id for j in submitted)
         if not self.wait:  # fire and forget: the jobs are SLURM's, the manifest says where they are
             print(f"slurm: submitted {len(submitted)} job(s): {ids}; not waiting (hydra.launcher.wait=false). "

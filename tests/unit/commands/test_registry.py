@@ -39,7 +39,22 @@ GROUPS = {
     "optim": OPTIMIZERS,
     "schedule": SCHEDULES,
 }
-YAMLS = [(group, path) for group in sorted(GROUPS) for path in sorted((CONF / group).glob("*.yaml"))]
+
+
+def _alias_of(path: Path) -> str | None:
+    """The option a YAML only renames (`defaults: [<option>, _self_]` and nothing else: attention=differential is
+    attention=diff, the record's name the option's own), else None."""
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    defaults = raw.get("defaults", [])
+    if set(raw) == {"defaults"} and len(defaults) == 2 and defaults[1] == "_self_" and isinstance(defaults[0], str):
+        return defaults[0]
+    return None
+
+
+ALIASES = {(group, path.stem): alias for group in sorted(GROUPS) for path in sorted((CONF / group).glob("*.yaml"))
+           if (alias := _alias_of(path))}
+YAMLS = [(group, path) for group in sorted(GROUPS) for path in sorted((CONF / group).glob("*.yaml"))
+         if (group, path.stem) not in ALIASES]
 
 
 def _load(path: Path) -> dict:
@@ -64,8 +79,20 @@ def _keyword_only(fn) -> list[str]:
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_yaml_stems_are_the_registry_keys(group: str) -> None:
-    stems = {p.stem for p in (CONF / group).glob("*.yaml")}
+    stems = {p.stem for p in (CONF / group).glob("*.yaml") if (group, p.stem) not in ALIASES}
     assert stems == set(GROUPS[group]), f"conf/{group}/ and the {group} registry disagree"
+
+
+@pytest.mark.parametrize(("group", "stem"), sorted(ALIASES), ids=[f"{g}/{s}" for g, s in sorted(ALIASES)])
+def test_an_alias_yaml_composes_to_the_option_it_names(group: str, stem: str) -> None:
+    """An alias is a second name, not a second option: it names a registry key, and composes to that option exactly."""
+    target = ALIASES[(group, stem)]
+    assert target in GROUPS[group] and stem not in GROUPS[group]
+    assert _load(CONF / group / f"{stem}.yaml") == _load(CONF / group / f"{target}.yaml")
+
+
+def test_the_alias_walk_finds_attention_differential() -> None:
+    assert ALIASES == {("attention", "differential"): "diff"}  # a new alias is added here on purpose, not by accident
 
 
 @pytest.mark.parametrize(("group", "path"), YAMLS, ids=[f"{g}/{p.stem}" for g, p in YAMLS])

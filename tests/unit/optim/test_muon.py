@@ -36,8 +36,9 @@ def _muon(model: nn.Module, **kw) -> MuonAdamW:
 def test_muon_takes_every_hidden_matrix_and_adamw_the_rest(block: str, tie: bool) -> None:
     """The rule: every 2-D weight of a Linear inside the blocks goes to Muon; embeddings, the LM head (tied or not),
     norm gains, biases and position tables to AdamW. Each parameter exactly once."""
+    extras = {"qk_norm": True, "gate": "headwise"} if block == "transformer" else {}  # the attention sublayer's
     model = _model(block={"name": block}, bias=True, tie_embeddings=tie, position={"name": "learned"},
-                   attention={"name": "mha", "qk_norm": True, "gate": "headwise"})
+                   attention={"name": "mha", **extras})
     opt = _muon(model)
     kinds = {id(p): g["kind"] for g in opt.param_groups for p in g["params"]}
     hidden = {id(m.weight) for blk in model.h for m in blk.modules() if isinstance(m, nn.Linear)}

@@ -153,9 +153,10 @@ def test_probs_are_the_scores_weights(score: str) -> None:
 @pytest.mark.parametrize("score", sorted(SCORES))
 def test_monitor_logs_an_entropy_only_for_distributions(score: str, block: str) -> None:
     """relu2's rows are not distributions: no attn/entropy for them, the max logit still; found in either block."""
-    spec = {"name": "gau", "s": 16, "score": score} if block == "gau" else {"name": "transformer"}
+    gau = block == "gau"  # the unit reads its own block.score; attention.* is a transformer's
+    spec = {"name": "gau", "s": 16, "score": score} if gau else {"name": "transformer"}
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16, block=spec,
-                          attention={"name": "mha", "score": score}))
+                          attention={"name": "mha"} if gau else {"name": "mha", "score": score}))
     monitor = StabilityMonitor()
     monitor._attn_in = {i: (torch.randn(2, 6, 32), None) for i in range(2)}  # (input, document numbers)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
