@@ -10,6 +10,7 @@ TRAIN_Z_LOSS = "train/z_loss"  # mean (log Z)² of the output logits, under opti
 TRAIN_AUX = {"balance": "train/moe_balance_loss", "router_z": "train/router_z_loss"}
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
+VAL_EMA_LOSS = "val/ema_loss"  # val/loss of the weight EMA (optim.ema > 0; lmlab.optim.ema), at every validation
 TOKENS = "tokens"  # tokens trained on so far
 GRAD_NORM = "grad/norm"  # global, before clipping; per part: grad_norm(part)
 LOSS_VS_UNIGRAM = "train/loss_vs_unigram"  # the train loss minus the unigram entropy of the training split

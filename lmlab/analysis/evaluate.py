@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -150,17 +150,20 @@ def check_reach(position: str, scaling: str, length: int, trained: int, allow_ex
 
 def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, scalings: Sequence[str] | None = None,
              allow_extrapolation: bool = False, batch_size: PositiveInt = 8, out_dir: str | Path | None = None,
-             max_windows: PositiveInt | None = 64, dynamic_step: PositiveInt | None = None) -> dict[str, Any]:
-    """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir."""
+             max_windows: PositiveInt | None = 64, dynamic_step: PositiveInt | None = None,
+             weights: Literal["live", "ema"] = "live") -> dict[str, Any]:
+    """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir.
+    `weights`: the run's live weights, or `ema` its weight EMA (a run with optim.ema > 0; lmlab.optim.ema)."""
     # The arguments, by the types and ranges of the signature (named as eval.py's keys), before the run is loaded.
     args = {"lengths": lengths, "allow_extrapolation": allow_extrapolation, "batch_size": batch_size,
-            "max_windows": max_windows, "dynamic_step": dynamic_step}
+            "max_windows": max_windows, "dynamic_step": dynamic_step, "weights": weights}
     check_values("", args, parameter_types(evaluate, ("POSITIONAL_OR_KEYWORD",)))
     for s in scalings or []:
         scaling_spec(s)  # raises naming the choices
     run_dir = Path(run_dir)
     saved = load_run(run_dir)
-    model_cfg, weights, run_cfg = saved.model, saved.weights, saved.config
+    model_cfg, run_cfg = saved.model, saved.config
+    state = saved.weights if weights == "live" else saved.build(weights).state_dict()  # tied weights follow
     run_status, note = run_note(run_dir)
     trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]
     position = model_cfg["position"]["name"]
@@ -185,7 +188,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
         windows = dm.val_windows(length)[:max_windows]  # the same windows for every method: a paired comparison
         for s in scalings:
             spec = own if s == own["name"] else scaling_spec(s)  # a run fine-tuned with a scaling keeps its settings
-            model = extension_model(model_cfg, weights, length, spec)
+            model = extension_model(model_cfg, state, length, spec)
             if getattr(ROPE_SCALINGS[spec["name"]], "dynamic", False) and length > trained:
                 per_pos = dynamic_position_losses(model, windows, trained, step, batch_size)
             else:
@@ -200,7 +203,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
             })
             curves.setdefault(s, {})[length] = per_pos.tolist()
     result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows,
-              "run_status": run_status, "note": note}
+              "run_status": run_status, "note": note, **({"weights": weights} if weights != "live" else {})}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
         from lmlab.record.tracking import log_eval

@@ -55,6 +55,9 @@ def main(cfg: DictConfig) -> None:
         cfg.run = str(as_run(cfg.hf, tempfile.mkdtemp(prefix="lmlab-hf-run-"), OmegaConf.to_container(data)))
     if not cfg.run:
         raise ValueError("one of run=<run dir>, hf=<transformers dir> or compare=<multirun dir> is needed")
+    if cfg.weights != "live" and (cfg.export or cfg.harness):
+        raise ValueError(f"weights={cfg.weights}: the evaluation reads it; export= and harness= read the live "
+                         f"weights (weights=live)")
     if cfg.export:
         if cfg.export != "hf" or not cfg.out:
             raise ValueError(f"export={cfg.export!r}: the accepted form is export=hf out=<dir>")
@@ -70,10 +73,10 @@ def main(cfg: DictConfig) -> None:
     from lmlab.analysis.evaluate import evaluate
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
-    out = Path(cfg.out or Path(cfg.run) / "eval")
+    out = Path(cfg.out or Path(cfg.run) / ("eval" if cfg.weights == "live" else f"eval_{cfg.weights}"))
     result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
                       allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
-                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step)
+                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step, weights=cfg.weights)
     print((f"note: {result['note']}\n\n" if result["note"] else "") + (out / "eval.md").read_text() + f"\n-> {out}/")
 
 

@@ -5,7 +5,8 @@ weight decay only on matrices that are not embeddings (no decay on norms, biases
 GPT-2/nanoGPT use. `grad_clip` in the `optim` config is read by the training loop, not the optimizer.
 An option says on itself what else it needs: `roles = True` (its groups split by role: `hidden` matrices, the
 `readout`, the rest; Muon), `mup = True` (an Adam-like, entrywise-normalised update, for which µP's per-group learning
-rates are defined: `param=mup` takes only these), `shards = False` with a reason (refused under trainer=fsdp2).
+rates are defined: `param=mup` takes only these), `shards` with a reason (refused under trainer=fsdp2), `averages`
+with a reason (its evaluation weights are an average already: refused with a weight EMA, optim.ema; lmlab.optim.ema).
 Schedule contract: `sched(step, max_steps, *, warmup_steps, <own params>) -> lr multiplier`; every schedule
 warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stability studies).
 """
@@ -13,7 +14,7 @@ warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stabi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Literal
 
 import torch
@@ -37,14 +38,31 @@ from lmlab.registry import (
 Betas = Annotated[tuple[float, float], Range(ge=0, lt=1)]  # moving-average coefficients, each in [0, 1)
 
 
-def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False) -> list[dict]:
+def layout(module: nn.Module) -> tuple[tuple[int, int], ...] | None:
+    """A Linear's row blocks (size, rows per head or 0) when it stores several matrices (`fused`: attention's q, k, v;
+    a GLU's gate, up); the query and key blocks of an attention projection (`head_rows`, not `value_parts`) carry
+    their head size. None: one matrix (or a stack of experts', `n_experts`, that is not fused)."""
+    blocks = getattr(module, "fused", None)
+    if not blocks or len(blocks) < 2:
+        return None
+    head = getattr(module, "head_rows", 0)
+    values = getattr(module, "value_parts", (True,) * len(blocks))
+    per = len(values)  # an MoE's fused repeats one expert's blocks E times
+    return tuple((size, 0 if values[i % per] else head) for i, size in enumerate(blocks))
+
+
+def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False,
+                 layouts: bool = False) -> list[dict]:
     """Decay 2-D weights of Linear layers; never norms, biases or embedding tables (tied heads included).
 
     by_role: three groups, each with its `role`: `hidden` (the decayed matrices but the readout: every Linear weight
     inside the blocks), `readout` (a Linear marked `is_readout`, the untied LM head) and `rest` (embeddings, gains,
     biases); empty groups are left out. The weights that stack E experts' matrices (a Linear with `n_experts` > 1, an
     MoE's) form `hidden` groups of their own after the first, one per E, with `experts` = E (Muon orthogonalises each
-    expert's matrix). The default two groups are the optimizer state's layout of every earlier run."""
+    expert's matrix). The default two groups are the optimizer state's layout of every earlier run.
+
+    layouts (with by_role): each hidden group carries `layouts`, one per parameter, its row blocks (`layout`), which
+    Muon's `split` cuts the matrix by."""
     no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     readout = {id(m.weight) for m in model.modules() if getattr(m, "is_readout", False)} - no_decay
     decay, rest = [], []
@@ -60,6 +78,11 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False) -
                  "role": "hidden", "experts": E} for E in sorted(set(stacked.values()))),
               {"params": [p for p in decay if id(p) in readout], "weight_decay": weight_decay, "role": "readout"},
               {"params": rest, "weight_decay": 0.0, "role": "rest"}]
+    if layouts:
+        of = {id(m.weight): layout(m) for m in model.modules() if isinstance(m, nn.Linear)}
+        for g in groups:
+            if g["role"] == "hidden":
+                g["layouts"] = [of.get(id(p)) for p in g["params"]]
     return [g for g in groups if g["params"]]
 
 
@@ -130,16 +153,32 @@ def muon(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, adam_lr: PositiveF
          momentum: Annotated[float, Range(ge=0, lt=1)] = 0.95, nesterov: bool = True, ns_steps: PositiveInt = 5,
          adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw", betas: Betas = (0.9, 0.95),
          eps: PositiveFloat = 1e-8, cautious_wd: bool = False, momentum_warmup_steps: NonNegativeInt = 0,
-         momentum_start: Annotated[float, Range(ge=0, lt=1)] = 0.85, fused: bool | None = None) -> MuonAdamW:
+         momentum_start: Annotated[float, Range(ge=0, lt=1)] = 0.85, fused: bool | None = None,
+         split: Literal["none", "parts", "heads", "head_pairs"] = "none",
+         ns_coefficients: Literal["quintic", "polar_express"] = "quintic", normuon: bool = False,
+         normuon_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95, normuon_eps: PositiveFloat = 1e-8) -> MuonAdamW:
     """Muon for the hidden matrices at `lr` (scaled by `adjust_lr_fn`), AdamW (betas, eps) for the rest at `adam_lr`
-    (lmlab.optim.muon); weight decay on the hidden matrices and an untied head, as for AdamW."""
+    (lmlab.optim.muon); weight decay on the hidden matrices and an untied head, as for AdamW. The family's keys:
+    `split` (fused matrices orthogonalised by part, head or pair of heads), `ns_coefficients` (quintic or Polar
+    Express), `normuon` (NorMuon's per-neuron second moment, `normuon_beta2`, `normuon_eps`)."""
+    _check_muon({"ns_steps": ns_steps, "ns_coefficients": ns_coefficients})
     return MuonAdamW(groups, lr=lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                      adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, cautious_wd=cautious_wd,
                      momentum_warmup_steps=momentum_warmup_steps, momentum_start=momentum_start, fused=fused,
-                     adamw=adamw)
+                     adamw=adamw, split=split, ns_coefficients=ns_coefficients, normuon=normuon,
+                     normuon_beta2=normuon_beta2, normuon_eps=normuon_eps)
+
+
+def _check_muon(params: dict) -> None:
+    """Keys that fit only together: Polar Express's coefficients are five steps'."""
+    if params.get("ns_coefficients") == "polar_express" and params.get("ns_steps", 5) != 5:
+        raise ValueError(f"optim.ns_steps={params['ns_steps']} with optim.ns_coefficients=polar_express: its "
+                         f"coefficients are computed for 5 steps; use optim.ns_steps=5")
 
 
 muon.roles = True
+muon.check = _check_muon  # run by validate_optim, before training
+muon.layouts = True  # its hidden groups carry each matrix's row blocks (optim.split)
 muon.shards = ("Newton–Schulz orthogonalises whole matrices, and FSDP2 holds row shards of each; use trainer=ddp "
                "(every rank holds the whole matrices)")
 
@@ -170,6 +209,8 @@ def schedulefree(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, betas: Bet
 
 
 schedulefree.mup = True
+schedulefree.averages = ("its evaluation weights x are already an average of the iterates (what validation, eval.py "
+                         "and the checkpoint read); set optim.ema=0")
 schedulefree.shards = ("its checkpoints hold the evaluation weights x computed from the whole state dict, which "
                        "trainer=fsdp2 writes sharded; use trainer=ddp")
 
@@ -322,8 +363,11 @@ SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": ws
 
 # --- the optim and schedule groups, checked (lmlab.run.checks: before Lightning is imported) ----------------------
 
-# the loop's keys: z_loss is PaLM's auxiliary λ·mean(log Z)² on the output logits (0: off), added to the objective
-OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None, "z_loss": NonNegativeFloat}
+# the loop's keys: z_loss is PaLM's auxiliary λ·mean(log Z)² on the output logits (0: off), added to the objective;
+# ema the decay of a weight EMA evaluated beside the weights (0: off), ema_start the steps it copies them first
+# (lmlab.optim.ema)
+OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None, "z_loss": NonNegativeFloat,
+                   "ema": Annotated[float, Range(ge=0, lt=1)], "ema_start": NonNegativeInt}
 
 
 def optimizer_spec(optim: dict) -> dict:
@@ -331,17 +375,41 @@ def optimizer_spec(optim: dict) -> dict:
     return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
 
 
+def check_pieces(optim: dict, build: Callable[[], nn.Module]) -> None:
+    """An optimizer that cuts matrices by their row blocks (Muon's optim.split) cut against the model `build()` makes
+    (on the meta device: only shapes are read), only for such an optimizer: a split that does not fit a matrix is
+    refused, naming the key, before training."""
+    from lmlab.optim.muon import pieces
+
+    name, params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    if not getattr(OPTIMIZERS[name], "layouts", False) or params.get("split", "none") == "none":
+        return
+    for g in param_groups(build(), 0.0, by_role=True, layouts=True):
+        for p, lay in zip(g["params"], g.get("layouts", []), strict=False):
+            pieces(p.size(0), lay, g.get("experts", 1), params.get("split", "none"))
+
+
 def validate_optim(optim: dict, schedule: dict, strategy: str | None = None, param: dict | None = None) -> None:
     """Names, keys, types and ranges of the optim and schedule groups (the ranges are on each option's signature);
     an option that cannot run on sharded parameters (its `shards` reason) is refused under FSDP2 (`strategy`, the
-    trainer strategy's class name); a parametrisation with per-role learning rates (µP) takes the optimizers whose
-    update is Adam-like (`mup` on the option)."""
+    trainer strategy's class name), and so is a weight EMA (optim.ema > 0), which an option whose evaluation weights
+    are an average already (its `averages` reason) refuses too; a parametrisation with per-role learning rates (µP)
+    takes the optimizers whose update is Adam-like (`mup` on the option)."""
     check_values("optim.", optim, OPTIM_LOOP_KEYS)
-    name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    name, params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
+    if check := getattr(OPTIMIZERS[name], "check", None):  # an option's own rule across its keys
+        check(params)
     option_params("schedule", SCHEDULES, schedule)
     reason = getattr(OPTIMIZERS[name], "shards", None)
     if reason and strategy == "FSDP2Strategy":
         raise ValueError(f"optim={name} with trainer=fsdp2: {reason}")
+    if ema := optim.get("ema"):
+        if reason := getattr(OPTIMIZERS[name], "averages", None):
+            raise ValueError(f"optim.ema={ema} with optim={name}: {reason}")
+        if strategy in ("FSDP2Strategy", "fsdp"):  # trainer=fsdp2, trainer=fsdp (Lightning's FSDP)
+            raise ValueError(f"optim.ema={ema} with trainer={'fsdp2' if strategy == 'FSDP2Strategy' else 'fsdp'}: the "
+                             f"EMA is averaged and checkpointed as whole tensors beside the weights, which FSDP "
+                             f"shards; use trainer=ddp, or optim.ema=0")
     if param is not None and param.get("name", "sp") != "sp" and not getattr(OPTIMIZERS[name], "mup", False):
         takes = sorted(k for k, fn in OPTIMIZERS.items() if getattr(fn, "mup", False))
         raise ValueError(f"param={param['name']} with optim={name}: µP's learning rates (hidden lr·base_width/d_model) "

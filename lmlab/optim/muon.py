@@ -23,6 +23,23 @@ with its own s(m, n), by one batched Newton–Schulz over the (E, m, n) view (`E
 treatment of expert weights). The stack as one matrix would couple the experts' updates: an expert that gets few
 tokens would take its step size from the others' gradients.
 
+The Muon family, each a key of optim=muon (all off: torch.optim.Muon's step, as every earlier run):
+
+- `split` — which matrices are orthogonalised apart. A fused projection is several matrices stored as row blocks
+  (a Linear's `fused`: attention's [W_q; W_k; W_v], a GLU's [W_gate; W_up], GAU's [W_u; W_v; W_z]); `none`
+  orthogonalises the stack as one matrix, `parts` each block on its own (modded-nanogpt's Q, K, V apart), `heads`
+  the query and key blocks one head at a time (a Linear's `head_rows`; values and the rest by part) and
+  `head_pairs` in pairs of adjacent heads (modded-nanogpt's qk bank). Every piece (m_i × n) takes its own
+  s(m_i, n). An MoE's stacked experts are always apart (one expert's blocks at least).
+- `ns_coefficients` — `quintic` (a, b, c) = (3.4445, −4.775, 2.0315) at every step from X = U/‖U‖_F, or
+  `polar_express` (Amsel, Persson, Musco & Gower, 2025): a different odd quintic p_t(x) = a_t x + b_t x³ + c_t x⁵ at
+  each of the 5 steps (minimax-optimal for σ ∈ [10⁻³, 1], safety factor 2·10⁻², cushion 2; the numbers
+  modded-nanogpt runs), from X = U/(1.02·‖U‖_F + 10⁻⁶). Its composition takes singular values from 10⁻³ to 1 much
+  closer to 1 than the quintic's 5 steps (tests/unit/optim/test_muon_family.py measures both).
+- `normuon` (Li et al., 2025, NorMuon): a second moment per neuron (row) of the orthogonalised update,
+  v ← β₂·v + (1 − β₂)·mean_j O_ij², Ô = O / (√v + ε), then Ô rescaled to the Frobenius norm of an orthogonal
+  piece, √min(m, n) (so that with `match_rms_adamw` the step is the paper's lr·0.2·√(mn)·Ô/‖Ô‖_F; `normuon_beta2`).
+
 Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
 Under FSDP2 each rank holds row shards of W, and NS needs the whole matrix: lmlab refuses optim=muon with trainer=fsdp2
 (lmlab.optim.validate_optim) rather than gather every matrix on every rank. DDP needs nothing: each rank holds the
@@ -39,6 +56,15 @@ import torch
 from lmlab.optim.cautious import cautious_step
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Polar Express's five steps (Amsel et al., 2025; computed for 5 iterations, safety factor 2e-2, cushion 2), and the
+# normalisation they are computed for: X = U / (‖U‖_F·(1 + 2e-2) + 1e-6)
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_SAFETY, POLAR_EPS = 2e-2, 1e-6
+SPLITS = ("none", "parts", "heads", "head_pairs")
 
 
 MUON_KINDS = ("muon", "muon_experts")  # the groups the momentum warm-up applies to
@@ -61,6 +87,44 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
         B = mm(A, A, A, beta=b, alpha=c)  # bA + cA², in torch's order (bf16 rounds each op)
         x = mm(x, B, x, beta=a)  # aX + BX
     return x.mT if tall else x
+
+
+def polar_express(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Polar Express's five steps X ← a_t X + (b_t A + c_t A²) X, A = XXᵀ, from X = G/(1.02·‖G‖_F + 10⁻⁶) (a tall G
+    transposed), on a matrix or an (E, m, n) stack; in bf16 as Muon runs (`dtype`: float64 for the tests)."""
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * (1 + POLAR_SAFETY) + POLAR_EPS)
+    mm = torch.addmm if x.dim() == 2 else torch.baddbmm
+    for a, b, c in POLAR_EXPRESS:
+        A = x @ x.mT
+        x = mm(x, mm(A, A, A, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def pieces(rows: int, layout: tuple[tuple[int, int], ...] | None, experts: int, split: str) -> list[int]:
+    """The row counts of the matrices a weight of `rows` rows is orthogonalised as, top to bottom. `layout`: its row
+    blocks (size, rows per head of a query/key block or 0), from lmlab.optim.param_groups; an MoE's stack of
+    `experts` is never one matrix."""
+    blocks = list(layout or ()) or [(rows // experts, 0)] * experts
+    if split == "none" or not layout:
+        return [rows // experts] * experts
+    if split == "parts":
+        return [size for size, _ in blocks]
+    out = []
+    for size, head in blocks:
+        step = head * (2 if split == "head_pairs" else 1)
+        if not head:
+            out.append(size)
+        elif size % step:
+            raise ValueError(f"optim.split={split}: a query/key block of {size // head} heads cannot be cut in pairs "
+                             f"of heads (model.n_head and model.n_kv_head must be even); use optim.split=heads or "
+                             f"parts")
+        else:
+            out += [step] * (size // step)
+    return out
 
 
 def lr_scale(adjust_lr_fn: str | None, m: int, n: int) -> float:
@@ -98,6 +162,87 @@ class ExpertMuon(torch.optim.Optimizer):
         return loss
 
 
+class PieceMuon(torch.optim.Optimizer):
+    """Muon one piece at a time (`pieces`: the split), with the family's keys: momentum on the whole tensor as torch's
+    step has it, then per piece the orthogonalisation (`ns_coefficients`), NorMuon's per-row normalisation and the lr
+    scale s(m_i, n). A group's `layouts` (one per parameter: its row blocks) come from param_groups; `experts` > 1
+    stacks. With split=none, quintic, normuon=false it is torch.optim.Muon's update (ExpertMuon's, for a stack)."""
+
+    def __init__(self, params: Iterable, lr: float, momentum: float, nesterov: bool, ns_steps: int,
+                 adjust_lr_fn: str | None, weight_decay: float = 0.1, split: str = "none",
+                 ns_coefficients: str = "quintic", normuon: bool = False, normuon_beta2: float = 0.95,
+                 normuon_eps: float = 1e-8) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay, eps=1e-7, split=split,
+                                      ns_coefficients=ns_coefficients, normuon=normuon, normuon_beta2=normuon_beta2,
+                                      normuon_eps=normuon_eps))
+        for g in self.param_groups:  # every piece list known, and checked, before the first step
+            layouts = g.get("layouts") or [None] * len(g["params"])
+            g["pieces"] = [pieces(p.size(0), lay, g.get("experts", 1), g["split"]) for p, lay in
+                           zip(g["params"], layouts, strict=True)]
+            g.pop("layouts", None)
+
+    def orthogonalise(self, g: dict, u: torch.Tensor) -> torch.Tensor:
+        """O of a stack of equal pieces (k, m, n)."""
+        if g["ns_coefficients"] == "polar_express":
+            return polar_express(u)
+        return newton_schulz(u, g["ns_steps"], NS_COEFFICIENTS, g["eps"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = torch.enable_grad()(closure)() if closure is not None else None
+        for g in self.param_groups:
+            mu = g["momentum"]
+            for p, rows in zip(g["params"], g["pieces"], strict=True):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - mu)
+                update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
+                n = p.size(1)
+                out, start = [], 0
+                for size, count in _runs(rows):  # equal neighbours in one batched iteration
+                    stack = update[start:start + size * count].view(count, size, n)
+                    out.append(self.orthogonalise(g, stack).reshape(size * count, n))
+                    start += size * count
+                o = torch.cat(out).to(p.dtype)
+                if g["normuon"]:
+                    o = self.normalise(g, state, o, rows)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                start = 0
+                for size in rows:
+                    p[start:start + size].add_(o[start:start + size], alpha=-g["lr"] * lr_scale(g["adjust_lr_fn"],
+                                                                                               size, n))
+                    start += size
+        return loss
+
+    @staticmethod
+    def normalise(g: dict, state: dict, o: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """NorMuon: each row by the root of its second moment, then each piece back to an orthogonal matrix's
+        Frobenius norm √min(m_i, n)."""
+        v = state.setdefault("normuon_v", torch.zeros(o.size(0), 1, dtype=torch.float32, device=o.device))
+        v.lerp_(o.float().square().mean(dim=1, keepdim=True), 1 - g["normuon_beta2"])
+        o_hat = o.float() / (v.sqrt() + g["normuon_eps"])
+        start, n = 0, o.size(1)
+        for size in rows:
+            piece = o_hat[start:start + size]
+            piece.mul_(math.sqrt(min(size, n)) / piece.norm().clamp(min=1e-12))
+            start += size
+        return o_hat.to(o.dtype)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """(size, how many in a row) of a piece list: [64, 16, 16] → [(64, 1), (16, 2)]."""
+    out: list[list[int]] = []
+    for r in rows:
+        if out and out[-1][0] == r:
+            out[-1][1] += 1
+        else:
+            out.append([r, 1])
+    return [(r, c) for r, c in out]
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer over two kinds of groups (`kind`: "muon" or "adamw"); each kind is stepped by torch's own
     optimizer, which shares this object's param groups and state, so `state_dict()`/`load_state_dict()` are torch's:
@@ -106,9 +251,15 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups: Iterable[dict], *, lr: float, adam_lr: float, momentum: float, nesterov: bool,
                  ns_steps: int, adjust_lr_fn: str, betas: tuple[float, float], eps: float, cautious_wd: bool,
                  momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None,
-                 adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> None:
+                 adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, split: str = "none",
+                 ns_coefficients: str = "quintic", normuon: bool = False, normuon_beta2: float = 0.95,
+                 normuon_eps: float = 1e-8) -> None:
         """`adamw(groups, lr=, betas=, eps=, fused=)` builds the AdamW half (lmlab.optim passes its own: the fused
-        kernel picked, cautious decay honoured)."""
+        kernel picked, cautious decay honoured). The family's keys (split, ns_coefficients, normuon) at their
+        defaults leave the hidden matrices to torch.optim.Muon (and an MoE's to ExpertMuon); set, to PieceMuon."""
+        family = dict(split=split, ns_coefficients=ns_coefficients, normuon=normuon, normuon_beta2=normuon_beta2,
+                      normuon_eps=normuon_eps)
+        plain = split == "none" and ns_coefficients == "quintic" and not normuon
         muon_groups, expert_groups, adam_groups = [], [], []
         for g in groups:
             params = list(g["params"])
@@ -117,13 +268,20 @@ class MuonAdamW(torch.optim.Optimizer):
             role = g.get("role", "hidden" if all(p.dim() == 2 for p in params) else "other")
             kind = adam_groups if role != "hidden" else expert_groups if g.get("experts", 1) > 1 else muon_groups
             kind.append({**g, "params": params, "cautious": cautious_wd})
+            if plain or kind is adam_groups:
+                kind[-1].pop("layouts", None)
         children = []
         for kind, builder, kind_groups in (("muon", torch.optim.Muon, muon_groups),
                                            ("muon_experts", ExpertMuon, expert_groups)):
             if not kind_groups:
                 continue
-            children.append(builder(kind_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                    adjust_lr_fn=adjust_lr_fn))
+            if plain:
+                child = builder(kind_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                adjust_lr_fn=adjust_lr_fn)
+            else:
+                child = PieceMuon(kind_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                  adjust_lr_fn=adjust_lr_fn, **family)
+            children.append(child)
             for g in children[-1].param_groups:
                 g.update(kind=kind, momentum_target=momentum, momentum_start=momentum_start,
                          momentum_warmup_steps=momentum_warmup_steps, muon_step=0)

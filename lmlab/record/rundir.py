@@ -49,6 +49,7 @@ SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 TOKENIZER = "tokenizer.json"
 HYDRA = ".hydra"
+WEIGHTS = ("live", "ema")  # what SavedRun.build, eval.py weights= evaluate: the weights, or the weight EMA (optim.ema)
 LOCK = ".lmlab.lock"
 HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 WANDB = "wandb"
@@ -232,14 +233,24 @@ class SavedRun:
     step: int
     config: dict[str, Any]  # the composed config it ran with (summary.json's, or .hydra/config.yaml's)
     tokenizer: Path
+    ema_weights: dict[str, Any] | None = None  # optim.ema > 0: the weight EMA by parameter name (lmlab.optim.ema)
 
-    def build(self) -> Any:
-        """The run's GPT with its weights, in eval mode."""
+    def build(self, weights: str = "live") -> Any:
+        """The run's GPT with its weights, in eval mode: the live weights, or `weights="ema"` the weight EMA's
+        parameters (optim.ema > 0) over the live buffers."""
         from lmlab.config import GPTConfig  # here, not at the top: reading records needs no torch model code
         from lmlab.model.gpt import GPT, validate
 
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights={weights!r}: choose among {', '.join(WEIGHTS)}")
+        if weights == "ema" and not self.ema_weights:
+            raise ValueError(f"weights=ema: {self.path} has no weight EMA (it trained with optim.ema=0)")
         model = GPT(validate(GPTConfig(**self.model)))
         model.load_state_dict(self.weights)
+        if weights == "ema":
+            from lmlab.optim.ema import load_ema
+
+            load_ema(model, self.ema_weights)
         return model.eval()
 
 
@@ -265,12 +276,13 @@ def load_run(run_dir: str | Path, what: str = "run") -> SavedRun:
     else:  # a checkpoint alone (copied without its records): its weights and model config are all there is
         config = {}
     return SavedRun(path=run.path, model=model_config(state), weights=weights, step=int(state.get("global_step", 0)),
-                    config=config, tokenizer=run.tokenizer)
+                    config=config, tokenizer=run.tokenizer, ema_weights=(state.get("lmlab") or {}).get("ema_weights"))
 
 
-def load_model(run_dir: str | Path, what: str = "run") -> Any:
-    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True), in eval mode."""
-    return load_run(run_dir, what).build()
+def load_model(run_dir: str | Path, what: str = "run", weights: str = "live") -> Any:
+    """The GPT of a run directory, from its last checkpoint (loaded with weights_only=True), in eval mode: its live
+    weights, or `weights="ema"` its weight EMA's (SavedRun.build)."""
+    return load_run(run_dir, what).build(weights)
 
 
 class RunDir:

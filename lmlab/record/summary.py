@@ -69,6 +69,7 @@ class RunSummary(TypedDict, total=False):
     steps: int  # optimizer steps done
     tokens: int
     final_val_loss: float | None
+    final_val_ema_loss: float | None  # optim.ema > 0 only: the last validation's loss of the weight EMA (val/ema_loss)
     final_val_ppl: float | None
     best_val_loss: float | None
     best_val_ppl: float | None
@@ -121,6 +122,8 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "final_val_ppl": _ppl(final),
         "best_val_loss": min(vals) if vals else None,
         "best_val_ppl": _ppl(min(vals)) if vals else None,
+        **({"final_val_ema_loss": lit.ema_val_history[-1][1] if lit.ema_val_history else None}
+           if lit.hparams.optim.get("ema") else {}),  # a run without an EMA: its summary as before
         "val_curve": [(int(step), loss) for step, loss in lit.val_history],
         "unigram_val_loss": unigram,  # entropy of the val split's unigram distribution: the best unigram model
         "val_loss_vs_unigram": (final / unigram) if final is not None and unigram else None,

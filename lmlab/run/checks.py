@@ -26,6 +26,16 @@ def _slurm_launched() -> bool:
     return SLURMEnvironment.detect()
 
 
+def _meta_model(gcfg):
+    """The model's shapes, on the meta device (no memory)."""
+    import torch
+
+    from lmlab.model.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(gcfg)
+
+
 def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
     and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
@@ -36,13 +46,14 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     import torch
 
     from lmlab.model.memory import check_attention_fits, check_batch_fits
-    from lmlab.optim import validate_optim
+    from lmlab.optim import check_pieces, validate_optim
     from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
     gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
+    check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,

@@ -22,6 +22,7 @@ from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, valid
     param_groups,
     validate_optim,
 )
+from lmlab.optim.ema import WeightEMA
 from lmlab.registry import build, option_params
 
 
@@ -35,7 +36,8 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     opt_name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     param = getattr(model, "param", None)
     by_role = getattr(OPTIMIZERS[opt_name], "roles", False) or bool(param is not None and param.per_role)
-    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role)
+    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role,
+                          layouts=getattr(OPTIMIZERS[opt_name], "layouts", False))
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
     if param is not None and param.per_role:
         for g in optimizer.param_groups:
@@ -61,6 +63,9 @@ class LitGPT(L.LightningModule):
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
         object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
         self.tokens_seen = 0
+        self.ema: WeightEMA | None = None  # optim.ema > 0: built when training starts (after a resume's weights)
+        self.ema_val_history: list[tuple[int, float]] = []  # (step, the EMA's val loss) of every validation
+        self._ema_saved: dict[str, torch.Tensor] | None = None  # a resumed checkpoint's, until the EMA is built
 
     def configure_model(self) -> None:
         """Under trainer=fsdp2 (lmlab.run.distributed.FSDP2Strategy): fully_shard each block and the root, with
@@ -122,11 +127,30 @@ class LitGPT(L.LightningModule):
         self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
         for metric, value in self.model.figures("val").items():  # head=mtp: the extra depths', apart
             self.log(f"val/{metric}", value, sync_dist=True, batch_size=n)
+        if self.ema is not None:  # the same batch through the EMA's weights (lmlab.optim.ema), the live ones after
+            with self.ema.applied(self.model):
+                self.log(names.VAL_EMA_LOSS, self.loss(batch), sync_dist=True, batch_size=n)
 
     def on_validation_epoch_end(self) -> None:
         if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:
             self.log(names.VAL_PPL, math.exp(min(float(loss), 50.0)), sync_dist=True)  # equal on every rank
             self.val_history.append((self.global_step, float(loss)))
+            if self.ema is not None and (ema := self.trainer.callback_metrics.get(names.VAL_EMA_LOSS)) is not None:
+                self.ema_val_history.append((self.global_step, float(ema)))
+
+    # --- the weight EMA (optim.ema, lmlab.optim.ema): an evaluation readout, updated after each optimizer step ----
+
+    def on_train_start(self) -> None:
+        if decay := float(self.hparams.optim.get("ema") or 0.0):
+            self.ema = WeightEMA(self.model, decay, start=int(self.hparams.optim.get("ema_start") or 0))
+            if self._ema_saved is not None:  # a resume: the checkpoint's average goes on
+                self.ema.load_state_dict(self._ema_saved)
+            self._ema_saved = None
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.ema is not None:  # Lightning counts the step after this hook: this one makes global_step + 1 done
+            self.ema.update(self.model, step=self.global_step + 1)
 
     # --- optimizers with train/eval modes (schedule-free: lmlab.optim.schedule_free): evaluate x, train at y ---------
 
@@ -211,6 +235,8 @@ class LitGPT(L.LightningModule):
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict(),
                                 "launch": self.launch()}
+        if self.ema is not None:  # beside the live weights, which eval.py, export and init_from read as before
+            checkpoint["lmlab"].update(ema_weights=self.ema.state_dict(), ema_val_history=self.ema_val_history)
         opt = self._modal_optimizer()
         if opt is not None and opt.training and "state_dict" in checkpoint:
             # Written while training: the weights are the evaluation weights x (what eval.py, init_from and generation
@@ -248,3 +274,5 @@ class LitGPT(L.LightningModule):
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
         self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))
         self.divergence.load_state_dict(state.get("divergence", {}))
+        self._ema_saved = state.get("ema_weights")  # on_train_start loads it into the EMA (optim.ema > 0)
+        self.ema_val_history = [tuple(v) for v in state.get("ema_val_history", [])]

@@ -114,6 +114,7 @@ class MHA(nn.Module):
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         self.c_attn.fused = (q_dim, kv_dim, kv_dim)  # the q, k, v rows (read by the inits and by `qkv`)
         self.c_attn.value_parts = (False, False, True)  # DeepNet's gain goes to v, not q and k (lmlab.model.init)
+        self.c_attn.head_rows = self.head_dim  # rows per head of q and k (Muon's optim.split=heads)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
         return self.head_dim, self.head_dim

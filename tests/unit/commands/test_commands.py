@@ -80,7 +80,7 @@ def test_the_continue_command_pastes_into_a_shell() -> None:
                                                      "data.paths?"),
     ("generate", ["run=x", "promt=hi"], "promt=hi: there is no config group or key 'promt'; did you mean prompt?"),
     ("eval", ["run=x", "lenghts=[256]"], "lenghts=[256]: there is no config group or key 'lenghts'; did you mean "
-                                         "lengths?"),
+                                         "lengths or weights?"),
 ])
 def test_an_unknown_group_option_or_key_is_named_with_the_closest(config: str, args: list[str], said: str) -> None:
     from lmlab.commands.refusals import unknown_override

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmlab import compose
-from lmlab.optim import OPTIMIZERS, param_groups
+from lmlab.optim import OPTIMIZERS, optimizer_spec, param_groups
 from lmlab.optim.adan import Adan
 from lmlab.registry import build
 
@@ -57,7 +57,7 @@ def test_the_axis_builds_it_from_its_yaml_with_the_decay_on_matrices_only() -> N
     cfg = compose(["optim=adan"])
     assert cfg.optim.name == "adan" and list(cfg.optim.betas) == [0.98, 0.92, 0.99]
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    spec = {k: v for k, v in cfg.optim.items() if k not in ("weight_decay", "grad_clip", "z_loss")}
+    spec = optimizer_spec(dict(cfg.optim))  # less the loop's keys (OPTIM_LOOP_KEYS)
     opt = build("optim", OPTIMIZERS, spec, param_groups(model, cfg.optim.weight_decay))
     assert isinstance(opt, Adan) and opt.defaults["betas"] == (0.98, 0.92, 0.99)
     assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.02]
