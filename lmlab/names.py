@@ -23,6 +23,8 @@ PARAM_NORM, UPDATE_RATIO, ACT_RMS, ACT_RATIO = "param/norm", "update/ratio", "ac
 ATTN_ENTROPY, ATTN_MAX_LOGIT, ATTN_SINK_MASS = "attn/entropy", "attn/max_logit", "attn/sink_mass"
 MIXER = "mixer"  # mixer/<figure>/layer_XX: a recurrent mixer layer's state_norm, gate_mean, ... (lmlab.model.mixer)
 MOE = "moe"  # moe/<figure>/layer_XX: load_max_over_mean, load_cv, router_entropy, dropped, balance_loss, ...
+QK_CLIPPED_HEADS = "attn/qk_clipped_heads"  # heads whose W_q, W_k optim.qk_clip rescaled this step (optim/qk_clip.py)
+QK_MAX_LOGIT = "attn/qk_max_logit"  # the largest per-head max logit of the step, before the clip
 ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
 JAC_NORM = "jac/norm"  # ‖∂x_{l+1}/∂x_l‖_F / √n per block (lmlab.run.jacobian)
 

@@ -365,9 +365,10 @@ SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": ws
 
 # the loop's keys: z_loss is PaLM's auxiliary λ·mean(log Z)² on the output logits (0: off), added to the objective;
 # ema the decay of a weight EMA evaluated beside the weights (0: off), ema_start the steps it copies them first
-# (lmlab.optim.ema)
+# (lmlab.optim.ema); qk_clip the max attention logit τ QK-clip keeps every head under (null: off; lmlab.optim.qk_clip)
 OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None, "z_loss": NonNegativeFloat,
-                   "ema": Annotated[float, Range(ge=0, lt=1)], "ema_start": NonNegativeInt}
+                   "ema": Annotated[float, Range(ge=0, lt=1)], "ema_start": NonNegativeInt,
+                   "qk_clip": PositiveFloat | None}
 
 
 def optimizer_spec(optim: dict) -> dict:

@@ -47,6 +47,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
 
     from lmlab.model.memory import check_attention_fits, check_batch_fits
     from lmlab.optim import check_pieces, validate_optim
+    from lmlab.optim.qk_clip import check_qk_clip
     from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
@@ -54,6 +55,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
     check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
+    check_qk_clip(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg), gcfg.attention["name"],
+                  strategy_name(cfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,

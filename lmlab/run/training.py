@@ -130,6 +130,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         from lmlab.run.jacobian import JacobianNorms
 
         task = [*task, JacobianNorms(cfg.jacobian.every_n_steps, cfg.jacobian.get("probes", 4))]
+    if cfg.optim.get("qk_clip") is not None:  # QK-clip (lmlab.optim.qk_clip): every step, after the optimizer's
+        from lmlab.run.qk_clip import QKClipCallback
+
+        task = [*task, QKClipCallback(float(cfg.optim.qk_clip))]
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins

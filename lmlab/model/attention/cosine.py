@@ -35,6 +35,7 @@ class CosineAttention(MHA):
     """MHA whose logits are τ_h·cos(q, k) (`lmlab.model.attention.cosine`)."""
 
     scaled_dot_product = False  # its own formula: τ·cos (tests/unit/model/attention/test_cosine_attention.py)
+    no_qk_clip = "its logits are τ·cos, bounded by the learnt τ already; rescaling W_q and W_k changes nothing"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,

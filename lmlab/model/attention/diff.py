@@ -29,6 +29,7 @@ class DiffAttention(MHA):
     scores only; windows, documents and softcaps apply to both maps."""
 
     scaled_dot_product = False  # its own formula: two maps per head pair (tests/unit/model/attention/test_window.py)
+    no_qk_clip = "each head's weights are a difference of two maps, whose logits a per-head scale does not bound"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,

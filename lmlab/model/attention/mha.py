@@ -184,6 +184,25 @@ class MHA(nn.Module):
         return attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
                       self.window, self.softcap, docs, self.sink)
 
+    no_qk_clip: str | None = None  # why optim.qk_clip cannot rescale this option's logits (None: it can)
+
+    @torch.no_grad()
+    def clip_logits(self, gamma: torch.Tensor) -> None:
+        """QK-clip (Kimi K2): scale each head's logits by γ_h ≤ 1 (n_head,) through the weights, so that the next
+        forward's q_h·k_h is γ_h times this one's. One key head serves the query heads of its group (GQA, MQA):
+        it takes √(min γ over the group) and each query head γ_h over that, which is √γ_h on both sides when every
+        head has its own key (MHA, Kimi's rule). The q and k rows of c_attn, and their biases, are scaled."""
+        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        grouped = gamma.to(torch.float32).view(nkv, nh // nkv)  # query head h reads key head h // (nh / nkv)
+        k_scale = grouped.amin(dim=1).sqrt()  # (nkv,)
+        q_scale = (grouped / k_scale[:, None]).reshape(nh)
+        _, _, v_rows = self.c_attn.fused
+        rows = torch.cat([q_scale.repeat_interleave(hd), k_scale.repeat_interleave(hd),
+                          torch.ones(v_rows, device=gamma.device)]).to(self.c_attn.weight.device)
+        self.c_attn.weight.mul_(rows[:, None].to(self.c_attn.weight.dtype))
+        if self.c_attn.bias is not None:
+            self.c_attn.bias.mul_(rows.to(self.c_attn.bias.dtype))
+
     @property
     def sums_to_one(self) -> bool:
         """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's."""

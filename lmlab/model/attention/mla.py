@@ -32,6 +32,9 @@ class MLA(MHA):
     are up-projected at every step (no weight absorption): the cache is small, the compute MHA's. qk_norm does not
     apply (the latents are normalised)."""
 
+    no_qk_clip = ("its heads' q and k are split into a rotary part and a shared rotary key (Kimi's rule scales "
+                  "q_C, k_C by √γ and q_R by γ): not written here yet")
+
     scaled_dot_product = False  # its own formula: keys and values from a latent (tests/unit/model/attention/test_mla.py)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 class TalkingHeads(MHA):
     """MHA with the logits and the weights mixed across heads (`lmlab.model.attention.talking`); every MHA key."""
 
+    no_qk_clip = "its logits are mixed across heads before the softmax: a head's own scale is not its mixed logit's"
+
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
