@@ -179,8 +179,6 @@ def _check_muon(params: dict) -> None:
 muon.roles = True
 muon.check = _check_muon  # run by validate_optim, before training
 muon.layouts = True  # its hidden groups carry each matrix's row blocks (optim.split)
-muon.shards = ("Newton–Schulz orthogonalises whole matrices, and FSDP2 holds row shards of each; use trainer=ddp "
-               "(every rank holds the whole matrices)")
 
 
 def lamb(groups: Iterable[dict], *, lr: PositiveFloat = 1e-2, betas: Betas = (0.9, 0.999), eps: PositiveFloat = 1e-6,

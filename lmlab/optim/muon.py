@@ -41,9 +41,12 @@ The Muon family, each a key of optim=muon (all off: torch.optim.Muon's step, as 
   piece, √min(m, n) (so that with `match_rms_adamw` the step is the paper's lr·0.2·√(mn)·Ô/‖Ô‖_F; `normuon_beta2`).
 
 Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
-Under FSDP2 each rank holds row shards of W, and NS needs the whole matrix: lmlab refuses optim=muon with trainer=fsdp2
-(lmlab.optim.validate_optim) rather than gather every matrix on every rank. DDP needs nothing: each rank holds the
-whole matrices and the all-reduced gradients, and NS is deterministic, so every rank takes the same step.
+Under FSDP2 each rank holds row shards of W (DTensors), and NS needs the whole matrix: PieceMuon keeps the momentum
+sharded (it is elementwise), gathers the update (one all-gather per matrix), orthogonalises the whole matrix on every
+rank alike (deterministic, so the ranks agree without a broadcast) and applies its own rows of the step; the same
+numbers as one process to float rounding (tests/e2e/optim/test_muon.py), at the cost of every rank computing every
+matrix's NS (torchtitan's and Dion's distributed NS split that work; lmlab's scale does not need it). DDP needs
+nothing: each rank holds the whole matrices and the all-reduced gradients, and takes the same step.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmlab.optim.cautious import cautious_step
 
@@ -200,16 +204,23 @@ class PieceMuon(torch.optim.Optimizer):
                 buf = state.setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
+                sharded = isinstance(p, DTensor)  # FSDP2's row shard: the whole matrix gathered, every rank alike
+                full = update.full_tensor() if sharded else update
                 n = p.size(1)
                 out, start = [], 0
                 for size, count in _runs(rows):  # equal neighbours in one batched iteration
-                    stack = update[start:start + size * count].view(count, size, n)
+                    stack = full[start:start + size * count].view(count, size, n)
                     out.append(self.orthogonalise(g, stack).reshape(size * count, n))
                     start += size * count
                 o = torch.cat(out).to(p.dtype)
                 if g["normuon"]:
                     o = self.normalise(g, state, o, rows)
                 p.mul_(1 - g["lr"] * g["weight_decay"])
+                if sharded:  # the step of the whole matrix, scaled piece by piece, then this rank's rows of it
+                    scale = torch.cat([torch.full((size, 1), g["lr"] * lr_scale(g["adjust_lr_fn"], size, n),
+                                                  dtype=o.dtype, device=o.device) for size in rows])
+                    p.sub_(distribute_tensor(o * scale, p.device_mesh, p.placements, src_data_rank=None))
+                    continue
                 start = 0
                 for size in rows:
                     p[start:start + size].add_(o[start:start + size], alpha=-g["lr"] * lr_scale(g["adjust_lr_fn"],
@@ -259,7 +270,9 @@ class MuonAdamW(torch.optim.Optimizer):
         defaults leave the hidden matrices to torch.optim.Muon (and an MoE's to ExpertMuon); set, to PieceMuon."""
         family = dict(split=split, ns_coefficients=ns_coefficients, normuon=normuon, normuon_beta2=normuon_beta2,
                       normuon_eps=normuon_eps)
-        plain = split == "none" and ns_coefficients == "quintic" and not normuon
+        groups = list(groups)
+        sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])  # FSDP2: torch's Muon refuses
+        plain = split == "none" and ns_coefficients == "quintic" and not normuon and not sharded
         muon_groups, expert_groups, adam_groups = [], [], []
         for g in groups:
             params = list(g["params"])
