@@ -243,6 +243,15 @@ class PieceMuon(torch.optim.Optimizer):
         return o_hat.to(o.dtype)
 
 
+def _named(value: object) -> object:
+    """A group's family value by its key's name (torch's Muon keeps the quintic's (a, b, c) as ns_coefficients)."""
+    return "quintic" if isinstance(value, tuple | list) and tuple(value) == NS_COEFFICIENTS else value
+
+
+def _yaml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
     """(size, how many in a row) of a piece list: [64, 16, 16] → [(64, 1), (16, 2)]."""
     out: list[list[int]] = []
@@ -313,7 +322,26 @@ class MuonAdamW(torch.optim.Optimizer):
             child.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, after a check that the checkpoint's Muon steps are this optimizer's: a checkpoint from before the
+        family's keys (its groups have no `split`) was stepped as split=none, quintic, no NorMuon, and resuming it
+        with another split (optim.split=heads, the YAML's default since) would change the run half-way."""
+        family = (("split", "none"), ("ns_coefficients", "quintic"), ("normuon", False))
+        pairs = list(zip(self.param_groups, state_dict.get("param_groups", []), strict=False))
+        for now, saved in pairs:
+            if now["kind"] not in MUON_KINDS:
+                continue
+            changed = {k: (_named(saved.get(k, d)), _named(now.get(k, d))) for k, d in family
+                       if _named(saved.get(k, d)) != _named(now.get(k, d))}
+            if changed:
+                was = " ".join(f"optim.{k}={_yaml(a)}" for k, (a, _) in changed.items())
+                is_ = " ".join(f"optim.{k}={_yaml(b)}" for k, (_, b) in changed.items())
+                raise ValueError(f"the checkpoint's Muon was stepped with {was} ({is_} now): resume it with {was}, "
+                                 f"or start over")
+        kept = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for g, before in zip(self.param_groups, kept, strict=True):  # keys a checkpoint's groups lack: kept
+            for k, v in before.items():
+                g.setdefault(k, v)
         self._link()
 
     @torch.no_grad()

@@ -220,3 +220,20 @@ def test_every_family_key_composes_and_passes_the_checks() -> None:
     check_config(cfg)
     assert OmegaConf.to_container(cfg.optim)["split"] == "head_pairs"
     assert lr_scale("match_rms_adamw", 16, 32) == pytest.approx(0.2 * math.sqrt(32))
+
+
+def test_a_checkpoint_stepped_with_another_split_is_refused_naming_the_key() -> None:
+    """A state_dict from torch's Muon (before the family: split=none) resumed with optim.split=heads would change the
+    run half-way: refused, naming the key and the value that resumes it; with split=none it loads."""
+    model = _model()
+    old = _muon(model)  # the signature's default: none, as every earlier run
+    _grads(model)
+    old.step()
+    saved = copy.deepcopy(old.state_dict())
+    with pytest.raises(ValueError, match=r"stepped with optim\.split=none \(optim\.split=heads now\)"):
+        _muon(copy.deepcopy(model), split="heads").load_state_dict(saved)
+    _muon(copy.deepcopy(model)).load_state_dict(saved)
+    newer = _muon(model, split="heads")
+    newer.step()
+    with pytest.raises(ValueError, match=r"optim\.split=heads \(optim\.split=none now\)"):
+        _muon(copy.deepcopy(model)).load_state_dict(copy.deepcopy(newer.state_dict()))
