@@ -45,17 +45,22 @@ def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProc
 
 
 
-def one_and_two_ranks(args: list[str], tmp_path: Path) -> tuple[Path, Path]:
-    """train.py `args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), then 2 CPU DDP
-    ranks x batch 4 (tmp_path/two), both on the CPU; both must complete. `args` sets no data.batch_size."""
+TWO_RANKS = {"ddp": ("trainer.strategy=ddp",), "fsdp2": ("trainer=fsdp2", "trainer.precision=32-true")}
+
+
+def one_and_two_ranks(args: list[str], tmp_path: Path, strategy: str = "ddp") -> tuple[Path, Path]:
+    """train.py `args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), then 2 CPU
+    ranks x batch 4 (tmp_path/two) under `strategy` (ddp, or fsdp2 in fp32), both on the CPU; both must complete.
+    `args` sets no data.batch_size."""
     one, two = tmp_path / "one", tmp_path / "two"
     res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", "trainer.accelerator=cpu", f"hydra.run.dir={one}",
               cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", "trainer.accelerator=cpu", "trainer.devices=2",
-              "trainer.strategy=ddp", f"hydra.run.dir={two}", cwd=tmp_path)
+    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", *TWO_RANKS[strategy], "trainer.accelerator=cpu",
+              "trainer.devices=2", f"hydra.run.dir={two}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     return one, two
+
 
 class CtrlC(Callback):
     """Presses Ctrl-C before the step `at` starts (Lightning turns it into SystemExit after its shutdown)."""

@@ -17,9 +17,20 @@ multiplier form the `mup` package uses), for Adam-like optimizers, relative to a
 |-------------------------------------------|-------------------|---------|---------------------|
 | embeddings, position tables (input)       | init's            | lr      | 1                   |
 | hidden matrices (Linear inside the blocks)| init's · m^(-1/2) | lr / m  | 1                   |
-| LM head (readout; tied: the embedding's)  | init's · m^(-1/2) | lr      | output_mult / m     |
+| LM head (readout; tied: the embedding's)  | init's            | lr      | output_mult / m     |
 | norm gains, biases                        | init's            | lr      | 1                   |
 | attention logits                          |                   |         | 1/√d → √d_base / d  |
+
+The untied head keeps the init's std at every width, as the `mup` package's MuReadout does (its default init, var
+1/fan_in, times √m when `set_base_shapes` rescales it: constant in the width); only the multiplier 1/m shrinks the
+logits. (lmlab shrank it by m^(-1/2) too before; a tied head is the embedding, unchanged.)
+
+With optim=muon (`mup` on the option, its own per-role rule: `lmlab.optim.muon_mup_lr_mult`) the hidden matrices'
+learning rate is what the spectral condition asks of an orthogonalised update (Yang, Simon & Bernstein 2023:
+‖ΔW‖₂ ∝ √(fan_out/fan_in), constant across widths here): Muon's step has spectral norm lr·s(m, n), so with
+`adjust_lr_fn=original` (s = √max(1, fan_out/fan_in), width-free) the hidden lr is not scaled at all, and with
+`match_rms_adamw` (s = 0.2·√max(fan_out, fan_in), ∝ √width) it is lr·m^(-1/2) — not Adam's lr/m on top of Muon's own
+scale (the double scaling Megatron fixed). The readout and the rest are AdamW's groups and take µP's Adam rules.
 
 At m = 1 (d_model = base_width) every number is SP's: tune lr on the base model, then widen. The head dim grows with
 the width (n_head fixed), so the attention's 1/d is √(d_base)/d = (1/√d)·m^(-1/2) per head of size d. µP is defined
@@ -90,11 +101,13 @@ class MuP(SP):
         return 1 / self.width_mult if role == "hidden" else 1.0
 
     def rescale_init(self, model: nn.Module) -> None:
-        """Every Linear weight (hidden matrices and an untied head) to var ∝ 1/fan_in: std · m^(-1/2); embeddings
-        (a tied head is one) keep the init's std."""
+        """Every hidden Linear weight to var ∝ 1/fan_in: std · m^(-1/2); embeddings (a tied head is one) and an
+        untied head (`is_readout`: the mup package's MuReadout init, constant in the width) keep the init's std."""
         tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         seen = set()
         for m in model.modules():
+            if getattr(m, "is_readout", False):
+                continue
             if isinstance(m, nn.Linear) and id(m.weight) not in tables | seen:
                 seen.add(id(m.weight))
                 m.weight.data.mul_(self.width_mult ** -0.5)

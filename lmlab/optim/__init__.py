@@ -6,7 +6,10 @@ GPT-2/nanoGPT use. `grad_clip` in the `optim` config is read by the training loo
 An option says on itself what else it needs: `roles = True` (its groups split by role: `hidden` matrices, the
 `readout`, the rest; Muon), `mup = True` (an Adam-like, entrywise-normalised update, for which µP's per-group learning
 rates are defined: `param=mup` takes only these), `shards` with a reason (refused under trainer=fsdp2), `averages`
-with a reason (its evaluation weights are an average already: refused with a weight EMA, optim.ema; lmlab.optim.ema).
+with a reason (its evaluation weights are an average already: refused with a weight EMA, optim.ema; lmlab.optim.ema),
+`check(params)` (a rule across its own keys, run before training), `layouts = True` (its hidden groups carry each
+matrix's row blocks: Muon's split) and `mup_lr_mult(group, params, m)` (its own µP learning-rate rule per group,
+None where µP's Adam rule applies: Muon's spectral one).
 Schedule contract: `sched(step, max_steps, *, warmup_steps, <own params>) -> lr multiplier`; every schedule
 warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stability studies).
 """
@@ -176,7 +179,17 @@ def _check_muon(params: dict) -> None:
                          f"coefficients are computed for 5 steps; use optim.ns_steps=5")
 
 
+def muon_mup_lr_mult(group: dict, params: dict, width_mult: float) -> float | None:
+    """param=mup with Muon: a Muon group's lr multiplier from the spectral condition (lmlab.model.param): 1 under
+    adjust_lr_fn=original, m^(-1/2) under match_rms_adamw; None (µP's Adam rule) for the AdamW groups."""
+    if group.get("kind") not in ("muon", "muon_experts"):
+        return None
+    return 1.0 if params.get("adjust_lr_fn", "match_rms_adamw") == "original" else width_mult ** -0.5
+
+
 muon.roles = True
+muon.mup = True  # µP's init and multipliers, with the hidden lr its own (muon_mup_lr_mult)
+muon.mup_lr_mult = muon_mup_lr_mult
 muon.check = _check_muon  # run by validate_optim, before training
 muon.layouts = True  # its hidden groups carry each matrix's row blocks (optim.split)
 

@@ -39,9 +39,12 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role,
                           layouts=getattr(OPTIMIZERS[opt_name], "layouts", False))
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
-    if param is not None and param.per_role:
+    if param is not None and param.per_role:  # an option may set its own per-group rule (Muon's spectral one)
+        rule = getattr(OPTIMIZERS[opt_name], "mup_lr_mult", None)
+        _, opt_params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
         for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * param.lr_mult(g["role"])
+            mult = rule(g, opt_params, param.width_mult) if rule is not None else None
+            g["lr"] = g["lr"] * (param.lr_mult(g["role"]) if mult is None else mult)
     name, params = option_params("schedule", SCHEDULES, schedule)
     if getattr(optimizer, "warmup_only", False):
         name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}

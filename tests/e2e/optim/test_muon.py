@@ -27,21 +27,16 @@ def test_ddp_two_cpu_ranks_follow_one_process(name: str, corpus, tmp_path) -> No
 FAMILY = ["optim.split=heads", "optim.normuon=true", "optim.ns_coefficients=polar_express", "ffn=swiglu"]
 
 
-@pytest.mark.parametrize("family", [[], FAMILY], ids=["muon", "family"])
+@pytest.mark.parametrize("family", [["optim.split=none"], FAMILY], ids=["none", "family"])
 def test_fsdp2_two_cpu_ranks_follow_one_process(family: list[str], corpus, tmp_path) -> None:
     """trainer=fsdp2 with optim=muon (each matrix's update gathered, orthogonalised whole on every rank, each rank's
     rows applied): 2 CPU ranks of 4 sequences take one process's steps on the same 8, with the family's keys too
     (per-head pieces of a row-sharded QKV, NorMuon's per-row moments, a fused GLU)."""
-    from tests.runs import ROOT, cli, metric, tiny
+    from tests.runs import metric, one_and_two_ranks, tiny
 
     args = [a for a in tiny(corpus, tmp_path / "cache", "optim=muon", "trainer.max_steps=10", *family)
             if not a.startswith("data.batch")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", "trainer=fsdp2", "trainer.accelerator=cpu",
-              "trainer.devices=2", "trainer.precision=32-true", f"hydra.run.dir={two}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = one_and_two_ranks(args, tmp_path, "fsdp2")
     for key in ("train/loss", "val/loss"):
         a, b = metric(one, key), metric(two, key)
         assert a.keys() == b.keys() and len(a) >= 1, key
