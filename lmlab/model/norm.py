@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.registry import Fraction, NonNegativeFloat
+from lmlab.registry import Fraction, NonNegativeFloat, PositiveFloat
 
 
 class LayerNorm(nn.Module):
@@ -107,6 +107,23 @@ class BatchNorm(nn.Module):
         return self.bn(x.reshape(-1, shape[-1])).view(shape)  # (B*T, C) rows = every position of every example
 
 
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu, Chen, He, LeCun & Liu, 2025, "Transformers without Normalization"): no statistics at all,
+    γ ⊙ tanh(α·x) + β per channel, α one learned scalar (`alpha_init`, the paper's α₀ = 0.5; it suggests smaller α₀
+    for wider or deeper LLMs), γ ones and β zeros (`affine=false`: tanh(α·x) with α still learned). No eps:
+    nothing is divided."""
+
+    def __init__(self, dim: int, *, alpha_init: PositiveFloat = 0.5, affine: bool = True) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.alpha.to(x.dtype) * x)
+        return y if self.weight is None else torch.addcmul(self.bias.to(x.dtype), y, self.weight.to(x.dtype))
+
+
 class NoNorm(nn.Module):
     """Identity: the residual stream is left unnormalised."""
 
@@ -117,4 +134,4 @@ class NoNorm(nn.Module):
         return x
 
 
-NORMS = {"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "batch": BatchNorm, "none": NoNorm}
+NORMS = {"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "batch": BatchNorm, "dyt": DyT, "none": NoNorm}

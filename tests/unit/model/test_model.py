@@ -200,7 +200,7 @@ def test_param_count_by_hand_second_config() -> None:
 
 # ids say "scaling", not "rope_scaling": the documented test command deselects -k rope_scaling
 BAD = [
-    pytest.param({"norm": {"name": "dyt"}}, r"norm='dyt' is not an option; choose one of \['batch', 'layer'",
+    pytest.param({"norm": {"name": "tanh"}}, r"norm='tanh' is not an option; choose one of \['batch', 'dyt', 'layer'",
                  id="norm-name"),
     pytest.param({"norm": {"name": "rms", "bias": True}}, r"norm='rms' does not take \['bias'\]", id="norm-key"),
     pytest.param({"placement": {"name": "sandwich"}}, r"placement='sandwich'.*'post_nonres'", id="placement-name"),

@@ -198,3 +198,31 @@ def test_no_norm_leaks_in_eval(name: str) -> None:
     norm.train()
     norm(torch.randn(B, T, C))  # batch norm: give the running statistics something to hold
     assert not _leaks(norm.eval())
+
+
+def test_dyt_formula() -> None:
+    """DyT(x) = γ ⊙ tanh(α·x) + β, written out with α, γ, β away from their inits; no statistic of x is read (a row
+    scaled by 10 is not scaled back, as every norm above would)."""
+    norm = _norm("dyt", alpha_init=0.7)
+    _randomise_affine(norm)
+    x = torch.randn(B, T, C) * 2
+    a, g, b = norm.alpha.detach(), norm.weight.detach(), norm.bias.detach()
+    torch.testing.assert_close(norm(x), g * torch.tanh(a * x) + b, **TOL)
+    big = x.clone()
+    big[0] *= 10
+    torch.testing.assert_close(norm(big)[1:], norm(x)[1:], **TOL)  # per element: the other rows are untouched
+    assert not torch.allclose(norm(big)[0], norm(x)[0])
+
+
+def test_dyt_numbers_and_init() -> None:
+    """At init (α₀ = 0.5, γ = 1, β = 0): tanh(x/2) elementwise; tanh(0.5·2) = 0.7616; bounded by ±1 however large x
+    is. Its α is a learned scalar (in AdamW's `rest` group, no decay), `affine=false` keeps only α."""
+    norm = _norm("dyt")
+    assert norm.alpha.item() == 0.5 and norm.alpha.requires_grad
+    y = norm(torch.tensor([[2.0, -2.0, 0.0, 1e4]]).expand(1, 4).repeat(1, 2)[:, :C])
+    torch.testing.assert_close(y[0, :4], torch.tensor([0.7616, -0.7616, 0.0, 1.0]), rtol=0, atol=1e-4)
+    bare = _norm("dyt", affine=False)
+    assert [n for n, _ in bare.named_parameters()] == ["alpha"]
+    x = torch.randn(B, T, C, requires_grad=True)
+    bare(x).sum().backward()
+    assert bare.alpha.grad is not None and torch.isfinite(bare.alpha.grad)
