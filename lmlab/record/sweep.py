@@ -267,7 +267,10 @@ def _state(sweep_dir: Path, job: Mapping[str, Any], scheduler: Mapping[str, str]
     queued = (scheduler or {}).get(str(job.get("scheduler_id") or "")) if scheduler is not None else None
     holder = _holder(run)
     why = None
-    if holder or queued in _RUNNING:
+    if job.get("state") == "failed" and job.get("error") and not holder and summary is None:
+        state, why = "failed", job["error"]  # its own last word: refused before a run directory (squeue may still
+        # show it RUNNING or COMPLETING while its process exits, which must not bury the reason)
+    elif holder or queued in _RUNNING:
         state = "running"
     elif queued in _QUEUED:
         state = "pending"

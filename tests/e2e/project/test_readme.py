@@ -17,7 +17,7 @@ from tests.runs import ROOT, cli, tiny
 
 
 def test_adding_a_norm_as_the_readme_says_works_first_time(corpus: Path, tmp_path: Path) -> None:
-    """The three edits of "Add your own norm", exactly as written, in a copy of lmlab: `norm=dyt norm.alpha0=1.0`
+    """The three edits of "Add your own norm", exactly as written, in a copy of lmlab: `norm=center norm.gain0=2.0`
     trains, the summary records it, and tests/unit/model/test_norm.py (unedited) runs over it; the checkout itself refuses it."""
     text = section("Add your own norm (a worked example)")
     (cls, entry), (yaml,) = blocks(text, "python"), blocks(text, "yaml")
@@ -34,17 +34,18 @@ def test_adding_a_norm_as_the_readme_says_works_first_time(corpus: Path, tmp_pat
     (copy / "lmlab" / "conf" / "norm" / f"{stem}.yaml").write_text(yaml)
 
     run = tmp_path / "run"
-    args = [*tiny(corpus, tmp_path / "cache", "trainer.max_steps=5"), "norm=dyt", "norm.alpha0=1.0",
+    args = [*tiny(corpus, tmp_path / "cache", "trainer.max_steps=5"), "norm=center", "norm.gain0=2.0",
             f"hydra.run.dir={run}"]
     res = cli("train.py", *args, cwd=copy)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["model"]["norm"] == {"name": "dyt", "alpha0": 1.0}
-    tested = cli("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/model/test_norm.py", "-k", "dyt", cwd=copy)
+    assert summary["status"] == "completed" and summary["model"]["norm"] == {"name": "center", "gain0": 2.0}
+    tested = cli("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/model/test_norm.py", "-k", "center",
+                 cwd=copy)
     assert tested.returncode == 0 and re.search(r"(\d+) passed", tested.stdout), tested.stdout[-3000:]
     assert int(re.search(r"(\d+) passed", tested.stdout).group(1)) >= 3
-    here = cli(str(ROOT / "train.py"), "norm=dyt", cwd=tmp_path)  # the checkout has no dyt: the copy learnt it
-    assert here.returncode == 2 and "norm has no option 'dyt'" in here.stderr
+    here = cli(str(ROOT / "train.py"), "norm=center", cwd=tmp_path)  # the checkout has none: the copy learnt it
+    assert here.returncode == 2 and "norm has no option 'center'" in here.stderr
 
 
 def test_the_compute_matched_comparison_runs_as_written(corpus: Path, tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def test_every_page_is_reachable_from_the_readme() -> None:
 
 # What a page shows being refused; every other command must pass (`experiment=NAME` stands for any study).
 REFUSED = ["norm=nope",  # the README's example of a refusal
-           "norm=dyt"]  # the worked example adds it
+           "norm=center"]  # the worked example adds it
 
 
 def test_every_training_command_of_every_page_composes_and_passes_the_checks_before_training() -> None:

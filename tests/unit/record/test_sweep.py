@@ -181,3 +181,13 @@ def test_a_sweeps_own_command_is_accepted_as_recorded(tmp_path: Path) -> None:
                "hydra.launcher.partition=gpu", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
                "hydra.sweep.dir=/x/y", "trainer.max_steps=600", "logger=none"]
     assert check_command(command, tmp_path / sweep.MANIFEST) == command
+
+
+def test_a_refused_jobs_own_word_outlives_squeue_still_showing_it_running(tmp_path: Path, dead_pid: int) -> None:
+    """A SLURM job refused at once (optim.lr=abc) says `failed` with its reason while squeue still lists it RUNNING
+    (or COMPLETING) as its process exits: the state is failed, with the reason, not running — which the launcher
+    would write back and a later status then read as lost (the race CI hit)."""
+    jobs = [{**_job("refused", 0, "43"), "state": "failed", "error": "optim.lr='abc' must be a float > 0"}]
+    for squeue in ("RUNNING", "COMPLETING", None):
+        rows = sweep.job_states(_manifest(tmp_path, jobs, dead_pid), scheduler={"43": squeue} if squeue else {})
+        assert (rows[0]["state"], rows[0]["why"]) == ("failed", "optim.lr='abc' must be a float > 0"), squeue
