@@ -41,6 +41,8 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return decorate
 
 
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
 # Hydra's flags that take the next argument as their value (the check leaves a command with a config of its own alone).
 _FLAG_VALUES = ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
                 "--config-dir", "-cd", "--experimental-rerun")
@@ -66,8 +68,9 @@ def refuse_unknown(command: str, config_name: str, argv: Sequence[str]) -> None:
 
 
 def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
-    """Why `overrides` name a group option or key that `config_name` does not have (None: they don't, or Hydra has
-    another objection to report): `norm=rsm: norm has no option 'rsm'; did you mean rms? (...)`."""
+    """Why `overrides` name a group option or key that `config_name` does not have, or one Hydra's grammar cannot
+    parse (None: neither, or Hydra has another objection to report): `norm=rsm: norm has no option 'rsm'; did you
+    mean rms? (...)`."""
     import difflib
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -81,8 +84,9 @@ def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
     for text in overrides:
         try:
             ov = parser.parse_override(text)
-        except Exception:  # noqa: BLE001  (Hydra reports its grammar errors in its own words)
-            return None
+        except Exception as err:  # noqa: BLE001  (Hydra's words, on one line: it prints three and exits 1)
+            why = " ".join(str(err).split())
+            return f"{text}: Hydra's override grammar cannot parse it ({why}); see {GRAMMAR}"
         key = ov.key_or_group
         if key.startswith("hydra") or ov.package is not None:
             continue

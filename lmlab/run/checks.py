@@ -36,6 +36,32 @@ def _meta_model(gcfg):
         return GPT(gcfg)
 
 
+def top_level_keys() -> frozenset[str]:
+    """The keys a training config may hold at its top: train.yaml's own and its groups' (`hydra` too, which Hydra
+    itself reads). An experiment or recipe sets these; a key added beside them (`+lr=1e-3`) is read by nothing."""
+    import yaml
+
+    from lmlab.registry import CONF_DIR
+
+    own = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
+    groups = {next(iter(d)).split()[-1].split("/")[0].split("@")[0] for d in own["defaults"] if isinstance(d, dict)}
+    return frozenset(own.keys() - {"defaults"} | groups | {"hydra"})
+
+
+def check_unknown_top_level(cfg: DictConfig) -> None:
+    """Refuse, naming it and the closest known keys, a top-level key that nothing reads (added with `+key=...` on the
+    command line, in an experiment of one's own, or in a saved overrides file)."""
+    import difflib
+
+    known = top_level_keys()
+    for key in (str(k) for k in cfg.keys()):
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"{key}: lmlab's config has no top-level key {key!r}, so nothing would read it{hint} "
+                             f"(the keys: {', '.join(sorted(known - {'hydra'}))})")
+
+
 def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
     and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
@@ -50,6 +76,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     from lmlab.optim.qk_clip import check_qk_clip
     from lmlab.registry import PositiveFloat, PositiveInt, check_values
 
+    check_unknown_top_level(cfg)
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
     gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),

@@ -286,3 +286,25 @@ def test_lightnings_srun_hint_is_not_printed_for_a_run_that_is_not_a_slurm_job(t
         env.filter_warnings()
         check_config(compose(["trainer.max_steps=50", "schedule.warmup_steps=10"]))
     assert not [w for w in seen if "srun" in str(w.message)]
+
+
+@pytest.mark.parametrize("key, hint", [("lr", None), ("sed", "did you mean seed?"), ("evil", None)])
+def test_a_top_level_key_nothing_reads_is_refused_naming_it(key: str, hint: str | None) -> None:
+    """`+lr=1e-3` added a key beside optim.lr that no part of lmlab reads (issue 33, Low): the run trained at the
+    default lr and said nothing. A saved overrides file's `+key` meets the same check."""
+    with pytest.raises(ValueError) as err:
+        check_config(compose([f"+{key}=1"]))
+    message = str(err.value)
+    assert message.startswith(f"{key}: lmlab's config has no top-level key '{key}'") and "optim" in message, message
+    assert hint is None or hint in message, message
+
+
+def test_every_top_level_key_of_every_experiment_and_recipe_is_known() -> None:
+    """The known keys are train.yaml's own and its groups': every shipped experiment and recipe composes within them."""
+    from lmlab.registry import CONF_DIR
+    from lmlab.run.checks import check_unknown_top_level, top_level_keys
+
+    assert {"seed", "optim", "trainer", "experiment", "monitor", "hydra"} <= top_level_keys()
+    for group in ("experiment", "recipe"):
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            check_unknown_top_level(compose([f"{group}={path.stem}"]))
