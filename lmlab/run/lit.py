@@ -279,3 +279,18 @@ class LitGPT(L.LightningModule):
         self.divergence.load_state_dict(state.get("divergence", {}))
         self._ema_saved = state.get("ema_weights")  # on_train_start loads it into the EMA (optim.ema > 0)
         self.ema_val_history = [tuple(v) for v in state.get("ema_val_history", [])]
+        was = (state.get("launch") or {}).get("accumulate_grad_batches")
+        if was and self._trainer is not None and int(self.trainer.accumulate_grad_batches) != int(was):
+            rescale_batches(checkpoint, int(was), int(self.trainer.accumulate_grad_batches))
+
+
+def rescale_batches(checkpoint: dict, was: int, now: int) -> None:
+    """A resume at another trainer.accumulate_grad_batches (the same global batch: lmlab.run.plan.check_same_launch):
+    Lightning counts its loops in micro-batches (the accumulation window, validation), so the checkpoint's batch
+    counts, `was` per optimizer step, become `now` per step; a window the weights do not hold is dropped (the data's
+    position is the optimizer steps done, lmlab.data). The counts of optimizer steps are left as they are."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    for counts in (progress.get("total", {}), progress.get("current", {})):
+        for k in ("ready", "started", "processed", "completed"):
+            if k in counts:
+                counts[k] = counts[k] // was * now

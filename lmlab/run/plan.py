@@ -251,16 +251,15 @@ def check_same_launch(what: str, saved: dict[str, Any] | None, planned: dict[str
                       run: Path) -> dict[str, list[Any]] | None:
     """A resume continues at the checkpoint's global batch and gradient accumulation, or is refused naming the keys
     that change them and the command that continues the run as it was (and, where one exists, the one at the same
-    global batch on this launch: another world size is legitimate when data.batch_size makes up for it, the data
-    order being a function of (step, global batch) alone). Accumulation may not change: Lightning counts its loops
-    (the accumulation window, validation, logging) in micro-batches, so the first step after such a resume would
-    take part of a global batch. Returns what changed, key -> [was, now] (None: nothing, or a checkpoint of an
-    lmlab that recorded no launch)."""
+    global batch on this launch: another world size or accumulation is legitimate when data.batch_size makes up for
+    it, the data order being a function of (step, global batch) alone; Lightning's micro-batch counts are rescaled
+    to the new accumulation as the checkpoint is loaded, lmlab.run.lit.rescale_batches). Returns what changed,
+    key -> [was, now] (None: nothing, or a checkpoint of an lmlab that recorded no launch)."""
     if not saved:
         return None
     changed = {k: [saved.get(k), v] for k, v in planned.items() if v is not None and saved.get(k) != v}
     was, now = global_batch(saved), global_batch(planned)
-    if "accumulate_grad_batches" not in changed and (was is None or now is None or was == now):
+    if was is None or now is None or was == now:
         if changed and is_rank_zero():
             print(f"{what}: continuing at the same global batch ({was}) with "
                   f"{', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())} (recorded in summary.json)")
@@ -269,15 +268,15 @@ def check_same_launch(what: str, saved: dict[str, Any] | None, planned: dict[str
     detail = ", ".join(f"{LAUNCH_KEYS.get(k, k)}: checkpoint {changed[k][0]}, now {changed[k][1]}"
                        for k in [*keys, *(["strategy"] if "strategy" in changed else [])])
     as_was = " ".join([continue_command(run), *(f"{LAUNCH_KEYS[k]}={changed[k][0]}" for k in keys)])
-    per_rank = planned["world_size"] * saved["accumulate_grad_batches"]  # data.batch_size keeps the global batch
-    kept = [f"{LAUNCH_KEYS[k]}={planned[k]}" for k in keys if k not in ("batch_size", "accumulate_grad_batches")]
+    per_rank = planned["world_size"] * planned["accumulate_grad_batches"]  # data.batch_size keeps the global batch
+    kept = [f"{LAUNCH_KEYS[k]}={planned[k]}" for k in keys if k != "batch_size"]
     same = f"; or at the same global batch on {planned['world_size']} rank(s): " + " ".join(
         [continue_command(run), *kept, f"data.batch_size={was // per_rank}"]) if was % per_rank == 0 else ""
     raise ValueError(f"{what}: the run's global batch is {was} sequences per step (data.batch_size x ranks x "
                      f"trainer.accumulate_grad_batches = {saved['batch_size']} x {saved['world_size']} x "
                      f"{saved['accumulate_grad_batches']}), this launch's {now} ({planned['batch_size']} x "
                      f"{planned['world_size']} x {planned['accumulate_grad_batches']}: {detail}), which would change "
-                     f"the run (a resume keeps the global batch and its accumulation); continue it as it was: "
+                     f"the run (a resume keeps the global batch); continue it as it was: "
                      f"{as_was}{same}")
 
 

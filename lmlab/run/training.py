@@ -143,9 +143,14 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                               n_active_params=lit.model.num_params(active=True),
                               resume_step=resume_step if saved is not None else None,
                               tags=swept_tags(hydra, overrides))  # a sweep job: the values of the swept keys
+    # trainer.val_check_interval is in optimizer steps (checks.py: an integer >= 1); Lightning counts it in batches,
+    # which under accumulation validated accumulate_grad_batches times as often, and at other steps after a resume
+    # that changed the accumulation
+    every = {"val_check_interval": int(cfg.trainer.val_check_interval) * int(cfg.trainer.get(
+        "accumulate_grad_batches", 1))} if cfg.trainer.get("val_check_interval") is not None else {}
     trainer: L.Trainer = build(cfg.trainer, "trainer", L.Trainer, default_root_dir=str(run.path),  # lmlab.record.trusted
                                use_distributed_sampler=False, logger=tracking.loggers, callbacks=callbacks,
-                               plugins=[atomic_checkpoint_io()])
+                               plugins=[atomic_checkpoint_io()], **every)
     stop.take_over(trainer)
 
     start, status, error, at_once = time.time(), "completed", None, None

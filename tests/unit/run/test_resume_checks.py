@@ -47,10 +47,16 @@ def test_another_global_batch_is_refused_naming_the_keys_and_both_commands() -> 
     # the same global batch another way goes on, and says what changed
     assert check_same_launch("resume", saved, _planned(*FSDP2, "trainer.devices=1", "data.batch_size=8"),
                              Path("r")) == {"world_size": [2, 1], "devices": [2, 1], "batch_size": [4, 8]}
-    with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches: checkpoint 1, now 2.*keeps the global "
-                                         r"batch and its accumulation"):  # Lightning's loops count micro-batches
+    # the same global batch by accumulation goes on too (Lightning's micro-batch counts rescaled on load: lit.py)
+    assert check_same_launch("resume", saved, _planned(*FSDP2, "trainer.devices=1", "data.batch_size=4",
+                                                       "trainer.accumulate_grad_batches=2"), Path("r")) == {
+        "world_size": [2, 1], "devices": [2, 1], "accumulate_grad_batches": [1, 2]}
+    with pytest.raises(ValueError) as err:  # another global batch by accumulation: refused, the same one suggested
         check_same_launch("resume", saved, _planned(*FSDP2, "trainer.devices=1", "data.batch_size=4",
-                                                    "trainer.accumulate_grad_batches=2"), Path("r"))
+                                                    "trainer.accumulate_grad_batches=4"), Path("r"))
+    assert "trainer.accumulate_grad_batches: checkpoint 1, now 4" in str(err.value)
+    assert str(err.value).endswith("same global batch on 1 rank(s): python train.py hydra.run.dir=r trainer.devices=1 "
+                                   "trainer.accumulate_grad_batches=4 data.batch_size=2")
     assert check_same_launch("resume", saved, saved, Path("r")) is None
     assert check_same_launch("resume", None, _planned("data.batch_size=1"), Path("r")) is None  # no record: older
 
