@@ -104,6 +104,10 @@ class LitGPT(L.LightningModule):
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
+        if (window := int(self.trainer.accumulate_grad_batches)) > 1:  # the window's mean so far: its last
+            at = batch_idx % window  # micro-batch logs the loss of the step's whole global batch, as without
+            self._window_loss = loss.detach() if at == 0 else self._window_loss + loss.detach()
+            loss = self._window_loss / (at + 1)
         if self.logs_now():
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
             # the side channel (lmlab.model.side): z-loss, an MoE's balancing losses summed over its layers, MTP's
