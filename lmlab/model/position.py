@@ -292,4 +292,141 @@ class ALiBi(Position):
         return bias.masked_fill(dist > 0, float("-inf")).to(dtype)
 
 
-POSITIONS = {"none": NoPE, "sinusoidal": Sinusoidal, "learned": Learned, "rope": RoPE, "alibi": ALiBi}
+def causal_distances(T: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, offset + T) distances i − j from the queries at offset .. offset + T − 1 to every key so far, and the
+    mask of the future keys (j > i), for the learned biases below."""
+    i = torch.arange(offset, offset + T, device=device)[:, None]
+    dist = i - torch.arange(offset + T, device=device)[None, :]
+    return dist, dist < 0
+
+
+def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's unidirectional bucket of a distance n = i − j (Raffel et al., 2020; `_relative_position_bucket` with
+    bidirectional=False): n itself below E = num_buckets / 2, then E + ⌊ln(n / E) / ln(max_distance / E) · (num_buckets
+    − E)⌋, logarithmic up to max_distance, and the last bucket at and beyond it. Negative n (the future) is bucket 0."""
+    exact = num_buckets // 2
+    n = distance.clamp(min=0)
+    log = torch.log(n.clamp(min=exact).float() / exact) / math.log(max_distance / exact) * (num_buckets - exact)
+    return torch.where(n < exact, n, (exact + log.long()).clamp(max=num_buckets - 1))
+
+
+class T5Bias(Position):
+    """T5's relative position bias (Raffel et al., 2020): logit(i, j) += table[bucket(i − j), h], one learned
+    (num_buckets, n_head) table, shared by every layer as T5 computes it in its first layer and passes it on.
+
+    Buckets are T5's causal ones (`t5_bucket`): exact below num_buckets / 2, logarithmic up to `max_distance`, one
+    bucket for everything further, so any length runs. T5 adds the bias to unscaled logits (its init absorbs 1/√d); here
+    it is added after the 1/√d scale, in the same logit units. The table is an nn.Embedding: the model's `init` sets it
+    (init=gpt2: N(0, 0.02)), without weight decay, in the optimizer's `rest` group. transformers has no decoder-only
+    architecture with T5's bias (T5 and its kin are encoder-decoders), so `export=hf` refuses position=t5."""
+
+    def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
+                 scaling: Mapping[str, Any], *, num_buckets: Annotated[int, Range(ge=2)] = 32,
+                 max_distance: Annotated[int, Range(ge=2)] = 128) -> None:
+        super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
+        if max_distance <= num_buckets // 2:
+            raise ValueError(f"position.max_distance={max_distance} must exceed position.num_buckets / 2 = "
+                             f"{num_buckets // 2}, the distances given a bucket each; the log buckets span the rest")
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.table = nn.Embedding(num_buckets, n_head)
+
+    @classmethod
+    def attention_bytes(cls, n_head: int, T: int, batch: int) -> int:
+        # attn_bias: int64 distances and buckets, float32 logs, a bool mask, then the gathered (T, T, nh) bias and its
+        # masked copy; SDPA's math path with an explicit mask as under ALiBi (counted, not measured)
+        return T * T * (29 + 8 * n_head) + 8 * batch * n_head * T * T
+
+    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        dist, future = causal_distances(T, offset, device)
+        bias = self.table(t5_bucket(dist, self.num_buckets, self.max_distance)).permute(2, 0, 1)  # (nh, T, offset + T)
+        return bias.masked_fill(future, float("-inf")).to(dtype)
+
+
+class XPos(Position):
+    """xPos (Sun et al., 2022, "A Length-Extrapolatable Transformer"): RoPE whose pairs also scale, q_n by ζ_j^(n/B) and
+    k_m by ζ_j^(−m/B), so q_n·k_m carries ζ_j^((n − m)/B) and decays with the distance; ζ_j = (j / (d/2) + γ) / (1 + γ)
+    for pair j = 0 .. d/2 − 1 (γ = `gamma`, B = `scale_base`), rotated at θ_j = theta^(−2j/d) as RoPE.
+
+    Layout: the paper's and torchscale's (`rotate_every_two`), adjacent dims 2j and 2j + 1 rotate and scale together
+    (position.layout=pairs of RoPE). Positions count from 0 for queries and keys alike, so the scales depend on n and m
+    themselves and a cached key never goes stale; torchscale centres the exponent on the middle of the current length
+    instead (the same q·k, as it depends on n − m only, but its keys are rescaled at every step). A key at position m
+    is multiplied by ζ_0^(−m/B), which outgrows the dtype's range (fp32 and bf16 past ~35k tokens at B = 512, fp16 past
+    ~3.9k): such a length is refused. Without the paper's blockwise causal attention it does not extrapolate."""
+
+    extrapolates = False
+
+    def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
+                 scaling: Mapping[str, Any], *, theta: PositiveFloat = 10000.0, gamma: PositiveFloat = 0.4,
+                 scale_base: PositiveFloat = 512.0) -> None:
+        super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
+        if head_dim % 2:
+            raise ValueError(f"position=xpos rotates pairs of dims: the head dim (model.d_model / model.n_head) = "
+                             f"{head_dim} is odd; choose d_model and n_head giving an even head dim")
+        j = torch.arange(0, head_dim, 2, dtype=torch.float32)  # 2j
+        self.register_buffer("inv_freq", theta ** (-j / head_dim), persistent=False)  # θ_j
+        self.register_buffer("zeta", (j / head_dim + gamma) / (1 + gamma), persistent=False)  # ζ_j
+        self.scale_base, self.head_dim, self.min_zeta = scale_base, head_dim, gamma / (1 + gamma)  # ζ_0
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None,
+               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        end = offset + q.size(-2)
+        if (end - 1) / self.scale_base * -math.log(self.min_zeta) > -math.log(torch.finfo(q.dtype).tiny):
+            raise ValueError(f"position=xpos at length {end}: the scale ζ^(±n/B) leaves {q.dtype}'s range (B = "
+                             f"position.scale_base={self.scale_base}); use a shorter length or a larger scale_base")
+        t = torch.arange(offset, end, device=q.device, dtype=torch.float32)[:, None]  # (T, 1) the tokens' positions
+        angle = (t * self.inv_freq).repeat_interleave(2, dim=-1)  # (T, d): pair j at dims 2j and 2j + 1
+        scale = (self.zeta ** (t / self.scale_base)).repeat_interleave(2, dim=-1)  # ζ_j^(n/B)
+        d = self.head_dim
+        sign = torch.tensor([-1.0, 1.0], device=q.device).repeat(d // 2)  # − on the even dim, as _rotate_pairs takes it
+        cos, signed_sin = angle.cos(), angle.sin() * sign
+        return (_rotate_pairs(q, (cos * scale).to(q.dtype), (signed_sin * scale).to(q.dtype), d),
+                _rotate_pairs(k, (cos / scale).to(k.dtype), (signed_sin / scale).to(k.dtype), d))
+
+
+class FIRE(Position):
+    """FIRE (Li et al., 2023, "Functional Interpolation for Relative Positions Improves Long Context Transformers"):
+    logit(i, j) += f_θ(ψ(i − j) / ψ(max(L, i)))_h for j <= i, ψ(x) = ln(|c|·x + 1), f_θ: 1 → `mlp_width` → n_head with a
+    ReLU, one f_θ shared by every layer (the hook has no layer argument).
+
+    Positions count from 0. c is learned from 0.1 and L from `init_threshold` (512, the paper's), as the paper's code
+    learns it: L = |s|·init_threshold with s learned from 1, so steps move L relative to its size; ψ's denominator
+    gets + 1e-6 as there. The input lies in [0, 1]: a query at i < L reads distances on the fixed scale ψ(L), one past L
+    on its own ψ(i), so every longer context maps onto the range seen in training (the progressive interpolation).
+    f_θ's first layer (fan-in 1) is two vectors kept at PyTorch's Linear init, U(−1, 1), as the paper's nn.Linear:
+    every init scheme zeroes a Linear's bias, which would put all the ReLUs' kinks at x = 0, the input's lower end, and
+    leave the units with a negative weight dead for good. The output layer is a Linear like any other (the model's
+    init, weight decay, optim=muon's hidden matrices)."""
+
+    def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
+                 scaling: Mapping[str, Any], *, mlp_width: Annotated[int, Range(ge=1)] = 32,
+                 init_threshold: PositiveFloat = 512.0) -> None:
+        super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
+        self.c = nn.Parameter(torch.tensor(0.1))
+        self.init_threshold = init_threshold
+        self.threshold_mult = nn.Parameter(torch.tensor(1.0))  # L = |s|·init_threshold
+        self.w1 = nn.Parameter(torch.empty(mlp_width).uniform_(-1, 1))  # Linear(1, width): bound 1/√fan_in = 1
+        self.b1 = nn.Parameter(torch.empty(mlp_width).uniform_(-1, 1))
+        self.out = nn.Linear(mlp_width, n_head)
+
+    @classmethod
+    def attention_bytes(cls, n_head: int, T: int, batch: int) -> int:
+        # attn_bias at the default width 32: float32 distances, ψ and its ratio, f_θ's hidden layer before and after the
+        # ReLU (T, T, 32) each, the (T, T, nh) output and its masked copy; SDPA's math path as under ALiBi (counted, not
+        # measured; training keeps the hidden layer of every layer's call for the backward)
+        return T * T * (13 + 8 * 32 + 8 * n_head) + 8 * batch * n_head * T * T
+
+    def psi(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.c.abs() * x + 1)
+
+    def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        dist, future = causal_distances(T, offset, device)
+        i = torch.arange(offset, offset + T, device=device, dtype=torch.float32)[:, None]  # (T, 1)
+        threshold = self.threshold_mult.abs() * self.init_threshold
+        x = self.psi(dist.clamp(min=0).float()) / (self.psi(torch.maximum(i, threshold)) + 1e-6)  # (T, offset + T)
+        bias = self.out(torch.relu(x[..., None] * self.w1 + self.b1)).permute(2, 0, 1)  # (nh, T, offset + T)
+        return bias.masked_fill(future, float("-inf")).to(dtype)
+
+
+POSITIONS = {"none": NoPE, "sinusoidal": Sinusoidal, "learned": Learned, "rope": RoPE, "alibi": ALiBi,
+             "t5": T5Bias, "xpos": XPos, "fire": FIRE}

@@ -45,9 +45,9 @@ class DiffAttention(MHA):
         if score != "softmax" or sinks or gate:
             raise ValueError("attention=diff is a difference of two softmax maps: it takes attention.score=softmax, "
                              "without sinks or a gate")
-        if cfg.position.get("name") == "alibi":
-            raise ValueError("attention=diff with position=alibi: ALiBi's slopes are per head, a differential head "
-                             "has two maps; use position=rope")
+        if (name := cfg.position.get("name")) in ("alibi", "t5", "fire"):
+            raise ValueError(f"attention=diff with position={name}: its bias is per head, a differential head has "
+                             f"two maps; use position=rope")
         d = self.head_dim
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)  # l - 1 = layer (0-based)
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (

@@ -40,7 +40,8 @@ def test_hooks_keep_shapes_and_bias_is_causal(name: str) -> None:
         upper = torch.ones(10, 10, dtype=torch.bool).triu(1)
         assert torch.isneginf(bias[:, upper]).all()
         assert torch.isfinite(bias[:, ~upper]).all()
-        assert torch.equal(bias[:, range(10), range(10)], torch.zeros(NH, 10))  # no bias on the diagonal
+        if name == "alibi":  # no bias on the diagonal (T5's and FIRE's there are learned)
+            assert torch.equal(bias[:, range(10), range(10)], torch.zeros(NH, 10))
 
 
 @pytest.mark.parametrize("name", sorted(POSITIONS))
@@ -144,7 +145,7 @@ def test_rotary_dim_below_two_fails_in_validate() -> None:
         validate(cfg)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in POSITIONS if n != "rope"))
+@pytest.mark.parametrize("name", sorted(n for n in POSITIONS if n not in ("rope", "xpos")))  # xpos: its own test
 def test_odd_head_dim_is_fine_without_rope(name: str) -> None:
     cfg = resolve(GPTConfig(vocab_size=50, n_layer=1, d_model=30, n_head=6, position={"name": name}))
     assert validate(cfg) is cfg
