@@ -58,9 +58,12 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False,
                  layouts: bool = False) -> list[dict]:
     """Decay 2-D weights of Linear layers; never norms, biases or embedding tables (tied heads included).
 
-    by_role: three groups, each with its `role`: `hidden` (the decayed matrices but the readout: every Linear weight
-    inside the blocks), `readout` (a Linear marked `is_readout`, the untied LM head) and `rest` (embeddings, gains,
-    biases); empty groups are left out. The weights that stack E experts' matrices (a Linear with `n_experts` > 1, an
+    by_role: four groups, each with its `role`: `hidden` (the decayed matrices but the readout: every Linear weight
+    inside the blocks), `readout` (a Linear marked `is_readout`, the untied LM head), `other` (decayed weights of
+    more than one dimension that are no Linear's: the depthwise convolutions of canon layers and recurrent mixers,
+    talking heads' (nh, nh) mixes, hyper-connections' and scaled residuals' coefficients; neither Muon's
+    orthogonalisation, which made a (2, 1) pair of scalars a unit vector each step, nor µP's 1/width suits them:
+    AdamW at the base lr) and `rest` (embeddings, gains, biases); empty groups are left out. The weights that stack E experts' matrices (a Linear with `n_experts` > 1, an
     MoE's) form `hidden` groups of their own after the first, one per E, with `experts` = E (Muon orthogonalises each
     expert's matrix). The default two groups are the optimizer state's layout of every earlier run.
 
@@ -75,11 +78,13 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False,
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     stacked = {id(m.weight): m.n_experts for m in model.modules()
                if isinstance(m, nn.Linear) and getattr(m, "n_experts", 1) > 1}
-    groups = [{"params": [p for p in decay if id(p) not in readout and id(p) not in stacked],
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    groups = [{"params": [p for p in decay if id(p) in linear and id(p) not in readout and id(p) not in stacked],
                "weight_decay": weight_decay, "role": "hidden"},
               *({"params": [p for p in decay if stacked.get(id(p)) == E], "weight_decay": weight_decay,
                  "role": "hidden", "experts": E} for E in sorted(set(stacked.values()))),
               {"params": [p for p in decay if id(p) in readout], "weight_decay": weight_decay, "role": "readout"},
+              {"params": [p for p in decay if id(p) not in linear], "weight_decay": weight_decay, "role": "other"},
               {"params": rest, "weight_decay": 0.0, "role": "rest"}]
     if layouts:
         of = {id(m.weight): layout(m) for m in model.modules() if isinstance(m, nn.Linear)}

@@ -53,6 +53,35 @@ def test_muon_takes_every_hidden_matrix_and_adamw_the_rest(block: str, tie: bool
     assert {g["lr"] for g in opt.param_groups if g["kind"] == "adamw"} == {3e-3}
 
 
+@pytest.mark.parametrize("overrides", [["attention=talking_heads"], ["residual=hyper"], ["residual=scaled"],
+                                       ["mixer=gdn"], ["mixer=mamba2"], ["residual=canon"]])
+def test_weights_of_more_than_one_dimension_that_are_no_linears_go_to_adamw(overrides: list[str]) -> None:
+    """Talking heads' (nh, nh) mixes, hyper-connections' and scaled residuals' coefficients ((2, 1): Muon made the
+    pair a unit vector each step), the depthwise convolutions of recurrent mixers and canon layers ((d, 1, k):
+    torch's Muon refused them, so optim=muon crashed on mixer=gdn) are the `other` role: AdamW, decayed, at the base
+    lr under µP too; every Linear inside the blocks stays Muon's."""
+    from lmlab import build_model, compose
+    from lmlab.model.param import PARAMS
+
+    model = build_model(compose([*overrides, "optim=muon", "model.vocab_size=50"]))
+    other = {id(p) for m in model.modules() if not isinstance(m, nn.Linear | nn.Embedding)
+             for p in m.parameters(recurse=False) if p.dim() >= 2}
+    assert other, "the option has such a weight"
+    groups = param_groups(model, 0.1, by_role=True)
+    assert {id(p) for g in groups if g["role"] == "other" for p in g["params"]} == other
+    assert all(g["weight_decay"] == 0.1 for g in groups if g["role"] == "other")
+    opt = _muon(model)
+    kinds = {id(p): g["kind"] for g in opt.param_groups for p in g["params"]}
+    assert {kinds[i] for i in other} == {"adamw"}
+    hidden = {id(m.weight) for blk in model.h for m in blk.modules() if isinstance(m, nn.Linear)}
+    assert {i for i, k in kinds.items() if k == "muon"} == hidden
+    loss = model(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16)))
+    loss.backward()
+    opt.step()  # torch's Muon raised on a (d, 1, k) weight
+    mup = PARAMS["mup"](model.cfg, base_width=16)  # width_mult 8 at d_model 128
+    assert mup.lr_mult("hidden") == 1 / 8 and mup.lr_mult("other") == 1.0
+
+
 def test_newton_schulz_by_hand_and_torchs() -> None:
     """Five quintic steps X ← aX + (bA + cA²)X, A = XXᵀ, from X = G/‖G‖_F (a tall G transposed), written out in
     float64 (lmlab's runs in bf16, as torch's: within bf16's rounding); torch's own iteration gives the same bits.
