@@ -4,9 +4,10 @@ Contract: a `Block(cfg, layer_idx)` subclass with its own `branch(x, f, j)` (wha
 branch; `additive`) or, for a placement that normalises the sum, its own `sublayer(x, f, j)`: how sublayer j (1-based,
 `f` already bound to the position scheme and KV cache) and its norm `ln_j` (and `ln_j_post`) enter the residual
 stream. The residual options (lmlab.model.residual) change a block through one hook each, at build time: a
-*branch transform* (`add_transform`: a module `t(j, y)` on each sublayer's branch — a learned scale, a dropped layer)
-or the block's *wiring* (`set_wiring`: an object whose `wire(block, x, fs)` applies the sublayers `fs` to the stream
-— in turn by default, summed from one input, over n copies of the stream). The
+*branch transform* (`add_transform`: a module `t(j, y)` on each sublayer's branch — a learned scale, a dropped layer),
+an *input transform* (`add_input_transform`: a module `t(j, h, cache, doc)` on what each sublayer reads — a canon
+layer) or the block's *wiring* (`set_wiring`: an object whose `wire(block, x, fs)` applies the sublayers `fs` to the
+stream — in turn by default, summed from one input, over n copies of the stream). The
 `block` group supplies the sublayers (attention + FFN, or one GAU); `Block.forward(x, pos, cache=None)` applies the
 placement to each in turn, so every placement works with every block. Each placement says on itself whether the
 model needs a final norm before the LM head (`final_norm`) and what gain the DeepNet init applies to its value/output
@@ -65,6 +66,7 @@ class Block(nn.Module):
                 setattr(self, f"ln_{j}_post", build("norm", NORMS, cfg.norm, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
         self.transforms: tuple[str, ...] = ()  # the branch transforms' attribute names, applied in this order
+        self.input_transforms: tuple[str, ...] = ()  # the input transforms' attribute names, applied in this order
         self.wiring: str | None = None  # the wiring's attribute name (None: the sublayers in turn, SEQUENTIAL)
 
     @staticmethod
@@ -76,6 +78,15 @@ class Block(nn.Module):
         inside the norm, for a placement that normalises the sum). Its weights are `h.<i>.<name>.*`."""
         setattr(self, name, transform)
         self.transforms = (*self.transforms, name)
+
+    def add_input_transform(self, name: str, transform: nn.Module) -> None:
+        """A residual option's change to what every sublayer of this block reads: `transform(j, h, cache, doc)` on
+        sublayer j's input h (after its norm, under the placements that norm the input), `cache` this layer's
+        LayerCache when generating (None otherwise; what the transform keeps between forwards goes in its `inputs`)
+        and `doc` the document numbers (or None), for a transform that reads along the sequence. Its weights are
+        `h.<i>.<name>.*`."""
+        setattr(self, name, transform)
+        self.input_transforms = (*self.input_transforms, name)
 
     def set_wiring(self, name: str, wiring: Any, option: str) -> None:
         """A residual option's way of applying the sublayers to the stream (`wiring.wire(block, x, fs)`); one per
@@ -91,9 +102,16 @@ class Block(nn.Module):
         fs = []
         for j, name in enumerate(self.sublayer_names, 1):
             module = getattr(self, name)
-            fs.append((j, partial(module, pos=pos, cache=cache, doc=doc) if getattr(module, "mixes_tokens", False)
-                       else module))
+            f = partial(module, pos=pos, cache=cache, doc=doc) if getattr(module, "mixes_tokens", False) else module
+            fs.append((j, partial(self._fed, f, j, cache, doc) if self.input_transforms else f))
         return (SEQUENTIAL if self.wiring is None else getattr(self, self.wiring)).wire(self, x, fs)
+
+    def _fed(self, f: Sublayer, j: int, cache: LayerCache | None, doc: torch.Tensor | None,
+             h: torch.Tensor) -> torch.Tensor:
+        """Sublayer j applied to its input h through the residual options' input transforms, in order."""
+        for name in self.input_transforms:
+            h = getattr(self, name)(j, h, cache, doc)
+        return f(h)
 
     def transform(self, j: int, y: torch.Tensor) -> torch.Tensor:
         """Sublayer j's branch `y` through the residual options' transforms, in order."""

@@ -16,18 +16,21 @@ import torch
 class LayerCache:
     """One layer's keys and values, (B, nkv, length, hs) each; `offset`: where this forward's tokens start. A
     recurrent mixer's layer (lmlab.model.mixer) keeps its fixed-size state in `state` instead (its own tensors by
-    name, e.g. the conv window and the recurrent state), and no keys or values."""
+    name, e.g. the conv window and the recurrent state), and no keys or values. `inputs`: what the block's input
+    transforms keep between forwards, by name (a canon layer's last inputs; lmlab.model.residual.canon), beside
+    either."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
         self.offset = 0
 
     @property
     def bytes(self) -> int:
-        """What this layer holds now: its keys and values, or its recurrent state."""
-        held = [t for t in (self.k, self.v, *self.state.values()) if t is not None]
+        """What this layer holds now: its keys and values, or its recurrent state, and its input transforms'."""
+        held = [t for t in (self.k, self.v, *self.state.values(), *self.inputs.values()) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

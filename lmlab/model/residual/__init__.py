@@ -5,9 +5,9 @@ what the stream carries from layer to layer.
 The group holds any number of options at once, each under its own name (`residual=unet`, or several:
 `'residual=[value_residual,unet,scaled]'`, as the GPT-2 speedrun stacks them); `standard` is today's stream, no
 option at all. Contract: `Option(cfg, **own params)`, an nn.Module built once per model, that may
-- `attach(model)`: configure the blocks at build time through their two hooks (lmlab.model.placement: a branch
-  transform with `block.add_transform`, a wiring with `block.set_wiring`) or a value mix on each attention, refusing
-  by key what it cannot apply to;
+- `attach(model)`: configure the blocks at build time through their three hooks (lmlab.model.placement: a branch
+  transform with `block.add_transform`, an input transform with `block.add_input_transform`, a wiring with
+  `block.set_wiring`) or a value mix on each attention, refusing by key what it cannot apply to;
 - `start(x0, idx)`: reset its per-forward state at the start of a forward (x0: the embedding output, idx: the tokens);
 - `n_params(cfg, **own params)` (a classmethod, if it has weights of a size that matters): its weights from the sizes
   alone, for the size bounds;
