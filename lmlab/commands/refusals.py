@@ -95,7 +95,8 @@ def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
                 continue
             options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
             values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
-            for value in values:
+            chosen = [v for value in values for v in (value if isinstance(value, list) else [value])]  # residual=[a,b]
+            for value in chosen:
                 if value is not None and str(value) not in options:
                     close = difflib.get_close_matches(str(value), options, n=3)
                     hint = f"; did you mean {' or '.join(close)}?" if close else ""

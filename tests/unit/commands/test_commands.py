@@ -81,6 +81,9 @@ def test_the_continue_command_pastes_into_a_shell() -> None:
     ("generate", ["run=x", "promt=hi"], "promt=hi: there is no config group or key 'promt'; did you mean prompt?"),
     ("eval", ["run=x", "lenghts=[256]"], "lenghts=[256]: there is no config group or key 'lenghts'; did you mean "
                                          "lengths or weights?"),
+    ("train", ["residual=[x0,scaeld]"], "residual=[x0,scaeld]: residual has no option 'scaeld'; did you mean scaled? (the "
+                                        "options: canon, hyper, layer_drop, parallel, scaled, standard, unet, "
+                                        "value_embed, value_residual, x0)"),
     ("train", ["model.n_layer=["], "model.n_layer=[: Hydra's override grammar cannot parse it (no viable alternative "
                                    "at input '['); see https://hydra.cc/docs/advanced/override_grammar/basic/"),
 ])
@@ -94,6 +97,7 @@ def test_an_unknown_group_option_or_key_is_named_with_the_closest(config: str, a
     ["data=text_files", "data.paths=[/a,/b]", "norm.eps=1e-5", "model.n_layer=2", "+optim.new_key=1"],  # ??? paths
     ["experiment=postnorm_warmup", "schedule.warmup_steps=0,150", "hydra.sweep.dir=S", "hydra/launcher=slurm"],
     ["experiment=glob(*)", "~optim.lr", "trainer.max_steps=range(1,3)", "norm=null"],
+    ["residual=[scaled,x0]", "residual.scaled.stream=true"],  # several options of a list group (the README's form)
 ])
 def test_what_hydra_accepts_passes_the_check(args: list[str]) -> None:
     from lmlab.commands.refusals import unknown_override
