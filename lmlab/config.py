@@ -16,9 +16,9 @@ import functools
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from lmlab.registry import PositiveFloat, PositiveInt, Range, check_value
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, Range, check_value, check_values
 
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
                "residual", "param", "head", "mixer")
@@ -51,7 +51,9 @@ class GPTConfig:
     logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
     untie_at_step: PositiveInt | None = None  # a tied head gets its own copy of the embedding at this step (speedrun)
     embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
-    eod_id: int | None = None  # the end-of-document token (data.eod's id) the documents are found by (doc masks)
+    eod_id: int | None = None  # the document separator (data.eod's id; data=token_bin: data.doc_sep) the documents
+                               # are found by (doc masks)
+    doc_sep_role: Literal["eod", "bos"] = "eod"  # eod_id ends each document (eod) or opens each (bos: token_bin's)
     block: dict = field(default_factory=lambda: {"name": "transformer"})
     norm: dict = field(default_factory=lambda: {"name": "rms"})
     placement: dict = field(default_factory=lambda: {"name": "pre"})
@@ -113,8 +115,8 @@ def _field_types() -> dict[str, Any]:
 
 def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None, eod_id: int | None = None) -> GPTConfig:
     """The GPTConfig of a composed config: `cfg.model` sizes plus the architecture groups; `eod_id`, the tokenizer's
-    end-of-document token, is recorded when documents matter to the model (attention.doc_mask,
-    position.per_document)."""
+    end-of-document token (else data=token_bin's `data.doc_sep`), and `data.doc_sep_role`, whether it ends or opens
+    each document, are recorded when documents matter to the model (attention.doc_mask, position.per_document)."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
@@ -123,9 +125,13 @@ def arch_config(cfg: Mapping[str, Any], vocab_size: int | None = None, eod_id: i
         sizes["vocab_size"] = vocab_size
     if sizes.get("vocab_size") is None:
         raise ValueError("model.vocab_size is unknown: it comes from the tokenizer (pass vocab_size=...)")
-    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED) - {"eod_id"}  # not set
+    from_data = {"eod_id", "doc_sep_role"}  # the documents: the data's, not model.* keys
+    known = {f.name for f in dataclasses.fields(GPTConfig)} - set(ARCH_GROUPS) - set(DERIVED) - from_data
     if unknown := sorted(sizes.keys() - known):
         raise ValueError(f"model does not take {unknown}; it takes {sorted(known)}")
     if (plain.get("attention") or {}).get("doc_mask") or (plain.get("position") or {}).get("per_document"):
-        sizes["eod_id"] = eod_id
+        data = plain.get("data") or {}  # data=token_bin's separator is an id of its config, ending or opening
+        check_values("data.", data, {"doc_sep": NonNegativeInt | None, "doc_sep_role": Literal["eod", "bos"]})
+        sizes["eod_id"] = data.get("doc_sep") if eod_id is None else eod_id
+        sizes["doc_sep_role"] = data.get("doc_sep_role", "eod")
     return GPTConfig(**sizes, **{g: plain[g] for g in ARCH_GROUPS if g in plain})

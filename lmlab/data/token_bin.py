@@ -10,16 +10,23 @@ a glob, in sorted order) — the speedrun's fixed 10,485,760-token protocol — 
 
 The shards carry ids, not text: `data.tokenizer` is the tokenizer.json that made them (GPT-2's, for generate.py to
 print text), or null for a stand-in whose token i is the text "<i>" (loss and eval need no text).
+
+Documents (for attention.doc_mask and position.per_document): `data.doc_sep` is the id that separates them (GPT-2's
+<|endoftext|>, 50256), null for none; `data.doc_sep_role` says whether it opens each document (`bos`: the speedrun's
+shards, which llm.c and modded-nanogpt write as [50256, *document]) or ends each (`eod`: lmlab's own shards, a text
+corpus's data.eod). The model records both (model.eod_id, model.doc_sep_role), so eval, generation and a resume
+number the documents alike.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -29,13 +36,18 @@ from torch.utils.data import DataLoader
 from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack
 from lmlab.data.shards import TokenStream
 from lmlab.record.rundir import atomic_write, remember
+from lmlab.registry import NonNegativeInt, check_values
+
+log = logging.getLogger(__name__)
 
 NAME = "token_bin"
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 SPEEDRUN_VAL_TOKENS = 10_485_760
 UNIGRAM_SAMPLE = 10_000_000  # train tokens the unigram plateau is counted on (a 10B-token corpus: a sample)
-_KEYS = {"name", "train", "val", "val_tokens", "vocab_size", "tokenizer", "batch_size", "num_workers"}
+_KEYS = {"name", "train", "val", "val_tokens", "vocab_size", "tokenizer", "batch_size", "num_workers", "doc_sep",
+         "doc_sep_role"}
+DOC_KEYS = {"doc_sep": NonNegativeInt | None, "doc_sep_role": Literal["bos", "eod"]}
 
 
 class TokenBinError(ValueError):
@@ -156,7 +168,8 @@ class TokenBinDataModule(pl.LightningDataModule):
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         super().__init__()
         if unknown := sorted(set(data) - _KEYS):
-            raise ValueError(f"data=token_bin does not take {['data.' + k for k in unknown]}; it takes "
+            hint = " (its documents' separator is an id: data.doc_sep, data.doc_sep_role)" if "eod" in unknown else ""
+            raise ValueError(f"data=token_bin does not take {['data.' + k for k in unknown]}{hint}; it takes "
                              f"{sorted('data.' + k for k in _KEYS - {'name'})}")
         self.train_pattern, self.val_pattern = data.get("train"), data.get("val")
         for key in ("train", "val"):
@@ -174,8 +187,13 @@ class TokenBinDataModule(pl.LightningDataModule):
         if self.val_tokens_n < self.seq_len + 1:
             raise ValueError(f"data.val_tokens={self.val_tokens_n} is less than one block of model.max_seq_len + 1 "
                              f"= {self.seq_len + 1}")
+        self.eod_id = data.get("doc_sep")  # the separator the model finds documents by (model.eod_id)
+        self.doc_sep_role = data.get("doc_sep_role", "bos")
+        check_values("data.", {"doc_sep": self.eod_id, "doc_sep_role": self.doc_sep_role}, DOC_KEYS)
+        if self.eod_id is not None and self.eod_id >= self.vocab_size:
+            raise ValueError(f"data.doc_sep={self.eod_id} is not a token of the vocabulary (ids below "
+                             f"data.vocab_size={self.vocab_size}); GPT-2's <|endoftext|> is 50256")
         self.tokenizer = None
-        self.eod_id = None
 
     def prepare_data(self) -> None:
         self.setup()
@@ -192,6 +210,9 @@ class TokenBinDataModule(pl.LightningDataModule):
         val_ids = self.val_tokens.read(0, len(self.val_tokens))  # the val tokens read: all of them, once
         if (top := int(val_ids.max())) >= self.vocab_size:
             raise ValueError(f"data.val: the shards hold token id {top}, not below data.vocab_size={self.vocab_size}")
+        if self.eod_id is not None and not (val_ids == self.eod_id).any():
+            log.warning("data.doc_sep=%d never occurs in the %d val tokens: is it the shards' separator? (each val "
+                        "block would read as one document)", self.eod_id, len(val_ids))
         paths = shard_paths(self.train_pattern, "data.train")
         check_ids(paths, "data.train", self.vocab_size, self.cache_dir)  # every train id, not only the first ones
         if len(train) < self.seq_len + 1:

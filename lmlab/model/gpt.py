@@ -222,15 +222,17 @@ class GPT(nn.Module):
             m.update_bias(reduce)
 
     def documents(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
-        """Every position's document number (B, offset + T) when the model has an end-of-document token (`cfg.eod_id`,
-        recorded for attention.doc_mask and position.per_document): a document ends with it; the cache's come first."""
+        """Every position's document number (B, offset + T) when the model has a document separator (`cfg.eod_id`,
+        recorded for attention.doc_mask and position.per_document): a document ends with it, or under
+        `cfg.doc_sep_role` bos starts with it; the cache's come first."""
         if self.cfg.eod_id is None:
             return None
+        opens = self.cfg.doc_sep_role == "bos"
         first = None if cache is None or cache.doc is None else cache.doc_next
-        doc = documents(idx, self.cfg.eod_id, first)
+        doc = documents(idx, self.cfg.eod_id, first, opens)
         if cache is not None:
             cache.doc = doc if cache.doc is None else torch.cat((cache.doc, doc), dim=1)
-            cache.doc_next = doc[:, -1] + (idx[:, -1] == self.cfg.eod_id).long()
+            cache.doc_next = doc[:, -1] if opens else doc[:, -1] + (idx[:, -1] == self.cfg.eod_id).long()
             doc = cache.doc
         return doc
 

@@ -3,7 +3,8 @@
 
 With document masking (`attention.doc_mask`), a query also reads only keys of its own document: packed blocks hold
 the end of one document and the start of the next, and the second must not see the first. `documents` numbers the
-documents of a block from its end-of-document tokens (the token belongs to the document it ends).
+documents of a block from its separator tokens: one that ends each document (EOD, `data.eod`: it belongs to the
+document it ends) or one that opens each (BOS, the speedrun's .bin shards: it belongs to the document it opens).
 
 Positions are absolute: the T queries sit at positions offset .. offset + T - 1 and the S keys at the S positions that
 end with the last query (offset + T - S .. offset + T - 1: a KV cache of a windowed layer keeps only the last W - 1
@@ -25,12 +26,14 @@ def allowed(T: int, offset: int, S: int, window: int | None, device: torch.devic
     return mask & (q - k < window) if window is not None else mask
 
 
-def documents(idx: torch.Tensor, eod_id: int, first: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) document numbers of the tokens idx (B, T): `first` (B,) is the number of the first token's document
-    (0 at the start of a text; a KV cache's count past its tokens), each end-of-document token ends its document."""
-    ends = (idx == eod_id).long()
+def documents(idx: torch.Tensor, sep_id: int, first: torch.Tensor | None = None, opens: bool = False) -> torch.Tensor:
+    """(B, T) document numbers of the tokens idx (B, T), found by the separator `sep_id`: each one ends its document
+    (EOD), or with `opens` each one opens the next (BOS; the tokens before a block's first separator are the end of a
+    document of their own). `first` (B,) is the number of the document a token that continues the text is in (0 at
+    the start of a text; a KV cache's count past its tokens: the cached separators)."""
+    seps = (idx == sep_id).long()
     start = 0 if first is None else first[:, None]
-    return start + ends.cumsum(-1) - ends
+    return start + seps.cumsum(-1) - (0 if opens else seps)
 
 
 def doc_positions(doc: torch.Tensor, T: int) -> torch.Tensor:
