@@ -45,7 +45,8 @@ class GPT(nn.Module):
                              f"{cfg.n_layer - 1})")
         if self.pos.per_document and cfg.eod_id is None:
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
-                             "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
+                             "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document (data=token_bin: "
+                             "data.doc_sep, the separator's id)")
         self.drop = nn.Dropout(cfg.dropout)
         self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))

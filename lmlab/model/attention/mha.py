@@ -86,7 +86,8 @@ class MHA(nn.Module):
                              f"of the softmax")
         if doc_mask and cfg.eod_id is None:
             raise ValueError("attention.doc_mask=true needs an end-of-document token to find the documents by: set "
-                             "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document")
+                             "data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document (data=token_bin: "
+                             "data.doc_sep, the separator's id)")
         self.doc_mask = doc_mask
         self.layer = layer
         self.value_mixes = nn.ModuleList()  # v -> v mixed with other values (residual=value_residual, value_embed)

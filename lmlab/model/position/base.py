@@ -43,7 +43,7 @@ class Position(nn.Module):
             return None
         if doc is None:
             raise ValueError("position.per_document=true needs the documents: set data.eod (the end-of-document "
-                             "token they are found by)")
+                             "token they are found by; data=token_bin: data.doc_sep)")
         return doc_positions(doc, T)
 
     def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
