@@ -91,6 +91,7 @@ class GPT(nn.Module):
             offset = cache.length
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
         x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
+        x = self.residual.embed(x, idx, cache, doc)  # options that read the tokens (a look-back, a bigram table)
         if self.ln_e is not None:
             x = self.ln_e(x)
         recompute = self.cfg.checkpointing and self.training and torch.is_grad_enabled()

@@ -8,10 +8,16 @@ option at all. Contract: `Option(cfg, **own params)`, an nn.Module built once pe
 - `attach(model)`: configure the blocks at build time through their three hooks (lmlab.model.placement: a branch
   transform with `block.add_transform`, an input transform with `block.add_input_transform`, a wiring with
   `block.set_wiring`) or a value mix on each attention, refusing by key what it cannot apply to;
+- `embed(x, idx, cache, doc)`: change the token embeddings x (B, T, d) of tokens idx (B, T) before the embedding
+  norm (a look-back on the previous token: smear), or compute from the tokens what it adds later (bigram_hash); the
+  first hook of a forward. `cache`: the KVCache when generating, where what it needs of the previous forward's last
+  token is kept (`cache.layers[0].inputs`, under its name); `doc`: every position's document number (B, offset + T),
+  or None;
 - `start(x0, idx)`: reset its per-forward state at the start of a forward (x0: the embedding output, idx: the tokens);
 - `n_params(cfg, **own params)` (a classmethod, if it has weights of a size that matters): its weights from the sizes
   alone, for the size bounds;
-- `before(i, x)` / `after(i, x)`: change the stream at the input of layer i / after it (re-injections, skips).
+- `before(i, x)` / `after(i, x)`: change the stream at the input of layer i / after it (re-injections, skips; after
+  the last layer, L − 1, is the stream the final norm reads).
 Each option's weights live in it (`residual.<name>.*` in the state dict); inits leave them at their constructors'
 values. `Connections` runs the chosen options in the order they are named.
 """
@@ -28,6 +34,7 @@ from lmlab.registry import gather, option_params
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.attention.cache import KVCache
 
 
 class Standard(nn.Module):
@@ -58,20 +65,26 @@ def residual_specs(spec: Mapping[str, Any]) -> list[tuple[str, dict]]:
 
 
 class Connections(nn.Module):
-    """The model's residual options, in order; the layer loop in `lmlab.model.gpt` calls `start`, `before` and
-    `after` around every layer."""
+    """The model's residual options, in order; `lmlab.model.gpt` calls `embed` on the token embeddings, then `start`,
+    then `before` and `after` around every layer."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.options = nn.ModuleDict({name: RESIDUALS[name](cfg, **params)
                                       for name, params in residual_specs(cfg.residual)})
         self._hooks = {hook: [o for o in self.options.values() if hasattr(o, hook)]
-                       for hook in ("start", "before", "after")}
+                       for hook in ("embed", "start", "before", "after")}
 
     def attach(self, model: nn.Module) -> None:
         for option in self.options.values():
             if hasattr(option, "attach"):
                 option.attach(model)
+
+    def embed(self, x: torch.Tensor, idx: torch.Tensor, cache: KVCache | None, doc: torch.Tensor | None
+              ) -> torch.Tensor:
+        for option in self._hooks["embed"]:
+            x = option.embed(x, idx, cache, doc)
+        return x
 
     def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         for option in self._hooks["start"]:
