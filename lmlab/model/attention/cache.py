@@ -18,19 +18,22 @@ class LayerCache:
     recurrent mixer's layer (lmlab.model.mixer) keeps its fixed-size state in `state` instead (its own tensors by
     name, e.g. the conv window and the recurrent state), and no keys or values. `inputs`: what the block's input
     transforms keep between forwards, by name (a canon layer's last inputs; lmlab.model.residual.canon), beside
-    either."""
+    either. `forget`: with attention.forget_gate, each cached key's cumulative log forget gate c_j (B, nh, length),
+    which the decay of the next queries' logits reads (lmlab.model.attention.mask.forget_bias)."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.forget: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         self.offset = 0
 
     @property
     def bytes(self) -> int:
-        """What this layer holds now: its keys and values, or its recurrent state, and its input transforms'."""
-        held = [t for t in (self.k, self.v, *self.state.values(), *self.inputs.values()) if t is not None]
+        """What this layer holds now: its keys and values (and forget sums), or its recurrent state, and its input
+        transforms'."""
+        held = [t for t in (self.k, self.v, self.forget, *self.state.values(), *self.inputs.values()) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +41,21 @@ class LayerCache:
         self.v = v if self.v is None else torch.cat((self.v, v), dim=-2)
         return self.k, self.v
 
+    def append_forget(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' cumulative log forget gates c (B, nh, T), counted from 0, continued from the last cached
+        key's; returns them and every cached key's (B, nh, length). Only differences c_i - c_j are read, so a cache
+        whose keys are all dropped (a window of 1) may start again from 0."""
+        if self.forget is not None and self.forget.size(-1):
+            c = c + self.forget[..., -1:]
+        self.forget = c if self.forget is None else torch.cat((self.forget, c), dim=-1)
+        return c, self.forget
+
     def keep_last(self, n: int) -> None:
         """Drop all but the last `n` keys and values (a windowed layer needs no more for the tokens to come)."""
         if self.k is not None and self.k.size(-2) > n:
             self.k, self.v = self.k[..., self.k.size(-2) - n:, :], self.v[..., self.v.size(-2) - n:, :]
+        if self.forget is not None and self.forget.size(-1) > n:
+            self.forget = self.forget[..., self.forget.size(-1) - n:]
 
 
 class KVCache:

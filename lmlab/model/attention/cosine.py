@@ -6,7 +6,8 @@ The logits are a learned temperature times the cosine of the query and the key, 
 so a logit is bounded by τ whatever the activations' size: a large q or k cannot saturate the softmax (Swin V2's reason,
 at depth and scale) and the attention entropy cannot collapse by the logits growing. τ starts at `tau_init` (Swin V2:
 10) and is clamped at 100 as Swin V2 clamps it. RoPE rotates q and k before the cosine (a rotation keeps norms), ALiBi's
-bias adds to τ·cos, and the masks, windows, documents, softcap, sinks, gate and KV cache are MHA's. The score is the
+bias adds to τ·cos, and the masks, windows, documents, softcap, sinks, gate and KV cache are MHA's; so are the forget
+gate (its decay adds to τ·cos) and the memory keys (unit vectors too, as the tokens' keys). The score is the
 softmax; `temperature` and `logn_scaling`, a fixed scale on the logits, are the learned τ's job here and are refused.
 """
 
@@ -21,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
-from lmlab.model.attention.score import attend, explicit_weights
-from lmlab.registry import PositiveFloat
+from lmlab.model.attention.score import attend
+from lmlab.registry import NonNegativeInt, PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -41,7 +42,8 @@ class CosineAttention(MHA):
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None, tau_init: PositiveFloat = 10.0) -> None:
+                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
+                 mem_kv: NonNegativeInt = 0, tau_init: PositiveFloat = 10.0) -> None:
         if score != "softmax":
             raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
                              f"not apply; use score=softmax")
@@ -52,7 +54,8 @@ class CosineAttention(MHA):
         if tau_init > MAX_TAU:
             raise ValueError(f"attention.tau_init={tau_init} is above τ's clamp of {MAX_TAU:g} (Swin V2's)")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, window=window, pattern=pattern, softcap=softcap,
-                         doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps)
+                         doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps, forget_gate=forget_gate,
+                         forget_bias=forget_bias, mem_kv=mem_kv)
         self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
 
     @classmethod
@@ -69,20 +72,23 @@ class CosineAttention(MHA):
         """Unit queries times τ_h and unit keys: their dot products are the logits (q (B, h, T, d), k (B, hkv, S, d))."""
         return F.normalize(q, dim=-1) * self.tau.to(q.dtype)[:, None, None], F.normalize(k, dim=-1)
 
+    def memory(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The memory keys as unit vectors, as `cosine` makes the tokens' keys."""
+        mem = super().memory()
+        return None if mem is None else (F.normalize(mem[0], dim=-1), mem[1])
+
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            docs: tuple[torch.Tensor, torch.Tensor] | None,
+            forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         q, k = self.cosine(q, k)
         return attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0, self.window,
-                      self.softcap, docs, self.sink)
+                      self.softcap, docs, self.sink, self.memory(), forget)
 
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
         q, k = self.cosine(q, k)
-        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-        weights, logits = explicit_weights(q, k, self.score, 1.0, pos, 0, self.window, self.softcap,
-                                           (doc, doc) if self.doc_mask else None, self.sink)
-        return weights, logits.amax(dim=(-2, -1))
+        return self.token_weights(q, k, x, pos, doc, scale=1.0)
 
 
 OPTIONS = {"cosine": CosineAttention}

@@ -11,7 +11,7 @@ from torch import nn
 
 from lmlab.model.attention.mha import MHA
 from lmlab.model.attention.score import attend, explicit_weights
-from lmlab.registry import PositiveFloat
+from lmlab.registry import NonNegativeInt, PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -35,16 +35,22 @@ class DiffAttention(MHA):
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None) -> None:
+                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
+                 mem_kv: NonNegativeInt = 0) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         qk_norm_eps=qk_norm_eps)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")
         if score != "softmax" or sinks or gate:
             raise ValueError("attention=diff is a difference of two softmax maps: it takes attention.score=softmax, "
                              "without sinks or a gate")
+        for key, value in (("forget_gate", forget_gate), ("mem_kv", mem_kv)):
+            if value:  # each differential head is two maps over paired heads: neither has a form from the papers
+                raise ValueError(f"attention=diff pairs two maps per differential head, where a per-head forget gate "
+                                 f"or memory keys have no form (Ye et al., 2024 has neither): attention.{key}={value} "
+                                 f"does not apply; leave it at its default")
         if (name := cfg.position.get("name")) in ("alibi", "t5", "fire"):
             raise ValueError(f"attention=diff with position={name}: its bias is per head, a differential head has "
                              f"two maps; use position=rope")
@@ -64,7 +70,7 @@ class DiffAttention(MHA):
         return torch.cat((v[:, 0::2], v[:, 1::2]), dim=-1)
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            docs: tuple[torch.Tensor, torch.Tensor] | None, forget: None = None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         values = self._pairs(v)
         y1 = attend(q[:, 0::2], k[:, 0::2], values, self.score, self.scale, pos, offset, p, self.window, self.softcap,

@@ -10,6 +10,10 @@ Positions are absolute: the T queries sit at positions offset .. offset + T - 1 
 end with the last query (offset + T - S .. offset + T - 1: a KV cache of a windowed layer keeps only the last W - 1
 keys). Query p reads key q when q <= p and, with a window W, p - q < W: W keys, itself included (transformers'
 sliding window counts the same way).
+
+Memory keys (`attention.mem_kv`) sit outside these positions: learned key/value pairs in front of the S keys, which
+every query reads, with no position bias and no decay (`read_memory`). The forget gate (`attention.forget_gate`) adds
+the decay D_ij = c_i - c_j to the logits of the keys a query reads (`forget_bias`).
 """
 
 from __future__ import annotations
@@ -64,15 +68,33 @@ def key_counts(T: int, offset: int, device: torch.device, window: int | None = N
     return n.clamp_max(window) if window is not None else n
 
 
+def forget_bias(forget: tuple[torch.Tensor, torch.Tensor], rows: slice = slice(None), keys: slice = slice(None)
+                ) -> torch.Tensor:
+    """The forget gate's decay D_ij = c_i - c_j = Σ_{l=j+1..i} log f_l (B, h, t, s), given forget = (c of the queries
+    (B, h, T), c of the keys (B, h, S)), c_t = Σ_{l<=t} log f_l (Lin et al., 2025, FoX): for the queries `rows` and the
+    keys `keys`. Only the gates between key and query enter, so where the cumulative sum starts does not matter (a
+    document in a packed block, a cache's continuation)."""
+    c_q, c_k = forget
+    return c_q[..., rows, None] - c_k[..., None, keys]
+
+
+def read_memory(mask: torch.Tensor, n_mem: int) -> torch.Tensor:
+    """`mask` (..., T, S), which keys a query reads (bool) or their bias (float, -inf where it does not), with n_mem
+    memory columns in front that every query reads with no bias (True; 0): memory keys have no position."""
+    return F.pad(mask, (n_mem, 0), value=True if mask.dtype == torch.bool else 0.0) if n_mem else mask
+
+
 def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int, offset: int,
                 bias: torch.Tensor | None = None, dropout_p: float = 0.0, block: int | None = None,
-                doc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                doc: tuple[torch.Tensor, torch.Tensor] | None = None,
+                forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0) -> torch.Tensor:
     """Softmax attention under a window of W keys, a block of queries at a time: each block of (at most W) queries
     reads only the keys its window reaches (the block's own plus the W - 1 before it), through SDPA with that small
-    mask. Memory and time O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, S, d) (key heads shared by
-    query heads are expanded by SDPA), `bias` (h, T, S) a position bias (ALiBi) or None, `doc` the queries' and the
-    keys' document numbers (`doc_allowed`) or None -> (B, h, T, d)."""
-    T, S = q.size(-2), k.size(-2)
+    mask. Memory and time O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, n_mem + S, d) (key heads
+    shared by query heads are expanded by SDPA; the first n_mem keys memory, read by every block), `bias` (h, T, S) a
+    position bias (ALiBi) or None, `doc` the queries' and the keys' document numbers (`doc_allowed`) or None, `forget`
+    the forget gate's cumulative sums (`forget_bias`) or None -> (B, h, T, d)."""
+    T, S = q.size(-2), k.size(-2) - n_mem
     first = offset + T - S  # the position of key 0
     block = block or max(1, min(T, window))
     out = []
@@ -83,9 +105,16 @@ def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         mask = allowed(b - a, offset + a, keys.stop - keys.start, window, q.device)
         if doc is not None:
             mask = doc_allowed(mask, (doc[0][:, a:b], doc[1][:, keys]))
-        if bias is not None:
-            mask = bias[..., a:b, keys].masked_fill(~mask, float("-inf"))
-        out.append(F.scaled_dot_product_attention(q[..., a:b, :], k[..., keys, :], v[..., keys, :], attn_mask=mask,
+        add = None if bias is None else bias[..., a:b, keys]
+        if forget is not None:
+            decay = forget_bias(forget, slice(a, b), keys).to(q.dtype)
+            add = decay if add is None else add + decay
+        if add is not None:
+            mask = add.masked_fill(~mask, float("-inf"))
+        kb, vb = (t[..., n_mem + keys.start:n_mem + keys.stop, :] for t in (k, v))
+        if n_mem:  # the memory, then the block's keys
+            kb, vb = torch.cat((k[..., :n_mem, :], kb), dim=-2), torch.cat((v[..., :n_mem, :], vb), dim=-2)
+        out.append(F.scaled_dot_product_attention(q[..., a:b, :], kb, vb, attn_mask=read_memory(mask, n_mem),
                                                   dropout_p=dropout_p, scale=scale,
                                                   enable_gqa=q.size(1) != k.size(1)))
     return torch.cat(out, dim=-2)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mask import layer_window
-from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, per_query,
-                                        scale_queries)
-from lmlab.registry import PositiveFloat, build
+from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
+                                        per_query, scale_queries)
+from lmlab.registry import NonNegativeInt, PositiveFloat, build
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -59,7 +59,16 @@ class MHA(nn.Module):
       (Qiu et al., 2025, "Gated Attention", Qwen3-Next): `elementwise` (one gate per head dimension) or `headwise`
       (one per head); y ← y ⊙ σ(x W_g);
     - sinks: a learned sink logit per head (gpt-oss; Xiao et al., 2024's attention sinks, learned): the softmax
-      normalises over the keys and the sink, whose weight reads no value; softmax scores only, explicit.
+      normalises over the keys and the sink, whose weight reads no value; softmax scores only, explicit;
+    - forget_gate: a forget gate per head (Lin et al., 2025, "Forgetting Transformer", FoX), f_t = σ(w_h·x_t + b_h)
+      from the sublayer's input, and the logits get D_ij = Σ_{l=j+1..i} log f_l = c_i − c_j, c_t = Σ_{l≤t} log f_l
+      (a key weighed down by the product of the gates since it); forget_bias is b_h at init (FoX: 0, so f ≈ 1/2);
+      softmax scores; the KV cache keeps each key's c_j;
+    - mem_kv: M learned key/value pairs per key/value head (Burtsev et al., 2020, "Memory Transformer"; x-transformers'
+      `attn_num_mem_kv`; Darcet et al., 2023's registers) in front of the keys: every query reads them, with no
+      position (unrotated: under RoPE a key at position 0; a zero position bias), no decay, under any window or
+      document mask; parameters, not cached; q/k-normed with the keys under qk_norm; init N(0, 1) as
+      x-transformers'; score=softmax, without sinks (a memory pair with a zero value is a sink).
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -76,8 +85,18 @@ class MHA(nn.Module):
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None) -> None:
+                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
+                 mem_kv: NonNegativeInt = 0) -> None:
         super().__init__()
+        if forget_bias != 0.0 and not forget_gate:
+            raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "
+                             f"forget gate's bias at init)")
+        if mem_kv and score != "softmax":
+            raise ValueError(f"attention.mem_kv={mem_kv} needs attention.score=softmax (got {score!r}): memory keys "
+                             f"are columns of the softmax, which the keys counted by the other scores leave out")
+        if mem_kv and sinks:  # the monitor's sink share (1 − the tokens' weights) would count the memory's too
+            raise ValueError(f"attention.mem_kv={mem_kv} with attention.sinks=true: a memory pair is a learned sink "
+                             f"already (one whose value is zero, its logit read from the query); use one of the two")
         if qk_norm_eps is not None and not qk_norm:
             raise ValueError(f"attention.qk_norm_eps={qk_norm_eps} needs attention.qk_norm=true (it is the epsilon of "
                              f"the q/k norm)")
@@ -94,6 +113,9 @@ class MHA(nn.Module):
         self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
+        if forget_gate and not self.score.sdpa:
+            raise ValueError(f"attention.forget_gate=true needs a softmax score (attention.score=softmax or "
+                             f"softmax_plus; got {score!r}): the gates weigh keys down through exp(c_i − c_j)")
         if logn_scaling and self.score.query_scale(torch.ones(1)) is not None:
             raise ValueError(f"attention.logn_scaling=true with attention.score={score!r}, which already scales "
                              f"the logits by log_L(n); use one of the two")
@@ -108,6 +130,11 @@ class MHA(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.qk_norm_eps = qk_norm_eps
+        self.forget = nn.Linear(cfg.d_model, self.n_head, bias=False) if forget_gate else None  # w_h (a hidden matrix)
+        if forget_gate:  # b_h, its own parameter: the init schemes zero the biases of Linear layers
+            self.forget_bias = nn.Parameter(torch.full((self.n_head,), float(forget_bias)))
+        self.mem_k = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, qk_dim)) if mem_kv else None
+        self.mem_v = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, self.v_dim)) if mem_kv else None
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -133,7 +160,9 @@ class MHA(nn.Module):
         qkv = (nh + 2 * kv) * hd
         n = cfg.d_model * qkv + nh * hd * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
         n += (cfg.d_model + cfg.bias) * gate_width(params.get("gate"), nh, hd) + nh * bool(params.get("sinks"))
-        return Geometry(heads=nh, head_dim=hd, cache_width=2 * kv * hd, attn_width=2 * nh * hd, n_params=n)
+        n += extra_params(cfg, params, kv * (hd + hd))
+        return Geometry(heads=nh, head_dim=hd, cache_width=2 * kv * hd + nh * bool(params.get("forget_gate")),
+                        attn_width=2 * nh * hd, n_params=n)
 
     def qkv(self, x: torch.Tensor, pos: Position, offset: int = 0, doc: torch.Tensor | None = None,
             cache: LayerCache | None = None, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,8 +200,9 @@ class MHA(nn.Module):
         B, T, C = x.shape
         offset = 0 if cache is None else cache.offset
         q, k, v = self.qkv(x, pos, offset, doc, cache)  # k, v: every token so far (a windowed layer: last W - 1 + T)
+        forget = self.forgetting(x, cache)  # the queries' and the keys' cumulative log forget gates, or None
         docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
-        y = self.mix(q, k, v, pos, offset, docs)  # (B, nh, T, hs)
+        y = self.mix(q, k, v, pos, offset, docs, forget)  # (B, nh, T, hs)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
         if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)
@@ -180,10 +210,32 @@ class MHA(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.v_dim))
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The values weighed: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs)."""
+            docs: tuple[torch.Tensor, torch.Tensor] | None,
+            forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The values weighed: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs); `forget`: the forget gate's
+        cumulative sums (`forgetting`)."""
         return attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
-                      self.window, self.softcap, docs, self.sink)
+                      self.window, self.softcap, docs, self.sink, self.memory(), forget)
+
+    def memory(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The memory keys and values (nkv, M, d), (nkv, M, dv) (`mem_kv`), the keys q/k-normed as the tokens' are
+        (x-transformers does the same); None without."""
+        if self.mem_k is None:
+            return None
+        k = self.mem_k if self.k_norm is None else F.rms_norm(self.mem_k, (self.head_dim,), self.k_norm,
+                                                                self.qk_norm_eps)
+        return k, self.mem_v
+
+    def forgetting(self, x: torch.Tensor, cache: LayerCache | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The forget gate's cumulative sums c_t = Σ_{l≤t} log σ(w_h·x_l + b_h), in fp32 at least, as FoX's: of these
+        T tokens (B, nh, T) and of every key read (B, nh, S), the cached ones' first; None without the gate."""
+        if self.forget is None:
+            return None
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        log_f = F.logsigmoid(self.forget(x).to(dtype) + self.forget_bias.to(dtype))  # (B, T, nh)
+        c = log_f.cumsum(dim=1).transpose(1, 2)  # (B, nh, T)
+        return (c, c) if cache is None else cache.append_forget(c)
 
     no_qk_clip: str | None = None  # why optim.qk_clip cannot rescale this option's logits (None: it can)
 
@@ -203,21 +255,41 @@ class MHA(nn.Module):
         self.c_attn.weight.mul_(rows[:, None].to(self.c_attn.weight.dtype))
         if self.c_attn.bias is not None:
             self.c_attn.bias.mul_(rows.to(self.c_attn.bias.dtype))
+        if self.mem_k is not None:  # the memory keys of each key head, as its rows
+            self.mem_k.mul_(k_scale.to(self.mem_k)[:, None, None])
 
     @property
     def sums_to_one(self) -> bool:
-        """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's."""
-        return self.score.sums_to_one
+        """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's,
+        unless memory keys take a share (`probs` shows the tokens' weights only)."""
+        return self.score.sums_to_one and self.mem_k is None
 
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention weights (B, nh, T, T) (rows sum to one when `score.sums_to_one`) and the max logit per
-        head (B, nh), computed explicitly (for monitoring)."""
+        """The attention weights on the tokens (B, nh, T, T) (rows sum to one when `sums_to_one`) and the max logit
+        per head (B, nh), memory keys' included, computed explicitly (for monitoring)."""
         q, k, _ = self.qkv(x, pos, 0, doc, mix=False)
-        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, T, hs)
-        weights, logits = explicit_weights(q, k, self.score, self.scale, pos, 0, self.window, self.softcap,
-                                           (doc, doc) if self.doc_mask else None, self.sink)
-        return weights, logits.amax(dim=(-2, -1))
+        return self.token_weights(q, k, x, pos, doc)
+
+    def token_weights(self, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, pos: Position,
+                      doc: torch.Tensor | None, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`probs` from q (B, nh, T, d) and k (B, nkv, T, d) of the whole text x: the tokens' weights, the max logits;
+        the memory keys as `memory` gives them."""
+        mem = self.memory()
+        n_mem = 0 if mem is None else mem[0].size(-2)
+        if mem is not None:
+            k = memory_first(mem[0], k)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, n_mem + T, hs)
+        weights, logits = explicit_weights(q, k, self.score, self.scale if scale is None else scale, pos, 0,
+                                           self.window, self.softcap, (doc, doc) if self.doc_mask else None,
+                                           self.sink, self.forgetting(x), n_mem)
+        return weights[..., n_mem:], logits.amax(dim=(-2, -1))
+
+
+def extra_params(cfg: GPTConfig, params: dict[str, Any], mem_width: int) -> int:
+    """The weights of the forget gate (w_h, b_h per head) and of the memory keys and values (`mem_kv` of them, each
+    `mem_width` numbers over the key/value heads)."""
+    return (cfg.d_model + 1) * cfg.n_head * bool(params.get("forget_gate")) + params.get("mem_kv", 0) * mem_width
 
 
 def gate_width(gate: str | None, n_head: int, head_dim: int) -> int:

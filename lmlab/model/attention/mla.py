@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.attention.mha import MHA, Geometry, gate_width
-from lmlab.registry import PositiveFloat, PositiveInt
+from lmlab.model.attention.mha import MHA, Geometry, extra_params, gate_width
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -43,7 +43,8 @@ class MLA(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  kv_lora_rank: PositiveInt | None = None, q_lora_rank: PositiveInt | None = None,
                  qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
-                 v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None) -> None:
+                 v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None,
+                 forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0) -> None:
         if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
             raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
                              f"{qk_norm_eps} does not apply; leave it null")
@@ -55,7 +56,8 @@ class MLA(MHA):
                                qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
                                v_head_dim=v_head_dim)
         super().__init__(cfg, layer, score=score, logn_scaling=logn_scaling, temperature=temperature, window=window,
-                         pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks)
+                         pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
+                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
@@ -95,8 +97,9 @@ class MLA(MHA):
         q = d * nh * (nope + rope) if rq is None else d * rq + b * rq + rq * nh * (nope + rope)
         n = q + (d + b) * (rank + rope) + rank * nh * (nope + v) + nh * v * d + b * d
         n += (d + b) * gate_width(params.get("gate"), nh, v) + nh * bool(params.get("sinks"))
-        return Geometry(heads=nh, head_dim=rope, cache_width=rank + rope, attn_width=nh * (nope + rope + v),
-                        n_params=n)
+        n += extra_params(cfg, params, nh * (nope + rope + v))
+        return Geometry(heads=nh, head_dim=rope, cache_width=rank + rope + nh * bool(params.get("forget_gate")),
+                        attn_width=nh * (nope + rope + v), n_params=n)
 
     def latents(self, x: torch.Tensor, pos: Position, offset: int, doc: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.model.attention.flex import flex_attend, use_flex
-from lmlab.model.attention.mask import allowed, banded_sdpa, doc_allowed, key_counts  # noqa: F401  (key_counts: as
-                                                                                      # before)
+from lmlab.model.attention.mask import (allowed, banded_sdpa, doc_allowed, forget_bias, key_counts,  # noqa: F401
+                                        read_memory)  # (key_counts: as before)
 
 if TYPE_CHECKING:
     from lmlab.model.position import Position
@@ -90,26 +90,33 @@ def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
 
 def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
                      offset: int = 0, window: int | None = None, softcap: float | None = None,
-                     doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None
+                     doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None,
+                     forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and the logits, materialised: q (B, h, T, d), k (B, h, S, d), the keys ending with the last query
-    (key heads already repeated to the query heads) -> (B, h, T, S) each. `q` already carries `score.query_scale`.
-    `window`: each query reads its last W keys (lmlab.model.attention.mask); `softcap` c: the logits become
-    c·tanh(logits / c)
-    before the position bias and the mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys'
-    document numbers, each query reading its own document's keys only (lmlab.model.attention.mask.doc_allowed); `sink`
-    (h,):
-    each head's learned sink logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a
-    row sums to less than one and a head can attend to nothing."""
-    T, S = q.size(-2), k.size(-2)
-    logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, S)
+    """The weights and the logits, materialised: q (B, h, T, d), k (B, h, n_mem + S, d), n_mem memory keys then the
+    S keys ending with the last query (key heads already repeated to the query heads) -> (B, h, T, n_mem + S) each.
+    `q` already carries `score.query_scale`. `window`: each query reads its last W keys
+    (lmlab.model.attention.mask); `softcap` c: the logits become c·tanh(logits / c) before the position bias and the
+    mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys' document numbers, each query reading
+    its own document's keys only (lmlab.model.attention.mask.doc_allowed); `sink` (h,): each head's learned sink
+    logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a row sums to less than one and
+    a head can attend to nothing; `forget`: the forget gate's cumulative log gates, whose decay c_i - c_j adds to the
+    logits like a position bias (lmlab.model.attention.mask.forget_bias); `n_mem`: the memory keys in front
+    (`attention.mem_kv`), which every query reads, with neither bias nor decay."""
+    T, S = q.size(-2), k.size(-2) - n_mem
+    logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, n_mem + S)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, offset + T) with -inf above the diagonal, or None
+    bias = None if bias is None else bias[..., offset + T - S:]
+    if forget is not None:
+        decay = forget_bias(forget).to(logits.dtype)  # (B, h, T, S)
+        bias = decay if bias is None else bias + decay
     mask = doc_allowed(allowed(T, offset, S, window, q.device), doc)  # (T, S), or (B, 1, T, S) with documents
     if bias is not None:
-        logits = logits + bias[..., offset + T - S:].masked_fill(~mask, 0.0)
+        logits = logits + read_memory(bias.masked_fill(~mask, 0.0), n_mem)
     n = key_counts(T, offset, q.device, window) if doc is None else mask.sum(-1).float()  # the keys each query reads
+    mask = read_memory(mask, n_mem)
     masked = logits.masked_fill(~mask, float("-inf"))
     if sink is not None:  # softmax over the keys and the sink column, the sink's weight dropped
         column = sink.to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
@@ -117,21 +124,33 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     return score.weights(logits, mask, n), masked
 
 
+def memory_first(mem: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Keys or values t (B, hkv, S, d) after the learned memory `mem` (hkv, M, d) (`attention.mem_kv`)."""
+    return torch.cat((mem.to(t.dtype).expand(t.size(0), -1, -1, -1), t), dim=-2)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, scale: float, pos: Position,
            offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
-           doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+           doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None,
+           mem: tuple[torch.Tensor, torch.Tensor] | None = None,
+           forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
     block by block, lmlab.model.attention.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others,
-    and
-    softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.attention.flex.use_flex), softmax
-    under a
-    window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a function, never dense."""
+    and softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.attention.flex.use_flex),
+    softmax under a window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a
+    function, never dense. `mem`: learned memory keys and values (hkv, M, d), (hkv, M, dv) that every query reads
+    (`attention.mem_kv`); `forget`: the forget gate's cumulative log gates (`attention.forget_gate`;
+    lmlab.model.attention.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
     cut = window is not None and window < offset + T  # the window cuts the context somewhere
+    n_mem = 0 if mem is None else mem[0].size(-2)
+    if mem is not None:
+        k, v = memory_first(mem[0], k), memory_first(mem[1], v)
     if (score.sdpa and sink is None and not dropout_p and (cut or doc is not None or softcap is not None)
+            and mem is None and forget is None
             and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None):  # on the GPU: one masked kernel
         return flex_attend(q, k, v, scale=scale, offset=offset, window=window if cut else None, doc=doc,
                            softcap=softcap)
@@ -141,17 +160,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
             bias = bias[..., offset + T - S:]
         if cut:
             return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
-                               doc=doc)
-        if doc is not None:  # each query's own document: a (B, 1, T, S) mask (with the bias: -inf outside it)
+                               doc=doc, forget=forget, n_mem=n_mem)
+        if doc is not None or forget is not None or n_mem:  # the keys read as a mask, or -inf in the bias
             mask = doc_allowed(allowed(T, offset, S, None, q.device), doc)
-            bias = mask if bias is None else bias.masked_fill(~mask, float("-inf"))
+            if forget is not None:
+                decay = forget_bias(forget).to(q.dtype)  # (B, h, T, S)
+                bias = decay if bias is None else bias + decay
+            bias = read_memory(mask if bias is None else bias.masked_fill(~mask, float("-inf")), n_mem)
         elif bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
             bias = allowed(T, offset, S, None, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc, sink)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc, sink, forget, n_mem)
     return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
 from lmlab.model.attention.score import explicit_weights
-from lmlab.registry import PositiveFloat
+from lmlab.registry import NonNegativeInt, PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -37,14 +37,21 @@ class TalkingHeads(MHA):
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None) -> None:
-        """MHA's keys; `sinks` refused (a sink column has no place in the mix of the heads' weights)."""
+                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
+                 mem_kv: NonNegativeInt = 0) -> None:
+        """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
+        the mixes of the heads' logits and weights)."""
         if sinks:
             raise ValueError("attention=talking_heads mixes the heads' weights, where a sink logit per head has no "
                              "place: attention.sinks=true does not apply; use sinks=false")
+        for key, value in (("forget_gate", forget_gate), ("mem_kv", mem_kv)):
+            if value:
+                raise ValueError(f"attention=talking_heads mixes the heads' logits over one key axis, where a head's "
+                                 f"forget gate or memory keys have no place: attention.{key}={value} does not apply; "
+                                 f"leave it at its default")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
-                         qk_norm_eps=qk_norm_eps)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 
@@ -68,7 +75,7 @@ class TalkingHeads(MHA):
         return torch.einsum("hg,bgts->bhts", p_w, w), logits
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            docs: tuple[torch.Tensor, torch.Tensor] | None, forget: None = None) -> torch.Tensor:
         w, _ = self.weights(q, k, pos, offset, docs)
         if self.training and self.dropout:
             w = torch.nn.functional.dropout(w, self.dropout)

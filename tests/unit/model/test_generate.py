@@ -96,6 +96,17 @@ CASES |= {
     "diff+rope": {"position": {"name": "rope"}, "attention": {"name": "diff"}},
     "diff+window+softcap": {"position": {"name": "rope"}, "attention": {"name": "diff", "window": 5, "softcap": 3.0}},
     "sinks+window+alibi": {"position": {"name": "alibi"}, "attention": {"name": "mha", "sinks": True, "window": 5}},
+    # the forget gate: the cache keeps each key's cumulative log gate; memory keys: parameters, never cached
+    "forget_gate+nope": {"position": {"name": "none"}, "attention": {"name": "mha", "forget_gate": True}},
+    "forget_gate+gqa+window+alibi": {"position": {"name": "alibi"}, "n_kv_head": 2,
+                                     "attention": {"name": "gqa", "forget_gate": True, "window": 4}},
+    "mem_kv+rope+pattern": {"position": {"name": "rope"},
+                            "attention": {"name": "mha", "mem_kv": 2, "window": 3, "pattern": ["local", "global"]}},
+    "mem_kv+forget_gate+alibi": {"position": {"name": "alibi"},
+                                 "attention": {"name": "mqa", "mem_kv": 3, "forget_gate": True}},
+    "forget_gate+sinks+softcap": {"attention": {"name": "mha", "forget_gate": True, "sinks": True, "softcap": 2.0}},
+    "mem_kv+forget_gate+cosine": {"position": {"name": "rope"},
+                                  "attention": {"name": "cosine", "mem_kv": 2, "forget_gate": True, "window": 5}},
     # residual connections: the first layer's values mixed in before caching, skips and re-injections per step
     "value_residual+window+gqa": {"position": {"name": "rope"}, "n_kv_head": 2, "residual": {"value_residual": {}},
                                   "attention": {"name": "gqa", "window": 5}},
@@ -116,6 +127,8 @@ CASES |= {
                              "attention": {"name": "mla", "sinks": True, "gate": "headwise", "v_head_dim": 4}},
     "mla+logn+learned": {"train_len": 8, "position": {"name": "learned"},
                          "attention": {"name": "mla", "logn_scaling": True, "qk_rope_head_dim": 2}},
+    "mla+forget_gate+mem_kv+window": {"position": {"name": "rope"},
+                                      "attention": {"name": "mla", "forget_gate": True, "mem_kv": 2, "window": 6}},
 }
 
 
