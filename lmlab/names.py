@@ -13,6 +13,7 @@ VAL_PPL = "val/ppl"
 VAL_EMA_LOSS = "val/ema_loss"  # val/loss of the weight EMA (optim.ema > 0; lmlab.optim.ema), at every validation
 TOKENS = "tokens"  # tokens trained on so far
 GRAD_NORM = "grad/norm"  # global, before clipping; per part: grad_norm(part)
+SKIPPED_STEP = "train/skipped_step"  # 1 when spike_skip skipped the step's update, else 0 (lmlab.run.spikes)
 LOSS_VS_UNIGRAM = "train/loss_vs_unigram"  # the train loss minus the unigram entropy of the training split
 OUTPUT_CHANGE = "update/output_change"  # ||f(x; θ_t+1) − f(x; θ_t)|| / ||f(x; θ_t)|| on the monitor's probe
 PERF = "perf/"  # the machine's figures (differ between any two runs): tokens/s, MFU, memory

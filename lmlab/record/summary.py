@@ -81,6 +81,8 @@ class RunSummary(TypedDict, total=False):
     diverged_at_step: int | None
     divergence_reason: str | None
     peak_grad_norm: float | None
+    skipped_steps: list[int]  # spike_skip.enabled only: the steps whose update was skipped (lmlab.run.spikes)
+    n_skipped_steps: int  # spike_skip.enabled only: their number (the W&B summary's figure; the list is not a scalar)
     grad_norm_at_init: dict[str, float] | None  # the gradient-norm profile at step 0 (embed, layer_XX, head)
     tokens_per_s: float | None  # this attempt's
     world_size: int
@@ -130,6 +132,8 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "diverged_at_step": lit.divergence.step,
         "divergence_reason": lit.divergence.reason,
         "peak_grad_norm": lit.peak_grad_norm,
+        **({"skipped_steps": list(lit.spikes.skipped), "n_skipped_steps": len(lit.spikes.skipped)}
+           if getattr(lit, "spikes", None) is not None else {}),  # spike_skip off: the summary as before
         "grad_norm_at_init": monitor.profile,
         "tokens_per_s": (lit.tokens_seen - tokens_at_start) / wall_time if wall_time > 0 else None,  # this attempt's
         "world_size": int(trainer.world_size),

@@ -17,6 +17,7 @@ from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
 from lmlab.model.gpt import validate
 from lmlab.record.targets import check_targets
+from lmlab.run.spikes import check_spike_skip
 
 
 def _slurm_launched() -> bool:
@@ -96,6 +97,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
     budget.chosen(cfg)  # budget.*: one at most, > 0
     check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
+    check_spike_skip(OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():

@@ -14,6 +14,7 @@ from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
 from lmlab.run.monitor import Divergence, local, sum_over_shards
+from lmlab.run.spikes import SpikeSkip, restore_groups, skip_update
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
     OPTIM_LOOP_KEYS,
     OPTIMIZERS,
@@ -23,6 +24,7 @@ from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, valid
     validate_optim,
 )
 from lmlab.optim.ema import WeightEMA
+from lmlab.record.tracking import log_at
 from lmlab.registry import build, option_params
 
 
@@ -55,11 +57,16 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
 
 class LitGPT(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
-                 compile: bool = False, divergence: dict[str, Any] | None = None) -> None:
+                 compile: bool = False, divergence: dict[str, Any] | None = None,
+                 spike_skip: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)  # the loggers get the whole run config from lmlab.record.tracking
         self.model = GPT(GPTConfig(**model))
         self.divergence = Divergence(**(divergence or {}))
+        # spike_skip.enabled (lmlab.run.spikes): a spiking step's update is skipped; None: off, the loop as before
+        self.spikes = SpikeSkip(**spike_skip) if (spike_skip or {}).get("enabled") else None
+        self.update_skipped = False  # this step's update is skipped (spike_skip, or the divergence rule under it)
+        self._groups_kept: tuple[Any, list] | None = None  # (optimizer, its group settings) while skipping
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
         self._peak_grad = torch.zeros(())  # running max of the global grad norm (on the device once it has one)
         self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
@@ -100,7 +107,7 @@ class LitGPT(L.LightningModule):
             objective, loss, _ = self(x, y, z_loss=z_loss, parts=True)
         else:
             objective = loss = self(x, y)
-        if self.divergence.check(self.global_step, loss.item()):
+        if self.spikes is None and self.divergence.check(self.global_step, loss.item()):  # (spike_skip: see _judge)
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
@@ -108,6 +115,8 @@ class LitGPT(L.LightningModule):
             at = batch_idx % window  # micro-batch logs the loss of the step's whole global batch, as without
             self._window_loss = loss.detach() if at == 0 else self._window_loss + loss.detach()
             loss = self._window_loss / (at + 1)
+        if self.spikes is not None:
+            self._step_loss = loss.detach()  # the step's (the window's at its last micro-batch), judged in _judge
         if self.logs_now():
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
             # the side channel (lmlab.model.side): z-loss, an MoE's balancing losses summed over its layers, MTP's
@@ -156,6 +165,10 @@ class LitGPT(L.LightningModule):
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._groups_kept is not None:  # a skipped update: the optimizer's own step counters as they were, no EMA
+            restore_groups(*self._groups_kept)
+            self._groups_kept = None
+            return
         if self.ema is not None:  # Lightning counts the step after this hook: this one makes global_step + 1 done
             self.ema.update(self.model, step=self.global_step + 1)
 
@@ -174,6 +187,7 @@ class LitGPT(L.LightningModule):
             opt.train()  # after the callbacks' on_validation_end: ModelCheckpoint has written the eval weights
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.update_skipped = False
         if (opt := self._modal_optimizer()) is not None:
             opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
 
@@ -184,12 +198,38 @@ class LitGPT(L.LightningModule):
         norm = sum_over_shards(self.trainer, norm.square()).sqrt()  # the whole model's under FSDP
         self._peak_grad = torch.fmax(self._peak_grad, norm)  # no GPU sync; a NaN norm never counts
         self._grad_norm = norm  # clipping reuses it
+        if self.spikes is not None and self._judge(norm):
+            self.update_skipped = True
+            self._groups_kept = optimizer, skip_update(optimizer)
         if self.model.routes:  # loss-free balancing: each MoE's bias moves by the step's load, summed over ranks
             strategy = self.trainer.strategy
+            kept = [b.clone() for b in self.model.buffers()] if self.update_skipped else None
             self.model.update_balancing(
                 (lambda t: strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None)
+            if kept is not None:  # a skipped step: its load is dropped, the balancing bias stays as it was
+                torch._foreach_copy_(list(self.model.buffers()), kept)
         if self.logs_now():
             self.log(names.GRAD_NORM, norm)
+
+    def _judge(self, norm: torch.Tensor) -> bool:
+        """spike_skip: whether this step's update is skipped, from its loss and gradient norm averaged over ranks (every
+        rank decides alike). A spike is skipped (recorded, logged as train/skipped_step) and the divergence rule never
+        sees it; any other step goes to the divergence rule, here instead of in training_step: a non-finite loss, or
+        a loss past its spike_factor, ends the run as diverged, its update skipped (not recorded as a skip)."""
+        values = torch.stack([self._step_loss.float(), norm.float().to(self._step_loss.device)])
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="mean")
+        loss, grad_norm = values.tolist()
+        step = self.global_step
+        skip = math.isfinite(loss) and self.spikes.check(step, loss=loss, grad_norm=grad_norm)
+        if self.logs_now():
+            self.log(names.SKIPPED_STEP, torch.tensor(float(skip)))
+        elif skip:  # between logging steps: the row of a skipped step is written all the same
+            log_at(self.trainer, {names.SKIPPED_STEP: 1.0}, step)
+        if not skip and self.divergence.check(step, loss):
+            self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
+            return True
+        return skip
 
     def configure_optimizers(self) -> dict:
         optim = dict(self.hparams.optim)
@@ -199,7 +239,7 @@ class LitGPT(L.LightningModule):
         return configure_optimization(self.model, optim, dict(self.hparams.schedule), self.hparams.max_steps)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        if not (clip := self.hparams.optim.get("grad_clip", 0.0)):
+        if not (clip := self.hparams.optim.get("grad_clip", 0.0)) or self.update_skipped:
             return
         root = self.trainer.strategy.model
         if hasattr(root, "clip_grad_norm_"):  # FSDP: the norm over every rank's shards (Lightning's plugin refuses)
@@ -242,6 +282,8 @@ class LitGPT(L.LightningModule):
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict(),
                                 "launch": self.launch()}
+        if self.spikes is not None:  # the windows and the skipped steps: a resume judges as the run would have
+            checkpoint["lmlab"]["spike_skip"] = self.spikes.state_dict()
         if self.ema is not None:  # beside the live weights, which eval.py, export and init_from read as before
             checkpoint["lmlab"].update(ema_weights=self.ema.state_dict(), ema_val_history=self.ema_val_history)
         opt = self._modal_optimizer()
@@ -281,6 +323,8 @@ class LitGPT(L.LightningModule):
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
         self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))
         self.divergence.load_state_dict(state.get("divergence", {}))
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state.get("spike_skip", {}))
         self._ema_saved = state.get("ema_weights")  # on_train_start loads it into the EMA (optim.ema > 0)
         self.ema_val_history = [tuple(v) for v in state.get("ema_val_history", [])]
         was = (state.get("launch") or {}).get("accumulate_grad_batches")

@@ -69,7 +69,10 @@ class Divergence:
         return {"best": self.best, "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint's, in place of this rule's: a resume loads it twice (the module's hook, then the trainer's
+        restore), and extending the window would count the saved losses twice in the collapse rule's mean."""
         self.best = state.get("best", math.inf)
+        self.recent.clear()
         self.recent.extend(state.get("recent", []))
 
 

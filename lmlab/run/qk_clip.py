@@ -28,6 +28,9 @@ class QKClipCallback(Callback):
         self.clip.measure()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if getattr(pl_module, "update_skipped", False):  # spike_skip skipped this step's update: nothing moves
+            self.clip.max_logits = None
+            return
         figures = self.clip.clip()  # after the step (nothing between micro-batches of one step: measured only once)
         if figures:
             log_at(trainer, figures, trainer.global_step - 1)  # the step the logits were measured at
