@@ -91,8 +91,8 @@ def causal_mask(T: int, offset: int, device: torch.device) -> torch.Tensor:
 def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: float, pos: Position,
                      offset: int = 0, window: int | None = None, softcap: float | None = None,
                      doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None,
-                     forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0,
+                     heads: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, n_mem + S, d), n_mem memory keys then the
     S keys ending with the last query (key heads already repeated to the query heads) -> (B, h, T, n_mem + S) each.
     `q` already carries `score.query_scale`. `window`: each query reads its last W keys
@@ -102,13 +102,17 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a row sums to less than one and
     a head can attend to nothing; `forget`: the forget gate's cumulative log gates, whose decay c_i - c_j adds to the
     logits like a position bias (lmlab.model.attention.mask.forget_bias); `n_mem`: the memory keys in front
-    (`attention.mem_kv`), which every query reads, with neither bias nor decay."""
+    (`attention.mem_kv`), which every query reads, with neither bias nor decay. A position scheme's `score_bias`
+    (CoPE's) reads q and the S keys, or `heads`, the heads' own queries and keys where q·k is not one head's
+    (talking heads' mixed logits), and adds to the logits as `attn_bias` does."""
     T, S = q.size(-2), k.size(-2) - n_mem
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, n_mem + S)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     bias = pos.attn_bias(T, q.device, logits.dtype, offset)  # (h, T, offset + T) with -inf above the diagonal, or None
     bias = None if bias is None else bias[..., offset + T - S:]
+    own_q, own_k = heads or (q, k[..., n_mem:, :])
+    bias = add_bias(bias, pos.score_bias(own_q, own_k, scale, offset))  # CoPE's (B, h, T, S)
     if forget is not None:
         decay = forget_bias(forget).to(logits.dtype)  # (B, h, T, S)
         bias = decay if bias is None else bias + decay
@@ -122,6 +126,11 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
         column = sink.to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
         return torch.exp(masked - torch.cat((masked, column), dim=-1).logsumexp(-1, keepdim=True)), masked
     return score.weights(logits, mask, n), masked
+
+
+def add_bias(bias: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of two optional biases on the logits (None: no bias)."""
+    return bias if more is None else more if bias is None else bias + more
 
 
 def memory_first(mem: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +151,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     softmax under a window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a
     function, never dense. `mem`: learned memory keys and values (hkv, M, d), (hkv, M, dv) that every query reads
     (`attention.mem_kv`); `forget`: the forget gate's cumulative log gates (`attention.forget_gate`;
-    lmlab.model.attention.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention."""
+    lmlab.model.attention.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention, as
+    does a position scheme's `score_bias` (CoPE's (B, h, T, S) bias from q and k, a materialised mask)."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
     cut = window is not None and window < offset + T  # the window cuts the context somewhere
@@ -151,13 +161,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
         k, v = memory_first(mem[0], k), memory_first(mem[1], v)
     if (score.sdpa and sink is None and not dropout_p and (cut or doc is not None or softcap is not None)
             and mem is None and forget is None
-            and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None):  # on the GPU: one masked kernel
+            and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None
+            and pos.score_bias(q[..., :1, :], k[..., :1, :], scale) is None):  # on the GPU: one masked kernel
         return flex_attend(q, k, v, scale=scale, offset=offset, window=window if cut else None, doc=doc,
                            softcap=softcap)
     if score.sdpa and softcap is None and sink is None:
         bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, offset + T), -inf where j > i, or None
         if bias is not None:
             bias = bias[..., offset + T - S:]
+        bias = add_bias(bias, pos.score_bias(q, k[..., n_mem:, :], scale, offset))  # CoPE's (B, h, T, S)
         if cut:
             return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
                                doc=doc, forget=forget, n_mem=n_mem)

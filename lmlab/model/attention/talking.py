@@ -70,7 +70,7 @@ class TalkingHeads(MHA):
         q_mixed = (p_l[None, :, :, None, None] * q[:, None]).permute(0, 1, 3, 2, 4).reshape(B, nh, T, nh * d)
         k_all = k.permute(0, 2, 1, 3).reshape(B, 1, -1, nh * d).expand(B, nh, -1, nh * d)
         w, logits = explicit_weights(q_mixed, k_all, self.score, self.scale, pos, offset, self.window, self.softcap,
-                                     docs)
+                                     docs, heads=(q, k))  # a bias from q and k (CoPE's): each head's own
         p_w = self.weight_mix + torch.eye(nh, dtype=w.dtype, device=w.device)
         return torch.einsum("hg,bgts->bhts", p_w, w), logits
 

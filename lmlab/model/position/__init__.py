@@ -1,11 +1,13 @@
 """Positional schemes: one file per scheme, each ending in its `OPTIONS`, gathered here (a new scheme is its file,
 its YAML and its test).
 
-Contract: `Position(dim, head_dim, n_head, max_seq_len, train_len, scaling, *, <own params>)` with three
+Contract: `Position(dim, head_dim, n_head, max_seq_len, train_len, scaling, *, <own params>)` with four
 hooks, each a no-op unless the scheme overrides it, so `gpt.py` never asks which scheme it has:
 - `embed(x, offset=0, doc=None)`: add absolute position information to the token embeddings, x (B, T, C);
 - `rotate(q, k, offset=0, doc=None, layer=None)`: rotate queries and keys, (B, nh, T, hs) each, in layer `layer`;
-- `attn_bias(T, device, dtype, offset=0)`: an additive (nh, T, offset + T) bias on the attention logits, or None.
+- `attn_bias(T, device, dtype, offset=0)`: an additive (nh, T, offset + T) bias on the attention logits, or None;
+- `score_bias(q, k, scale, offset=0)`: an additive (B, nh, T, S) bias computed from the queries and the keys
+  themselves (CoPE's), −inf where j > i, or None.
 `offset` is the position of the first of the T tokens: 0 for a whole text, the number of tokens already in the
 KV cache when generating. `cache_key(length)` says when cached keys go stale: it changes with the text's length
 only for schemes whose frequencies do (dynamic RoPE scalings), and a cache built under another key is rebuilt.
@@ -16,7 +18,8 @@ each document's first token instead of the block's.
 `scaling` is the `rope_scaling` config; only RoPE accepts anything but `none`.
 
 The files: `base.py` (the contract's class, `none`, the causal distances the learned biases share), `absolute.py`
-(`sinusoidal`, `learned`), `rope.py`, `xpos.py`, and the biases on the logits, `alibi.py`, `t5.py`, `fire.py`.
+(`sinusoidal`, `learned`), `rope.py`, `xpos.py`, the biases on the logits, `alibi.py`, `t5.py`, `fire.py`, and the
+one that reads the queries and keys, `cope.py`.
 """
 
 from __future__ import annotations

@@ -49,6 +49,13 @@ class Position(nn.Module):
     def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
         return None
 
+    def score_bias(self, q: torch.Tensor, k: torch.Tensor, scale: float, offset: int = 0) -> torch.Tensor | None:
+        """An additive (B, nh, T, S) bias on the logits that reads the queries and keys themselves (CoPE's), −inf
+        where a key comes after its query, or None. q (B, nh, T, hs) as the logits read it (the score's query factor
+        in), k (B, nkv, S, hs) the S keys ending with the last query (a KV cache's first; no memory keys), `scale` the
+        attention's logit scale. A window or documents narrow the keys read on top, as for `attn_bias`."""
+        return None
+
     def cache_key(self, length: int) -> object:
         return None
 
