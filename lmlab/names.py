@@ -28,6 +28,7 @@ QK_CLIPPED_HEADS = "attn/qk_clipped_heads"  # heads whose W_q, W_k optim.qk_clip
 QK_MAX_LOGIT = "attn/qk_max_logit"  # the largest per-head max logit of the step, before the clip
 ATTN_FIRST_MASS = "attn/first_token_mass"  # the weight queries after the first put on the first token (a sink)
 JAC_NORM = "jac/norm"  # ‖∂x_{l+1}/∂x_l‖_F / √n per block (lmlab.run.jacobian)
+DOWNSTREAM = "downstream"  # downstream/<task>/<metric>: an lm-eval task scored at validation (lmlab.run.downstream)
 
 
 def layer(i: int) -> str:
@@ -49,3 +50,9 @@ def mtp_loss(split: str, k: int) -> str:
 def grad_norm(part: str) -> str:
     """grad/norm/<part>: a layer (layer_03, layer_03/attn), embed or head."""
     return f"{GRAD_NORM}/{part}"
+
+
+def downstream(task: str, metric: str) -> str:
+    """downstream/<task>/<metric>: lm-eval's `metric` (acc, acc_norm, word_perplexity, ...) of `task` at a validation
+    (downstream.tasks; lmlab.run.downstream)."""
+    return f"{DOWNSTREAM}/{task}/{metric}"

@@ -2,7 +2,8 @@
 
 A run whose architecture transformers represents is exported (lmlab.interop.hf) and evaluated by lm-eval's own
 `HFLM`, the path most published numbers take; any other architecture goes through `LmlabLM`, an lm-eval model
-over lmlab's own GPT: loglikelihood, rolling loglikelihood and generation, with the same conventions as HFLM
+over lmlab's own GPT: loglikelihood and rolling loglikelihood (lmlab.run.scoring.ScoringLM, which the evaluation
+during training, `downstream:`, shares) and generation, with the same conventions as HFLM
 (a continuation's tokens are those of context + continuation after the context's; inputs longer than the model's
 context keep their last tokens). lmlab's tokenizers have no begin-of-text token, so a text scored on its own (rolling
 loglikelihood) is conditioned on a newline, the corpus's document separator, on both routes.
@@ -15,74 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lmlab.analysis.generate import generate
-from lmlab.model.gpt import GPT
 from lmlab.record.rundir import RunDir, atomic_write, dumps, load_model
+from lmlab.run.scoring import ScoringLM, _lm_base, prefix_token  # noqa: F401  (moved to run/: importable here, as before)
 
 
-def _lm_base() -> type:
-    from lm_eval.api.model import LM
-
-    return LM
-
-
-def prefix_token(tokenizer: Any) -> int:
-    """The token a text on its own is conditioned on: end/begin-of-text if the tokenizer has one, else a newline."""
-    for name in ("<|endoftext|>", "</s>", "<s>", "<eos>", "<bos>"):
-        if (i := tokenizer.token_to_id(name)) is not None:
-            return i
-    ids = tokenizer.encode("\n").ids
-    if len(ids) != 1:
-        raise ValueError("the tokenizer has no begin-of-text token and no single newline token to start a text with")
-    return ids[0]
-
-
-class LmlabLM(_lm_base()):
-    """lm-eval's model interface over an lmlab GPT and its tokenizer (a `tokenizers.Tokenizer`)."""
-
-    def __init__(self, model: GPT, tokenizer: Any, batch_size: int = 8) -> None:
-        super().__init__()
-        self.model, self.tok, self.batch_size = model.eval(), tokenizer, batch_size
-        self.max_length = model.cfg.max_seq_len
-        self.prefix = prefix_token(tokenizer)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    @torch.no_grad()
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """log p(continuation | context) and whether greedy decoding would produce it."""
-        ids = (context + continuation)[-(self.max_length + 1):]
-        x = torch.tensor([ids[:-1]])
-        logp = F.log_softmax(self.model(x)[0].float(), dim=-1)  # (T, V)
-        n = len(continuation)
-        rows, targets = logp[-n:], torch.tensor(ids[-n:])
-        return float(rows.gather(1, targets[:, None]).sum()), bool((rows.argmax(-1) == targets).all())
-
-    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
-        for req in requests:
-            context, continuation = req.args
-            whole, ctx = self._encode(context + continuation), self._encode(context)
-            if not ctx:
-                raise ValueError("lmlab's tokenizers have no begin-of-text token: a continuation needs a context")
-            out.append(self._score(whole[: len(ctx)], whole[len(ctx):]))
-        return out
-
-    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """Sum of log p over every token of the text, conditioned on the prefix token, in disjoint windows of the
-        model's context, each seeing up to a full context before it."""
-        out = []
-        for req in requests:
-            ids = [self.prefix, *self._encode(req.args[0])]
-            total = 0.0
-            for start in range(1, len(ids), self.max_length):
-                end = min(start + self.max_length, len(ids))
-                total += self._score(ids[max(0, end - self.max_length - 1): start], ids[start:end])[0]
-            out.append(total)
-        return out
+class LmlabLM(ScoringLM):
+    """lm-eval's model interface over an lmlab GPT and its tokenizer (a `tokenizers.Tokenizer`): lmlab.run.scoring's
+    loglikelihood and rolling loglikelihood (what training's downstream evaluation scores with), and generation."""
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         out = []

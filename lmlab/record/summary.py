@@ -100,6 +100,8 @@ class RunSummary(TypedDict, total=False):
     attempts: list[dict[str, Any]]  # one per start or resume: status, from_step, to_step, overrides, error, ...
     side: dict[str, list[str]]  # the model's side channel (lmlab.model.side): the metrics logged beside the LM loss
     #   per split ("train", "val": z_loss, moe_balance_loss, mtp_loss_1, ...) and the figure groups ("figures": moe)
+    downstream: dict[str, Any] | None  # downstream.tasks set only: the latest lm-eval scores (lmlab.run.downstream)
+    #   and their step, {"step": s, "metrics": {"downstream/<task>/<metric>": value}}; None before the first
     relaunched: str | None  # each resume that went on at the same global batch on another launch (world size,
     #   strategy, accumulation): "at step 3: world_size 2 -> 4, ..."; that attempt's `changed` has key -> [was, now]
 

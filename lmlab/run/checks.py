@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -98,6 +99,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     budget.chosen(cfg)  # budget.*: one at most, > 0
     check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
     check_spike_skip(OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))
+    if (downstream := OmegaConf.select(cfg, "downstream", default=None)) is not None:
+        check_downstream(OmegaConf.to_container(downstream, resolve=True))  # lm-eval tasks at validations
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
@@ -124,6 +127,81 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
                       f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
                       f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
+
+
+# --- downstream (lmlab.run.downstream): lm-eval tasks scored at validations, checked without importing lm-eval
+
+EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "lm_eval"  # the checkout's task files
+
+
+def _task_name(path: Path) -> str | None:
+    """The `task:` name of an lm-eval task YAML file (None: a group's file, or not a task file); lm-eval's own tags
+    (`!function ...`) are read as nothing."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        doc = yaml.load(path.read_text(), Loader=Loader)  # a SafeLoader
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return doc.get("task") if isinstance(doc, dict) and isinstance(doc.get("task"), str) else None
+
+
+def example_tasks(directory: Path = EXAMPLE_TASKS) -> dict[str, Path]:
+    """The tasks of examples/lm_eval/ by name (their YAML's `task:`): what downstream.tasks may name."""
+    found = {}
+    for path in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
+        if (name := _task_name(path)) is not None:
+            found.setdefault(name, path)
+    return found
+
+
+def downstream_task(spec: Any) -> Path:
+    """One entry of downstream.tasks as its task YAML file: a task of examples/lm_eval/ by name, or the path of a
+    task YAML file (.yaml or .yml, relative to the working directory); anything else is refused, naming both."""
+    known = example_tasks()
+    accepted = (f"a task of {EXAMPLE_TASKS} ({', '.join(known) or 'none here'}) or the path of an lm-eval task YAML "
+                f"file")
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"downstream.tasks: {spec!r} is not a task name; each entry is {accepted}")
+    if spec in known:
+        return known[spec]
+    path = Path(spec).expanduser()
+    if path.suffix in (".yaml", ".yml") or "/" in spec:
+        if not path.is_file():
+            raise ValueError(f"downstream.tasks: the task file {spec} is not found (from {Path.cwd()}); each entry is "
+                             f"{accepted}")
+        if _task_name(path) is None:
+            raise ValueError(f"downstream.tasks: {spec} names no task (no `task: <name>` in it); each entry is "
+                             f"{accepted}")
+        return path
+    raise ValueError(f"downstream.tasks: unknown task {spec!r}; each entry is {accepted} (lm-eval's own tasks fetch "
+                     f"their data from the Hub: run them after training, eval.py run=<run> harness={spec})")
+
+
+def check_downstream(block: dict[str, Any] | None) -> None:
+    """The `downstream:` keys, refused by name before training: every_n_vals an integer >= 1, limit null or an
+    integer >= 1, tasks a list of tasks that exist (downstream_task), each once, and lm-eval installed to run them."""
+    import importlib.util
+
+    from lmlab.registry import PositiveInt, check_values
+
+    if not block:
+        return
+    check_values("downstream.", block, {"every_n_vals": PositiveInt, "limit": PositiveInt | None})
+    tasks = block.get("tasks") or []
+    tasks = [tasks] if isinstance(tasks, str) else tasks
+    if not isinstance(tasks, list):
+        raise ValueError(f"downstream.tasks={tasks!r} must be a list of task names or task YAML files")
+    named = [_task_name(downstream_task(spec)) for spec in tasks]
+    if twice := sorted({n for n in named if named.count(n) > 1}):
+        raise ValueError(f"downstream.tasks={tasks} names the task {', '.join(twice)} twice: list each task once")
+    if tasks and importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("downstream.tasks needs lm-eval, the `eval` extra: pip install '.[eval]' (or "
+                         "downstream.tasks=[] to train without)")
 
 
 def strategy_name(cfg: DictConfig) -> str:

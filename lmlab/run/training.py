@@ -113,6 +113,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         lit.on_load_checkpoint(saved)  # the run's figures so far, even if this attempt fails before fit restores
     monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
                                plot_dir=str(run / "plots"))
+    # downstream.tasks (lmlab.run.downstream): loaded here, so a task that cannot load refuses the start
+    downstream = _downstream(cfg, data, previous if saved is not None else None, resume_step)
 
     # --- the start is accepted: now the directory is written ---
     if is_rank_zero():
@@ -135,6 +137,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         from lmlab.run.qk_clip import QKClipCallback
 
         task = [*task, QKClipCallback(float(cfg.optim.qk_clip))]
+    if downstream is not None:  # lm-eval tasks scored at validations, logged beside the val loss
+        task = [*task, downstream]
     callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
@@ -190,6 +194,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                             config=recorded(cfg), error=error)  # ${oc.env:...} as written, not in clear
         summary["signal"] = stop.signum or None
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
+        if downstream is not None:  # the last downstream/ values (downstream.tasks=[]: the summary as before)
+            summary.update(downstream.figures())
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
                              targets=check_targets(cfg.get("targets")), changed=plan.changed, killed=killed)
@@ -204,6 +210,21 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for the signal (Lightning's was 1)
         raise SystemExit(EXIT_CODES[at_once])
     return summary
+
+
+def _downstream(cfg: DictConfig, data: Any, previous: dict[str, Any] | None, resume_step: int):
+    """The Downstream callback of `downstream:` (None when downstream.tasks is empty: the run as before), scoring at
+    every `every_n_vals`-th validation's step; a resume carries the previous summary's last values."""
+    node = OmegaConf.select(cfg, "downstream", default=None)
+    block = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    tasks = block.get("tasks") or []
+    if not tasks:
+        return None
+    from lmlab.run.downstream import Downstream, carried
+
+    every = int(block.get("every_n_vals") or 1) * int(cfg.trainer.get("val_check_interval") or 1)
+    return Downstream([tasks] if isinstance(tasks, str) else list(tasks), data.tokenizer, every=every,
+                      limit=block.get("limit"), last=carried(previous, resume_step))
 
 
 def _announce(run: RunDir, overrides: list[str], hydra: Any):
