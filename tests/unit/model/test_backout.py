@@ -13,6 +13,7 @@ from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.optim import OPTIMIZERS, param_groups
+from tests.unit.model.options import assert_refused, assert_trains
 
 V = 40
 BASE = dict(vocab_size=V, n_layer=4, d_model=32, n_head=4, max_seq_len=32, position={"name": "rope"},
@@ -90,19 +91,7 @@ def test_cached_generation_gives_the_full_forward(residual: dict) -> None:
 
 
 def test_it_trains_forward_and_backward() -> None:
-    model = _model().float().train()
-    idx = _idx(T=16, B=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = model(idx, targets=idx.roll(-1, 1))
-        opt.zero_grad()
-        loss.backward()
-        if not losses:
-            assert model.residual.options["backout"].lam.grad.abs() > 0
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert_trains(_model().float().train(), _idx(T=16, B=4), owned="backout")
 
 
 def test_its_weight_is_adamws_under_muon() -> None:
@@ -121,10 +110,7 @@ def test_its_weight_is_adamws_under_muon() -> None:
     (["model.n_layer=1"], r"residual=backout .* model\.n_layer=1 has no layer before the last"),
 ])
 def test_bad_backout_input_is_named_before_training(overrides: list[str], message: str) -> None:
-    from lmlab.run.checks import check_config
-
-    with pytest.raises(ValueError, match=message):
-        check_config(compose(["residual=backout", *overrides]))
+    assert_refused(["residual=backout", *overrides], message)
 
 
 def test_the_yaml_composes_to_the_records_defaults() -> None:

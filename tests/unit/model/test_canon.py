@@ -16,6 +16,7 @@ from lmlab.model.gpt import GPT, validate
 from lmlab.model.residual import RESIDUALS
 from lmlab.model.residual.canon import CanonLayers
 from lmlab.model.resolve import n_params_estimate
+from tests.unit.model.options import assert_refused, assert_trains
 
 V, EOD = 40, 0
 BASE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=32, position={"name": "rope"},
@@ -174,20 +175,7 @@ def test_cached_generation_gives_the_full_forward(case: str) -> None:
 
 
 def test_it_trains_forward_and_backward() -> None:
-    model = _model({}).float().train()
-    idx = _idx(T=16, B=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = model(idx, targets=idx.roll(-1, 1))
-        opt.zero_grad()
-        loss.backward()
-        if not losses:
-            assert all(p.grad is not None and p.grad.abs().sum() > 0 for k, p in model.named_parameters()
-                       if ".canon." in k)
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert_trains(_model({}).float().train(), _idx(T=16, B=4), owned=".canon.")
 
 
 def test_checkpointing_gives_the_same_gradients() -> None:
@@ -239,10 +227,7 @@ def test_the_other_options_keep_their_state_dict_keys(other: str) -> None:
     (["block=gau"], r"block='gau' has no sublayer for canon-C .* use residual\.canon\.positions=\[A\]"),
 ])
 def test_bad_canon_input_is_named_before_training(overrides: list[str], message: str) -> None:
-    from lmlab.run.checks import check_config
-
-    with pytest.raises(ValueError, match=message):
-        check_config(compose(["residual=canon", *overrides]))
+    assert_refused(["residual=canon", *overrides], message)
 
 
 def test_the_yaml_composes_to_the_papers_defaults() -> None:

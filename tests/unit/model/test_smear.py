@@ -17,6 +17,7 @@ from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.residual.smear import Smear
 from lmlab.optim import OPTIMIZERS, param_groups
+from tests.unit.model.options import assert_refused, assert_trains
 
 V, EOD = 40, 0
 BASE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=32, position={"name": "rope"},
@@ -170,19 +171,7 @@ def test_cached_generation_gives_the_full_forward(case: str) -> None:
 
 
 def test_it_trains_forward_and_backward() -> None:
-    model = _model().float().train()
-    idx = _idx(T=16, B=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = model(idx, targets=idx.roll(-1, 1))
-        opt.zero_grad()
-        loss.backward()
-        if not losses:
-            assert all(p.grad.abs().sum() > 0 for k, p in model.named_parameters() if ".smear." in k)
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert_trains(_model().float().train(), _idx(T=16, B=4), owned=".smear.")
 
 
 def test_its_weights_are_adamws_under_muon() -> None:
@@ -202,10 +191,7 @@ def test_its_weights_are_adamws_under_muon() -> None:
      r"residual\.smear\.gate_channels=65: .* model\.d_model=64 has fewer; use 1 \.\. 64"),
 ])
 def test_bad_smear_input_is_named_before_training(overrides: list[str], message: str) -> None:
-    from lmlab.run.checks import check_config
-
-    with pytest.raises(ValueError, match=message):
-        check_config(compose(["residual=smear", *overrides]))
+    assert_refused(["residual=smear", *overrides], message)
 
 
 def test_the_yaml_composes() -> None:
