@@ -158,15 +158,17 @@ def test_the_real_time_limit_warning_requeues_until_the_run_completes(corpus: Pa
     and requeues, and the run ends completed over several attempts, one per allocation. SLURM checks time limits
     every 30 s and sends the warning up to that much early: before a 1-minute limit it came 0-15 s into an
     allocation, at times before training started, and such an allocation (requeued with nothing to save) is a restart
-    without an attempt."""
+    without an attempt. The run must outlast one allocation on any machine: 10,000 steps once took two allocations
+    on a loaded CI machine (~100 steps/s) and one on an idle one (~250 steps/s: 47 s, no requeue); 20,000 steps take
+    at least 80 s of training at the faster rate, past any allocation's warning (45-75 s in)."""
     sweep = tmp_path / "sweep"
-    result = run_sweep(corpus, tmp_path / "cache", sweep, "trainer.max_steps=10000", "trainer.val_check_interval=1000",
-                       "trainer.log_every_n_steps=100", "monitor.every_n_steps=1000", "monitor.attn_every_n_steps=2000",
-                       "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=45", timeout=900)
+    result = run_sweep(corpus, tmp_path / "cache", sweep, "trainer.max_steps=20000", "trainer.val_check_interval=2000",
+                       "trainer.log_every_n_steps=200", "monitor.every_n_steps=2000", "monitor.attn_every_n_steps=4000",
+                       "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=45", timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     (summary,) = summaries(sweep).values()
     statuses = [a["status"] for a in summary["attempts"]]
-    assert summary["status"] == "completed" and summary["steps"] == 10000
+    assert summary["status"] == "completed" and summary["steps"] == 20000
     assert len(statuses) >= 2 and set(statuses[:-1]) == {"interrupted"}, statuses
     job = re.search(r"slurm: submitted 1 job\(s\): (\S+?);", result.stdout).group(1)
     assert int(show_job(job)["Restarts"]) == len(statuses) - 1
