@@ -225,8 +225,13 @@ def _read_pieces(path: Path, piece_chars: int) -> Iterator[str]:
 def _cached_fingerprint(files: list[Path], cache_dir: Path) -> str:
     # ctime too: a file rewritten in place with its mtime put back (os.utime) keeps size, mtime and inode, but the
     # kernel sets ctime on every change and nobody can set it back
-    meta = [(str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for f in files for st in [f.stat()]]
-    key = hashlib.sha256(repr(meta).encode()).hexdigest()[:32]
+    # the key is sha256 of repr(list of (path, size, mtime, ctime, inode)), taken a file at a time (no list held)
+    h = hashlib.sha256(b"[")
+    for i, f in enumerate(files):
+        st = f.stat()
+        h.update(((", " if i else "") + repr((str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))).encode())
+    h.update(b"]")
+    key = h.hexdigest()[:32]
     memo = cache_dir / "fingerprints" / key
     if memo.is_file():
         return memo.read_text().strip()

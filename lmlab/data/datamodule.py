@@ -6,7 +6,8 @@ Why it looks the way it does:
   first job of a sweep prepares them (the others wait on a lock), every job memory-maps them. Nothing
   holds the corpus in memory, so a job on prepared shards starts in seconds whatever the corpus size.
 - The tokenizer is trained on the first `tokenizer_sample` characters of the training part (all of it
-  for a corpus smaller than that, as the default one is).
+  for a corpus smaller than that, as the default one is), spooled to a file beside the shards and read back
+  a MB at a time: the main process never holds it (100 M characters are 100-400 MB as Python strings).
 - The split is at token `int(n * (1 - val_fraction))` of the stream (documents in sorted path order)
   and each side is packed on its own, so no block straddles train and validation.
 - Training order is a pure function of (seed, global sample index): item i is block perm_e[i mod n],
@@ -21,6 +22,9 @@ built with `vocab_size`.
 
 from __future__ import annotations
 
+import array
+import bisect
+import codecs
 import hashlib
 import json
 import logging
@@ -41,9 +45,9 @@ from lmlab.data import shards
 from lmlab.data.corpus import CORPORA
 from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
 from lmlab.data.shards import BlockView, TokenStream
-from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, save_tokenizer
-from lmlab.registry import check_values, option_params
+from lmlab.data.tokenizer import TOKENIZERS, Sample, build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.record.rundir import RunLock, atomic_write, remember
+from lmlab.registry import check_values, option_params
 
 log = logging.getLogger(__name__)
 
@@ -89,28 +93,50 @@ def _head(texts: list[str], cut: int) -> list[str]:
     return head
 
 
-def training_sample(documents: Iterator[Iterator[str]], limit: int | None, val_fraction: float) -> list[str]:
-    """The first `limit` characters of the corpus' training part, one string per document, reading no further
-    than needed: once `limit / (1 - val_fraction)` characters have been seen the sample cannot reach the
-    validation part. A corpus that ends sooner gives `train_text` of it, capped at `limit` (the default corpus:
-    exactly its training part)."""
+def training_sample(documents: Iterator[Iterator[str]], limit: int | None, val_fraction: float, path: Path,
+                    anywhere: bool = True) -> Sample:
+    """The first `limit` characters of the corpus' training part, one text per document, spooled to `path` (see
+    `Sample`; `anywhere`: its pieces may be cut anywhere, as for char tokenizers), reading no further than needed: once
+    `limit / (1 - val_fraction)` characters have been seen the sample cannot reach the validation part. A corpus that
+    ends sooner gives `train_text` of it, capped at `limit` (the default corpus: exactly its training part)."""
     reach = None if limit is None else math.ceil(limit / (1 - val_fraction))
-    texts: list[str] = []
+    ends, chars = array.array("q"), array.array("q")  # where each document's text ends: bytes, characters
     taken = seen = 0
-    for doc in documents:
-        parts = []
-        for piece in doc:
-            if limit is None or taken < limit:
-                part = piece if limit is None else piece[: limit - taken]
-                parts.append(part)
-                taken += len(part)
-            seen += len(piece)
+    with open(path, "wb") as f:
+        for doc in documents:
+            for piece in doc:
+                if limit is None or taken < limit:
+                    part = piece if limit is None else piece[: limit - taken]
+                    f.write(part.encode("utf-8"))
+                    taken += len(part)
+                seen += len(piece)
+                if reach is not None and seen >= reach:
+                    break
+            ends.append(f.tell())
+            chars.append(taken)
             if reach is not None and seen >= reach:
-                break
-        texts.append("".join(parts))
-        if reach is not None and seen >= reach:
-            return texts
-    return _head(texts, min(taken, int(seen * (1 - val_fraction))))
+                return Sample(path, ends, anywhere)
+    # As _head(texts, cut): the documents that start before the cut, the last of them cut there.
+    cut = min(taken, int(seen * (1 - val_fraction)))
+    n = bisect.bisect_left(chars, cut) + 1 if cut > 0 else 0
+    ends, chars = ends[:n], chars[:n]
+    if n and chars[-1] > cut:
+        start = ends[-2] if n > 1 else 0
+        ends[-1] = start + _utf8_bytes(path, start, cut - (chars[-2] if n > 1 else 0))
+    return Sample(path, ends, anywhere)
+
+
+def _utf8_bytes(path: Path, start: int, k: int) -> int:
+    """How many bytes the first `k` characters of the UTF-8 text from byte `start` of `path` take."""
+    decoder, n = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        while k > 0 and (chunk := f.read(1 << 20)):
+            text = decoder.decode(chunk)
+            if len(text) >= k:
+                return n + len(text[:k].encode("utf-8"))
+            k, n = k - len(text), n + len(text.encode("utf-8"))
+    return n
 
 
 def split_tokens(tokens: Any, val_fraction: float) -> tuple[Any, Any]:
@@ -280,11 +306,14 @@ class TextDataModule(pl.LightningDataModule):
         """Train the tokenizer on the sample, tokenize the corpus into shards, write the index last."""
         started = time.time()
         directory.mkdir(parents=True, exist_ok=True)
-        sample = [] if self.tokenizer_kind not in TOKENIZERS else training_sample(
-            source.documents(), self.tokenizer_sample, self.val_fraction)
-        tok = build_tokenizer(self.tokenizer_kind, sample, vocab_size=self.bpe_vocab_size,
-                              cache_dir=self.cache_dir, eod=self.eod)
-        del sample
+        spool = directory / ".sample.tmp"  # the tokenizer's sample, on disk rather than in this process's memory
+        try:
+            sample = [] if self.tokenizer_kind not in TOKENIZERS else training_sample(
+                source.documents(), self.tokenizer_sample, self.val_fraction, spool, self.tokenizer_kind == "char")
+            tok = build_tokenizer(self.tokenizer_kind, sample, vocab_size=self.bpe_vocab_size,
+                                  cache_dir=self.cache_dir, eod=self.eod)
+        finally:
+            spool.unlink(missing_ok=True)
         save_tokenizer(tok, directory / "tokenizer.json")
         eod_id = None if self.eod is None else tok.token_to_id(self.eod)
         dtype = "uint16" if tok.get_vocab_size() <= 2**16 else "uint32"

@@ -12,8 +12,11 @@ Invariants (tests/unit/data/test_shards.py checks each):
 - The token stream is the documents' tokens in corpus order, each document followed by the end-of-document
   id when `eod` is set. Documents are cut into shards by characters read, never by process, so 1 and N
   processes, and a preparation resumed after a kill, write byte-identical shards.
-- Memory is bounded whatever the corpus size: documents arrive as pieces, at most `2 × num_proc` shards'
-  worth of text is in flight, and nothing ever holds the whole corpus.
+- Memory is bounded whatever the corpus, its files' sizes and `num_proc`: documents arrive as pieces and a worker
+  tokenizes and writes them `_ENCODE_CHARS` at a time, inside a document too (it holds its tokenizer and a few MB
+  of text and ids); for files, the main process hands out names only (a dataset's rows: at most `2 × num_proc`
+  shards' worth of text in flight); nothing ever holds the whole corpus. The data benchmark measures it (PSS by
+  process and phase: `python -m lmlab.bench data`).
 - One preparation per key: the directory's lock (`lmlab.record.rundir.RunLock`, waiting); a second job waits, then reads
   the index.
 """
@@ -150,12 +153,17 @@ class BlockView:
         return out if dtype is None else out.astype(dtype)
 
     def target_counts(self, vocab_size: int, rows: int = 1 << 16) -> np.ndarray:
-        """Counts of every token id among the targets (each row but its first token), in chunks of rows."""
+        """Counts of every token id among the targets (each row but its first token), in chunks of rows, each counted
+        ~1 M tokens at a time (bincount's int64 copy of a whole chunk was 80 MB at 129 tokens a row). Smaller chunks
+        would leave more pages mapped: the kernel maps pages around each fault, some of them in chunks released
+        before (2-MB chunks left 330 MB of a 2-GB stream)."""
         counts = np.zeros(vocab_size, dtype=np.int64)
+        step = max(1, (1 << 20) // self.block)
         for r in range(0, self.n, rows):
             k = min(rows, self.n - r)
             chunk = self.stream.read(r * self.block, (r + k) * self.block).reshape(k, self.block)
-            counts += np.bincount(chunk[:, 1:].ravel(), minlength=vocab_size)[:vocab_size]
+            for s in range(0, k, step):
+                counts += np.bincount(chunk[s: s + step, 1:].ravel(), minlength=vocab_size)[:vocab_size]
             self.stream.release(r * self.block, (r + k) * self.block)
         return counts
 
@@ -294,28 +302,34 @@ def _write_shard(k: int, unit: Any) -> dict[str, int]:
         def flush() -> None:
             nonlocal n
             for ids, (_, ends) in zip(encode([t for t, _ in batch]), batch, strict=True):
-                out.write(ids.astype(dtype, copy=False).tobytes())
+                out.write(ids.astype(dtype, copy=False).data)
                 n += len(ids)
                 if ends:
                     if eod is not None:
-                        out.write(np.array([eod], dtype=dtype).tobytes())
+                        out.write(np.array([eod], dtype=dtype).data)
                         n += 1
                     doc_ends.append(n)
             batch.clear()
 
-        chars = 0
+        chars = 0  # in the batch
+
+        def add(text: str, ends: bool) -> None:
+            """Queue a piece (`ends`: its document's last); tokenize and write the queue once it holds `_ENCODE_CHARS`
+            characters, inside a document too: a worker holds no more text and ids than that, whatever the document."""
+            nonlocal chars
+            batch.append((text, ends))
+            chars += len(text)
+            if chars >= _ENCODE_CHARS:
+                flush()
+                chars = 0
+
         for doc in unit.documents():
             pieces = safe_pieces(doc, _PIECE_CHARS, encode.char)
             previous = next(pieces, "")
             for piece in pieces:
-                batch.append((previous, False))
-                chars += len(previous)
+                add(previous, False)
                 previous = piece
-            batch.append((previous, True))
-            chars += len(previous)
-            if chars >= _ENCODE_CHARS:
-                flush()
-                chars = 0
+            add(previous, True)
         flush()
     os.replace(tmp, directory / f"{name}.bin")
     ends = io.BytesIO()
@@ -350,6 +364,7 @@ def tokenize(units: Iterable[Any], directory: Path, *, tokenizer_json: str, eod_
             metas[k] = _write_shard(k, unit)
         return metas  # type: ignore[return-value]
     # forkserver: workers start from a clean process (no torch, no threads of the parent's) and import only this module
+    # (not preloaded in the forkserver: its workers would share those ~15 MB, but it would keep them for the whole run)
     ctx = multiprocessing.get_context("forkserver")
     pool = ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=init)
     in_flight: deque[tuple[int, Any, Future]] = deque()

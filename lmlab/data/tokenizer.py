@@ -11,21 +11,79 @@ tokens are used, because either would break that.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmlab.data.corpus import fingerprint
+from lmlab.data.shards import safe_pieces
 from lmlab.record.rundir import temporary
 
 UNK = "<unk>"
+_READ = 1 << 20  # bytes of a Sample read at once
 
 
-def train_char(texts: list[str], *, vocab_size: int, eod: str | None = None) -> Tokenizer:
+class Sample:
+    """The documents a tokenizer learns from, spooled to a UTF-8 file (`ends`: the byte offset where each ends) and read
+    back a piece at a time: `build_tokenizer` takes it for the list of their texts (the same fingerprint, the same
+    tokenizer) in memory that does not grow with it. Iterating gives the documents' text in pieces of about a MB, cut
+    anywhere for char tokenizers, otherwise only where tokenizing the parts equals tokenizing the whole
+    (`shards.safe_pieces`: BPE learns the same merges from such pieces as from the whole documents)."""
+
+    def __init__(self, path: str | Path, ends: Sequence[int], anywhere: bool) -> None:
+        self.path, self.ends, self.anywhere = Path(path), ends, anywhere
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def _spans(self) -> Iterator[tuple[int, int]]:
+        a = 0
+        for b in self.ends:
+            yield a, b
+            a = b
+
+    def _documents(self) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """(size, its bytes a MB at a time) of each document, in order."""
+        with open(self.path, "rb") as f:
+
+            def read(a: int, b: int) -> Iterator[bytes]:
+                while a < b:
+                    f.seek(a)
+                    if not (data := f.read(min(_READ, b - a))):
+                        raise EOFError(f"{self.path} ends at byte {a}, before its sample's {self.ends[-1]} bytes")
+                    a += len(data)
+                    yield data
+
+            for a, b in self._spans():
+                yield b - a, read(a, b)
+
+    def fingerprint(self) -> str:
+        """`corpus.fingerprint` of the documents' texts, from their bytes."""
+        h = hashlib.sha256()
+        for size, doc in self._documents():
+            h.update(size.to_bytes(8, "little"))
+            for data in doc:
+                h.update(data)
+        return h.hexdigest()
+
+    def documents(self) -> Iterator[Iterator[str]]:
+        return (codecs.iterdecode(doc, "utf-8") for _, doc in self._documents())
+
+    def texts(self) -> list[str]:
+        """The documents whole (small samples: tests)."""
+        return ["".join(doc) for doc in self.documents()]
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in self.documents():
+            yield from safe_pieces(doc, _READ, self.anywhere)
+
+
+def train_char(texts: Iterable[str], *, vocab_size: int, eod: str | None = None) -> Tokenizer:
     """One token per Unicode character; vocab = the sorted characters of the training text, then `<unk>`
     (then the end-of-document token, when `eod` is set).
 
@@ -44,7 +102,7 @@ def train_char(texts: list[str], *, vocab_size: int, eod: str | None = None) -> 
     return tok
 
 
-def _distinct_chars(texts: list[str], chunk: int = 1 << 20) -> list[str]:
+def _distinct_chars(texts: Iterable[str], chunk: int = 1 << 20) -> list[str]:
     """The sorted distinct characters of `texts`: code points counted with numpy, a chunk at a time (ten times
     faster than Python sets on a 100 M-character sample; the same result)."""
     seen = np.zeros(0x110000, dtype=bool)
@@ -57,7 +115,7 @@ def _distinct_chars(texts: list[str], chunk: int = 1 << 20) -> list[str]:
     return [chr(c) for c in np.flatnonzero(seen)]
 
 
-def train_bpe(texts: list[str], *, vocab_size: int, eod: str | None = None) -> Tokenizer:
+def train_bpe(texts: list[str] | Sample, *, vocab_size: int, eod: str | None = None) -> Tokenizer:
     """Byte-level BPE (GPT-2 style): never produces `<unk>`, so any text round-trips exactly.
 
     `eod` becomes a special token inside `vocab_size` (as GPT-2's <|endoftext|>): like GPT-2's, a literal
@@ -107,7 +165,7 @@ def check_tokenizer(kind: str, *, vocab_size: int) -> None:
     _tokenizer_path(kind)
 
 
-def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: str | Path,
+def build_tokenizer(kind: str, texts: list[str] | Sample, *, vocab_size: int, cache_dir: str | Path,
                     eod: str | None = None) -> Tokenizer:
     """Train `kind` on `texts` (or load it from the cache), or load `kind` itself if it is a tokenizer.json path.
 
@@ -124,7 +182,8 @@ def build_tokenizer(kind: str, texts: list[str], *, vocab_size: int, cache_dir: 
     if kind == "char":
         vocab_size = 0  # not a parameter of char: keep it out of the cache key
     eod_key = "" if eod is None else f"-eod{hashlib.sha256(eod.encode()).hexdigest()[:8]}"
-    path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}{eod_key}-{fingerprint(texts)[:20]}.json"
+    digest = texts.fingerprint() if isinstance(texts, Sample) else fingerprint(texts)
+    path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}{eod_key}-{digest[:20]}.json"
     if not path.is_file():
         save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size, eod=eod), path)
     return Tokenizer.from_file(str(path))

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
 import subprocess
 import threading
@@ -180,17 +181,42 @@ def test_a_prepared_corpus_is_not_read_again(tmp_path: Path, monkeypatch: pytest
     assert dm_for(tmp_path, tmp_path / "docs").shard_dir != first.shard_dir
 
 
-def test_the_tokenizer_sample_is_the_start_of_the_training_part() -> None:
-    docs = ["abcdefghij", "", "klmnopqrst", "uvwxyz0123"]  # 30 characters
+def test_the_tokenizer_sample_is_the_start_of_the_training_part(tmp_path: Path) -> None:
+    for docs in (["abcdefghij", "", "klmnopqrst", "uvwxyz0123"], ["abcdéfghij", "", "klmnöpqrst", "uvw😀yz0123"]):
 
-    def documents():
-        return (iter([d[i: i + 3] for i in range(0, len(d), 3)]) for d in docs)
+        def documents():
+            return (iter([d[i: i + 3] for i in range(0, len(d), 3)]) for d in docs)  # noqa: B023
 
-    head = ["abcdefghij", "", "klmnopqrst", "uvwxyz0"]
-    assert training_sample(documents(), None, 0.1) == train_text(docs, 0.1) == head
-    assert training_sample(documents(), 1000, 0.1) == train_text(docs, 0.1)  # corpus smaller than the sample
-    assert training_sample(documents(), 12, 0.1) == ["abcdefghij", "", "kl"]
-    assert training_sample(documents(), 27, 0.5) == ["abcdefghij", "", "klmno"]  # capped by the split (15 chars)
+        def sample(limit, val_fraction):
+            return training_sample(documents(), limit, val_fraction, tmp_path / "sample").texts()
+
+        head = [docs[0], "", docs[2], docs[3][:7]]
+        assert sample(None, 0.1) == train_text(docs, 0.1) == head
+        assert sample(1000, 0.1) == train_text(docs, 0.1)  # corpus smaller than the sample
+        assert sample(12, 0.1) == [docs[0], "", docs[2][:2]]
+        assert sample(27, 0.5) == [docs[0], "", docs[2][:5]]  # capped by the split (15 characters)
+        assert sample(10, 0.5) == [docs[0], "", ""]  # read up to 20 characters: the next document, none of it taken
+        assert sample(11, 0.6) == [docs[0], "", docs[2][:1], ""] and sample(None, 0.99) == []
+
+
+def test_the_spooled_sample_gives_the_tokenizer_the_list_of_texts_gives(tmp_path: Path) -> None:
+    """The sample is read back from disk in pieces (cut only at safe places for BPE): the same fingerprint, hence the
+    same cache entry, and a byte-identical tokenizer, as the list of whole texts it stands for."""
+    from lmlab.data.tokenizer import Sample, build_tokenizer
+
+    paths = write_docs(tmp_path / "docs", n=6, words=3000)
+    texts = [p.read_text() for p in paths]
+    with open(tmp_path / "sample", "wb") as f:
+        ends = [f.write(t.encode()) for t in texts]
+    for kind, vocab in (("char", 0), ("bpe", 300)):
+        sample = Sample(tmp_path / "sample", np.cumsum(ends).tolist(), anywhere=kind == "char")
+        assert sample.texts() == texts and len(list(sample)) >= len(texts)
+        spooled = build_tokenizer(kind, sample, vocab_size=vocab, cache_dir=tmp_path / "a", eod=EOD).to_str()
+        listed = build_tokenizer(kind, texts, vocab_size=vocab, cache_dir=tmp_path / "b", eod=EOD).to_str()
+        assert spooled == listed
+        assert [p.name for p in (tmp_path / "a" / "tokenizers").iterdir()] == [
+            p.name for p in (tmp_path / "b" / "tokenizers").iterdir()]
+        shutil.rmtree(tmp_path / "a"), shutil.rmtree(tmp_path / "b")
 
 
 def test_stream_views_and_chunked_counts(tmp_path: Path) -> None:
@@ -406,3 +432,51 @@ def test_counting_a_whole_split_keeps_only_a_chunk_of_it_resident(tmp_path: Path
     assert _rss_file() - before < 16 << 20  # was ~96 MB: every page of both shards
     expected = np.bincount(tokens.reshape(-1, 64)[:, 1:].ravel(), minlength=500)
     assert np.array_equal(counts, expected)
+
+
+def _traced_peak(fn) -> int:
+    """Peak bytes Python and numpy allocate (tracemalloc) while `fn` runs."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_worker_holds_a_few_mb_however_long_the_document(tmp_path: Path) -> None:
+    """One document of 24 M characters (two bytes each in Python): the worker tokenizes and writes it a MB at a time.
+    It held the whole document and all its ids before (~150 MB here; a 1 GB file, GBs)."""
+    from lmlab.data.corpus import FileUnit
+
+    tok = _char_tokenizer_json(tmp_path)
+    (tmp_path / "long.txt").write_text("the king — thou art\n" * 1_200_000)
+    out = tmp_path / "shards"
+    out.mkdir()
+    shards._init_worker(tok, None, "uint16", str(out))
+    peak = _traced_peak(lambda: shards._write_shard(0, FileUnit([str(tmp_path / "long.txt")])))
+    assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB"
+    expected = np.asarray(dm_for(tmp_path, tmp_path / "docs").tokenizer.encode("the king — thou art\n").ids * 1_200_000)
+    assert np.array_equal(np.fromfile(out / "shard-00000.bin", dtype=np.uint16), expected)
+
+
+def test_the_tokenizer_sample_is_never_held_in_memory(tmp_path: Path) -> None:
+    """The sample (here 20 M characters of one 24 M-character document) goes to disk as it is read and is read back a
+    MB at a time to train the tokenizer; the main process held all of it, twice over while joining, before."""
+    from lmlab.data.corpus import FileSource
+    from lmlab.data.tokenizer import build_tokenizer
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "long.txt").write_text("the king — thou art\n" * 1_200_000)
+    source = FileSource([tmp_path / "docs" / "long.txt"], tmp_path / "cache")
+    built = []
+
+    def train() -> None:
+        sample = training_sample(source.documents(), 20_000_000, 0.1, tmp_path / "sample")
+        built.append(build_tokenizer("char", sample, vocab_size=0, cache_dir=tmp_path / "cache"))
+
+    assert (peak := _traced_peak(train)) < 24 << 20, f"{peak / 2**20:.0f} MiB"
+    assert (tmp_path / "sample").stat().st_size == len(("the king — thou art\n" * 1_000_000).encode())
+    assert built[0].get_vocab_size() == len(set("the king — thou art\n")) + 1  # <unk>
