@@ -40,7 +40,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = {"prepare_1gb_s": 300, "peak_rss_1gb_gb": 2.0, "rss_growth_100mb_to_1gb": 1.3, "speedup_2_procs": 1.7,
-           "first_step_s": 10.0, "pss_1gb_gb": 1.0}
+           "first_step_s": 10.0, "pss_1gb_gb": 1.0, "pss_growth_1gb_to_10gb": 1.2, "encoder_ratio": 0.8}
 PHASES = ("hash", "tokenizer", "shards", "after")
 
 
@@ -275,6 +275,46 @@ print(json.dumps({"setup_s": time.perf_counter() - start}))
 """
 
 
+# The tokenizers library's own batch encoder, one thread, on the corpus' first files, given whole documents and given
+# their lines (the faster of the two counts): the ceiling of a Python pipeline around it (reading is not timed).
+CEILING = """
+import json, os, sys, time
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["RAYON_NUM_THREADS"] = "1"
+from tokenizers import Tokenizer
+tok_json, limit, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+tok = Tokenizer.from_file(tok_json)
+texts, size = [], 0
+for path in paths:
+    with open(path, encoding="utf-8") as f:
+        texts.append(f.read())
+    size += os.path.getsize(path)
+    if size >= limit:
+        break
+encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+timed = {}
+for name, batch in (("documents", texts), ("lines", [line for t in texts for line in t.splitlines(keepends=True)])):
+    start = time.perf_counter()
+    tokens = sum(len(e.ids) for e in encode(batch, add_special_tokens=False))
+    timed[name] = time.perf_counter() - start
+took = min(timed.values())
+print(json.dumps({"encoder_mb": size / 1e6, "encoder_s": took, "encoder_tokens": tokens,
+                  "encoder_by_batch_s": timed}))
+"""
+
+
+def encoder_ceiling(corpus: Path, cache: Path, env: dict[str, str], limit: int = 64_000_000) -> dict[str, float]:
+    """MB/s of the tokenizers library's batch encoder (`encode_batch_fast`, one thread, in a fresh process) with the
+    tokenizer the preparation in `cache` trained, on the corpus' first `limit` bytes of files: what one process of the
+    preparation is measured against (its `shards` phase's MB/s per process)."""
+    tok = next(cache.rglob("tokenizer.json"))
+    files = [str(f) for f in sorted(corpus.glob("*.txt"))]
+    out = subprocess.run([sys.executable, "-c", CEILING, str(tok), str(limit), *files], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return {**result, "encoder_mb_per_s": result["encoder_mb"] / result["encoder_s"]}
+
+
 def setup_time(corpus: Path, cache: Path, tokenizer: str, vocab_size: int, env: dict[str, str]) -> float:
     """A job's data set-up on prepared shards (imports excluded): the part of the first step the corpus size could
     change — it is run twice, and the second (the unigram counts of the train split are remembered) is reported."""
@@ -318,6 +358,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-first-step", action="store_true", help="skip the train.py first-step timing")
     p.add_argument("--train-steps", type=int, default=0,
                    help="also prepare through a whole train.py ... trainer.max_steps=N per num_proc (its memory)")
+    p.add_argument("--encoder-ceiling", action="store_true",
+                   help="also time the tokenizers library's own batch encoder (one thread) on the same text")
+    p.add_argument("--keep-corpus", action="store_true", help="keep the generated corpora under --work (default: "
+                   "corpora over 2 GB are removed once measured)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -332,6 +376,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cache = args.work / f"cache-{size}-{num_proc}"
             row = prepare(corpus, cache, args.tokenizer, num_proc, args.vocab_size, args.tokenizer_sample, env,
                           args.malloc)
+            row["shards_mb_per_s_per_proc"] = row["corpus_mb"] / row["shards_s"] / num_proc
+            if args.encoder_ceiling:
+                row.update(encoder_ceiling(corpus, cache, env))
             if not args.no_first_step and num_proc == max(args.num_proc):
                 row["setup_s"] = setup_time(corpus, cache, args.tokenizer, args.vocab_size, env)
                 row["first_step_s"] = first_step(corpus, cache, args.tokenizer, args.vocab_size, env, args.work)
@@ -343,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shutil.rmtree(cache, ignore_errors=True)
             rows.append(row)
             print(render_row(row), flush=True)
+        if size > 2 * 10**9 and not args.keep_corpus:
+            shutil.rmtree(corpus, ignore_errors=True)
     out = {"date": time.strftime("%Y-%m-%d"), "cpus": usable_cpus(), "rows": rows, "targets": check(rows)}
     print(render_memory(rows))
     print(render_targets(out["targets"]))
@@ -352,7 +401,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render_row(row: dict[str, Any]) -> str:
-    first = (f", data set-up {row['setup_s']:.2f} s, train.py to a first step and exit {row['first_step_s']:.1f} s"
+    ceiling = (f", {row['shards_mb_per_s_per_proc']:.2f} MB/s a process tokenizing against the library's "
+               f"{row['encoder_mb_per_s']:.2f} MB/s" if "encoder_mb_per_s" in row else "")
+    first = ceiling + (f", data set-up {row['setup_s']:.2f} s, train.py to a first step and exit {row['first_step_s']:.1f} s"
              if "first_step_s" in row else "")
     return (f"{row['corpus_mb']:8.0f} MB  {row['tokenizer']:>5}  num_proc {row['num_proc']}: "
             f"{row['prepare_s']:6.1f} s ({row['process_s']:.1f} s with imports), {row['mb_per_s']:6.1f} MB/s, "
@@ -402,7 +453,16 @@ def check(rows: list[dict[str, Any]]) -> dict[str, Any]:
             speedup = one["prepare_s"] / r["prepare_s"]
             target = TARGETS["speedup_2_procs"]
             out[f"speedup_2_procs_{mb}mb"] = (speedup, target, speedup >= target)
+    for (mb, n), r in by.items():
+        if mb == 10000 and (gb := by.get((1000, n))) is not None:
+            growth = r["peak_pss_gb"] / gb["peak_pss_gb"]
+            out[f"pss_growth_1gb_to_10gb_{n}_procs"] = (growth, TARGETS["pss_growth_1gb_to_10gb"],
+                                                         growth <= TARGETS["pss_growth_1gb_to_10gb"])
     for r in rows:
+        if "encoder_mb_per_s" in r:
+            ratio = r["shards_mb_per_s_per_proc"] / r["encoder_mb_per_s"]
+            out[f"encoder_ratio_{r['corpus_mb']:.0f}mb_{r['num_proc']}_procs"] = (
+                ratio, TARGETS["encoder_ratio"], ratio >= TARGETS["encoder_ratio"])
         if "first_step_s" in r:
             out[f"first_step_{r['corpus_mb']:.0f}mb_s"] = (r["first_step_s"], TARGETS["first_step_s"],
                                                            r["first_step_s"] <= TARGETS["first_step_s"])

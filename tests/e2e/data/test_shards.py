@@ -37,6 +37,26 @@ def test_the_data_benchmark_reports_speed_memory_and_the_targets(tmp_path: Path)
     assert len(texts) == 4 and all("”" in t and "—" in t for t in texts) and len(set(texts)) == 4
 
 
+def test_the_data_benchmark_measures_bpe_against_the_library_encoder_and_10gb_against_1gb(tmp_path: Path) -> None:
+    """--encoder-ceiling times the tokenizers library's batch encoder (one thread) with the tokenizer the preparation
+    trained, on the same text, and the targets compare a process's tokenizing speed with it; a 10 GB row's PSS is
+    compared with the 1 GB row's at the same num_proc."""
+    from lmlab.bench.data import check, main
+
+    out = main(["--size", "400KB", "--corpus", "natural", "--files", "4", "--num-proc", "1", "--tokenizer", "bpe",
+                "--vocab-size", "512", "--work", str(tmp_path), "--no-first-step", "--encoder-ceiling"])
+    (row,) = out["rows"]
+    assert 0.3 < row["encoder_mb"] <= 0.5 and set(row["encoder_by_batch_s"]) == {"documents", "lines"}
+    assert row["encoder_s"] == min(row["encoder_by_batch_s"].values()) > 0
+    # the same tokenizer on the same files: the preparation's token count (no end-of-document ids here)
+    assert row["encoder_tokens"] == row["tokens"], (row["encoder_tokens"], row["tokens"])
+    ratio, target, met = out["targets"]["encoder_ratio_0mb_1_procs"]
+    assert ratio == row["shards_mb_per_s_per_proc"] / row["encoder_mb_per_s"] and target == 0.8 and met == (ratio >= 0.8)
+    rows = [{"corpus_mb": mb, "num_proc": 2, "peak_pss_gb": pss, "prepare_s": 1.0, "peak_rss_gb": pss}
+            for mb, pss in ((1000, 0.5), (10000, 0.65))]
+    assert check(rows)["pss_growth_1gb_to_10gb_2_procs"] == (1.3, 1.2, False)
+
+
 def test_preparing_100_mb_in_two_processes_stays_under_a_memory_bound(tmp_path: Path) -> None:
     """Issue 42: 100 MB of natural text (two bytes per character in Python) in 100 files of 1 MB, prepared with
     data.num_proc=2 as the data benchmark prepares (train.py's malloc, a fresh process), measured as it measures
