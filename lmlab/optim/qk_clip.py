@@ -5,7 +5,8 @@ At each step, per attention head h, S_h = max over the batch's queries and keys 
 monitor logs, here at every step, from the step's own inputs and the weights that computed them). After the optimizer
 step, every head with S_h > τ has its logits scaled by γ_h = τ / S_h through its weights (the attention option's
 `clip_logits`: √γ_h on W_q's and W_k's rows for MHA; a key head shared by a GQA group takes √min γ and each query head
-the rest); heads under τ are untouched. It bounds the logits the next step starts from, whatever the optimizer (the
+the rest; MLA: √γ_h on q_nope's and k_nope's rows, γ_h on q_rope's, the rotary key all heads share untouched);
+heads at or under τ are untouched. It bounds the logits the next step starts from, whatever the optimizer (the
 paper pairs it with Muon; it works with any).
 
 `optim.qk_clip=τ` (a loop key; null: off; Kimi K2 used τ = 100). The figures at every step: `attn/qk_clipped_heads`
@@ -25,8 +26,10 @@ from torch import nn
 
 
 def gammas(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """γ_h = min(1, τ / S_h) per head."""
-    return (threshold / max_logits.clamp_min(1e-30)).clamp(max=1.0)
+    """γ_h = min(1, τ / S_h) per head: exactly 1 for a head at or under τ (`τ / S` as torch computes it for a Python
+    τ, S's reciprocal times τ, can be one ulp under 1 where S = τ)."""
+    over = max_logits > threshold
+    return torch.where(over, max_logits.new_tensor(threshold) / torch.where(over, max_logits, 1.0), 1.0)
 
 
 def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:

@@ -32,9 +32,6 @@ class MLA(MHA):
     are up-projected at every step (no weight absorption): the cache is small, the compute MHA's. qk_norm does not
     apply (the latents are normalised)."""
 
-    no_qk_clip = ("its heads' q and k are split into a rotary part and a shared rotary key (Kimi's rule scales "
-                  "q_C, k_C by √γ and q_R by γ): not written here yet")
-
     scaled_dot_product = False  # its own formula: keys and values from a latent (tests/unit/model/attention/test_mla.py)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
@@ -87,6 +84,23 @@ class MLA(MHA):
         self.c_proj = nn.Linear(nh * v, d, bias=cfg.bias)
         self.c_proj.is_residual_proj = True
         return nope + rope, v
+
+    @torch.no_grad()
+    def clip_logits(self, gamma: torch.Tensor) -> None:
+        """QK-clip by Kimi K2's rule for MLA: head h's logit is q_nope·k_nope + q_rope·k_rope with k_rope shared by
+        every head, so q_nope's and k_nope's rows (W_Q or W_UQ, W_UK) take √γ_h, q_rope's rows γ_h, and the shared
+        latent and rotary key (W_DKV, W_KR) nothing: q·k, hence each logit of head h, becomes γ_h times itself. The
+        memory keys (`mem_kv`) likewise: their nope part √γ_h, their rope part nothing."""
+        g = gamma.to(torch.float32)
+        root = g.sqrt()[:, None]
+        q_rows = torch.cat((root.expand(-1, self.nope), g[:, None].expand(-1, self.rope)), dim=1).reshape(-1)
+        q = self.q_proj if self.q_a is None else self.q_b  # neither has a bias
+        q.weight.mul_(q_rows.to(q.weight)[:, None])
+        kv_rows = torch.cat((root.expand(-1, self.nope), torch.ones(len(g), self.v, device=g.device)), dim=1)
+        self.kv_b.weight.mul_(kv_rows.reshape(-1).to(self.kv_b.weight)[:, None])
+        if self.mem_k is not None:  # (n_head, M, nope + rope)
+            mem_rows = torch.cat((root.expand(-1, self.nope), torch.ones(len(g), self.rope, device=g.device)), dim=1)
+            self.mem_k.mul_(mem_rows.to(self.mem_k)[:, None, :])
 
     @classmethod
     def geometry(cls, cfg: GPTConfig, **params: Any) -> Geometry:

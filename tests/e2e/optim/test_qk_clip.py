@@ -15,12 +15,13 @@ from tests.runs import metric, one_and_two_ranks, tiny
 STEPS = ("trainer.max_steps=20", "optim.lr=0.03", "schedule.warmup_steps=0")  # a high lr: the logits grow fast
 
 
-def test_the_clip_holds_the_max_logit_down(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_the_clip_holds_the_max_logit_down(corpus: Path, tmp_path: Path, attention: str) -> None:
     """The same run twice: τ = 10⁹ (measured and logged, never clipped) and τ at half the largest logit that run
     reaches. The clipped run rescales heads, every step logs both figures, and its logits stay below the free run's.
     Not ≤ τ at every step: S is measured in the step's forward and the clip follows the update (Kimi's order), so a
     step can still carry a head past τ by its own growth (at this lr, up to ~1.3τ)."""
-    args = tiny(corpus, tmp_path / "cache", *STEPS, "logger=csv")
+    args = tiny(corpus, tmp_path / "cache", *STEPS, "logger=csv", f"attention={attention}")
     free = train(compose([*args, "optim.qk_clip=1e9"]), tmp_path / "free")
     assert free["status"] == "completed"
     grown = metric(tmp_path / "free", names.QK_MAX_LOGIT)

@@ -34,6 +34,8 @@ def _logits(model: GPT, attn, x: torch.Tensor) -> torch.Tensor:
 
 def test_gammas() -> None:
     assert gammas(torch.tensor([50.0, 100.0, 200.0, 400.0]), 100.0).tolist() == [1.0, 1.0, 0.5, 0.25]
+    s = torch.tensor([0.5764681100845337, 0.1])  # a head exactly at τ is not clipped (τ · (1/S) is 1 - 1 ulp here)
+    assert gammas(s, float(s[0])).tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(("attention", "kv"), [("mha", 4), ("gqa", 2), ("mqa", 1)])
@@ -48,6 +50,69 @@ def test_clip_logits_scales_each_heads_logits_by_its_gamma(attention: str, kv: i
         attn.clip_logits(gamma)
         after = _logits(model, attn, x)
     torch.testing.assert_close(after, before * gamma[None, :, None, None], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16])
+def test_mla_scales_each_heads_logits_by_its_gamma_by_kimis_rule(q_lora_rank: int | None) -> None:
+    """MLA (Kimi K2's rule): a head's q_nope and k_nope rows by √γ_h, its q_rope rows by γ_h, the rotary key shared by
+    all heads and the values untouched (their memory keys likewise: the nope part by √γ_h), so that q·k, hence every
+    logit of head h, is γ_h times the old one; with a full and with a compressed query."""
+    model = _mla(q_lora_rank=q_lora_rank, mem_kv=2)
+    attn = model.h[0].attn
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        before = attn.probs(x, model.pos)[1]  # (B, nh): each head's max logit, the memory keys' included
+        q, k, v = attn.qkv(x, model.pos, 0, None, mix=False)
+        mem_k, mem_v = (t.clone() for t in attn.memory())
+        kv_a, values = attn.kv_a.weight.clone(), attn.kv_b.weight.view(4, -1, attn.rank)[:, attn.nope:].clone()
+        gamma = torch.tensor([1.0, 0.5, 0.25, 0.8])
+        attn.clip_logits(gamma)
+        q2, k2, v2 = attn.qkv(x, model.pos, 0, None, mix=False)
+        logits = (q @ k.transpose(-2, -1), q2 @ k2.transpose(-2, -1))
+        mem = (q @ mem_k.transpose(-2, -1), q2 @ attn.memory()[0].transpose(-2, -1))
+        after = attn.probs(x, model.pos)[1]
+    g = gamma[None, :, None, None]
+    torch.testing.assert_close(logits[1], logits[0] * g, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mem[1], mem[0] * g, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before * gamma, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v2, v)
+    torch.testing.assert_close(attn.memory()[1], mem_v)
+    assert torch.equal(attn.kv_a.weight, kv_a)  # the latent and the shared rotary key: every head reads them
+    assert torch.equal(attn.kv_b.weight.view(4, -1, attn.rank)[:, attn.nope:], values)
+    # the rope part of the key is shared: q_rope takes the whole γ, q_nope and k_nope √γ each
+    torch.testing.assert_close(q2[..., attn.nope:], q[..., attn.nope:] * g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(q2[..., :attn.nope], q[..., :attn.nope] * g.sqrt(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k2[..., attn.nope:], k[..., attn.nope:])
+
+
+def test_the_clip_brings_mla_heads_over_tau_to_tau() -> None:
+    """The clip over an MLA model: each head over τ ends at τ, on the same inputs, and the rest keep their max logit."""
+    model = _mla(n_layer=2)
+    model.train()
+    clip = QKClip(model, threshold=1.0)
+    clip.recording = True
+    model(torch.randint(0, 50, (2, 16)))
+    clip.recording = False
+    inputs = dict(clip.inputs)
+    clip.measure()
+    s = clip.max_logits.clone()
+    clip.threshold = tau = float(s.flatten().sort().values[s.numel() // 2])
+    assert clip.clip()[names.QK_CLIPPED_HEADS] == float((s > tau).sum()) > 0
+    clip.inputs = inputs
+    clip.measure()
+    over = s > tau
+    torch.testing.assert_close(clip.max_logits[over], torch.full_like(s[over], tau), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(clip.max_logits[~over], s[~over], rtol=1e-5, atol=1e-5)
+
+
+def _mla(n_layer: int = 1, **params) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, "n_layer": n_layer}, attention={"name": "mla", **params}))
+    with torch.no_grad():  # logits well away from 0, different per head
+        for _, attn in attention_layers(model):
+            for w in (attn.q_proj or attn.q_b, attn.kv_b):
+                w.weight.mul_(torch.linspace(2, 6, w.weight.size(0))[:, None])
+    return model
 
 
 def test_mha_splits_the_factor_evenly_between_query_and_key() -> None:
@@ -110,7 +175,6 @@ def test_nothing_is_recorded_in_eval_or_when_not_asked() -> None:
     (["optim.qk_clip=100", "attention=diff"], "optim.qk_clip=100 with attention=diff"),
     (["optim.qk_clip=100", "attention=talking_heads"], "attention=talking_heads"),
     (["optim.qk_clip=100", "attention=cosine"], "attention=cosine"),
-    (["optim.qk_clip=100", "attention=mla"], "attention=mla"),
     (["optim.qk_clip=100", "attention.qk_norm=true"], "attention.qk_norm=true"),
     (["optim.qk_clip=100", "block=gau"], "no attention layer"),
 ])
@@ -119,6 +183,7 @@ def test_refused_by_key_before_training(overrides: list[str], message: str) -> N
         check_config(compose(["trainer.max_steps=500", *overrides]))
 
 
-def test_accepted_with_muon_and_gqa() -> None:
+def test_accepted_with_muon_and_gqa_and_mla() -> None:
     check_config(compose(["trainer.max_steps=500", "optim=muon", "optim.qk_clip=100", "attention=gqa",
                           "model.n_kv_head=2"]))
+    check_config(compose(["trainer.max_steps=500", "optim=muon", "optim.qk_clip=100", "attention=mla"]))
