@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
+from lmlab.analysis import optimizer_benchmark  # noqa: F401  (its own section registers with it)
 from lmlab.analysis.compare_gaps import CURVES, gaps, validations
 from lmlab.analysis.compare_stats import significance
-from lmlab.data.tasks import TASKS
 from lmlab.analysis.ladder import matmul_weights, size_keys  # its own section registers with it
 from lmlab.analysis.sections import LR, SECTIONS, SEED, SWEEP, Sweep, section
+from lmlab.data.tasks import TASKS
 from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
 from lmlab.record.summary import objective, side
@@ -133,8 +134,8 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     import torch
 
     from lmlab.config import GPTConfig
-    from lmlab.model.memory import check_model_fits
     from lmlab.model.gpt import GPT
+    from lmlab.model.memory import check_model_fits
     from lmlab.run.perf import flops_per_token, matmul_params
 
     total, ffn, active = summary.get("n_params"), None, summary.get("n_params")

@@ -10,6 +10,7 @@ the baseline's loss, its change from the row before with a paired test over seed
     python -m lmlab.analysis.studies coord_check <sweep dir>
     python -m lmlab.analysis.studies speedrun_ladder <sweep dir> [--target 1.9]
     python -m lmlab.analysis.studies residual_placement <sweep dir>
+    python -m lmlab.analysis.studies optimizer_benchmark <sweep dir>   (lmlab/analysis/optimizer_benchmark.py)
 
 Each prints a markdown table and writes its picture into the sweep directory (or --out).
 """
@@ -27,9 +28,9 @@ from typing import Any
 
 from lmlab import names
 from lmlab.analysis.compare import find_runs
+from lmlab.analysis.significance import paired
 from lmlab.record.plots import _plt, _save, read_metrics
 from lmlab.record.rundir import RunDir
-from lmlab.analysis.significance import paired
 from lmlab.record.targets import crossing
 
 
@@ -67,8 +68,8 @@ def state_bytes_per_param(summary: dict[str, Any]) -> float:
     import torch
 
     from lmlab.config import GPTConfig
-    from lmlab.run.lit import configure_optimization
     from lmlab.model.gpt import GPT
+    from lmlab.run.lit import configure_optimization
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**summary["model"]))
@@ -265,7 +266,8 @@ def residual_placement(sweep: str | Path, out: Path | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m lmlab.analysis.studies", description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["optim", "lr_transfer", "coord_check", "speedrun_ladder", "residual_placement"])
+    ap.add_argument("study", choices=["optim", "lr_transfer", "coord_check", "speedrun_ladder", "residual_placement",
+                                          "optimizer_benchmark"])
     ap.add_argument("sweep")
     ap.add_argument("--target", type=float, default=None,
                     help="optim, speedrun_ladder: the val loss to reach (default: the median; the first row's)")
@@ -277,6 +279,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(lr_transfer(args.sweep, args.out))
     elif args.study == "speedrun_ladder":
         print(speedrun_ladder(args.sweep, args.target, args.out))
+    elif args.study == "optimizer_benchmark":  # a section of compare's report (lmlab.analysis.optimizer_benchmark)
+        from lmlab.analysis.compare import compare
+
+        compare(args.sweep, out=args.out)
+        print(((args.out or Path(args.sweep)) / "optimizer_benchmark.md").read_text())
     elif args.study == "residual_placement":
         print(residual_placement(args.sweep, args.out))
     else:
