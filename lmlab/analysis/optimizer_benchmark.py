@@ -14,11 +14,11 @@ optimizer at a width. The readout, for `eval.py compare=<sweep>` (a section of i
   logged validation curve first crosses it, interpolated; mean ± sd over the seeds that reach it), the loss-per-step
   slope at the end (the last two validations, mean over seeds). A tuned lr at the grid's edge is flagged: the grid
   should be widened there.
-- **Pairwise verdicts at each width:** the paired t test over shared seeds of the final test losses (the same seed:
-  the same data order and, the shapes being equal, the same initial weights), two-sided, at the speedrun's level
-  α = 0.01: `better`, `worse` or `not resolved` with its p and n. The loss difference is also given in steps, the
-  track's currency: Δloss over the pair's end slope, the steps the worse arm would still need at its current rate
-  (its 95% interval likewise); both slopes are measured on these runs.
+- **Pairwise verdicts at each width,** by the optimizer track's rule (modded-nanogpt, records/track_3_optimization:
+  "(final_loss_diff + exp_stepbased_loss_diff) / (1/n1 + 1/n2)**0.5 >= 0.004", `verdict`), its constants measured
+  on these runs rather than copied: `better`, `worse` or `not resolved` at one-sided p < 0.01, with n. The loss gap
+  is also given in steps, the track's currency (Δloss over the pair's loss-per-step slope at the end), and the paired
+  t test over shared seeds beside it.
 - **The trend with size:** each arm's steps to target relative to the first optimizer's at the same width.
 
 The target at each width (unless `target=` is given) is the highest of the arms' mean final val losses at their tuned
@@ -42,7 +42,8 @@ from lmlab.analysis.significance import paired
 from lmlab.record.rundir import atomic_write
 from lmlab.record.targets import crossing
 
-OPTIM, ALPHA, HELD_OUT = "optim", 0.01, "held_out.json"
+OPTIM, HELD_OUT = "optim", "held_out.json"
+Z_TRACK = 2.326  # one-sided p < 0.01: the track's 0.004 is this times the sd of its runs' final losses (~0.0017)
 
 
 @dataclass
@@ -149,38 +150,62 @@ def _mean_sd(values: Sequence[float], digits: int = 3) -> str:
     return mean + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
 
 
+def pooled_sd(*groups: Sequence[float]) -> float | None:
+    """The pooled sample sd of the groups' values (each group about its own mean)."""
+    df = sum(len(g) - 1 for g in groups)
+    if df < 1:
+        return None
+    return math.sqrt(sum((len(g) - 1) * statistics.variance(g) for g in groups if len(g) > 1) / df)
+
+
 def verdict(a: Arm, b: Arm) -> dict[str, Any]:
-    """`a` against `b` (same width): the paired test of b − a on the final test losses (positive: `a` lower, better)
-    and the difference in steps at the pair's end slope."""
-    t = paired(b.finals(), a.finals())  # variant a − baseline b: negative when a is better
+    """`a` against `b` (same width) by the optimizer track's pairwise rule: with mean final losses L and seed counts
+    n, and the steps each trained, a is better when
+
+        (L_b − L_a + slope·(steps_b − steps_a)) / √(1/n_a + 1/n_b) ≥ z·σ
+
+    and worse when the left side is ≤ −z·σ, else not resolved. The track writes the right side as 0.004 and the slope
+    as 0.0045 loss per 100 steps, both from its runs; here σ is the pooled sd of the pair's final losses over seeds,
+    z = 2.326 (one-sided p < 0.01), and the slope the pair's loss per step at the end, measured on these runs. The
+    left side over σ is the z statistic (its one-sided p given), and the loss gap is also given in steps at the slope.
+    The paired t test over shared seeds (the same seed: the same data order and initial weights) is given beside it."""
+    from scipy import stats
+
+    fa, fb = list(a.finals().values()), list(b.finals().values())
     slopes = [s for s in (a.slope(), b.slope()) if s is not None and s > 0]
     slope = statistics.fmean(slopes) if slopes else None
-    if t.p is None:
-        word = f"no test (n={t.n})"
-    elif t.p < ALPHA:
-        word = "better" if t.mean < 0 else "worse"
-    else:
-        word = "not resolved"
-    steps = (None if slope is None or t.mean is None else  # (mean, low, high) in steps gained by a over b
-             tuple(None if v is None else -v / slope for v in (t.mean, t.high, t.low)))
-    return {"a": a.optim, "b": b.optim, "at": a.at, "n": t.n, "diff": t.mean, "low": t.low, "high": t.high,
-            "p": t.p, "verdict": word, "slope": slope, "steps": steps}
+    out: dict[str, Any] = {"a": a.optim, "b": b.optim, "at": a.at, "n": (len(fa), len(fb)), "slope": slope,
+                           "diff": None, "lhs": None, "threshold": None, "sigma": None, "p": None, "steps": None,
+                           "paired_p": paired(b.finals(), a.finals()).p, "verdict": f"no test (n={len(fa)}, {len(fb)})"}
+    sigma = pooled_sd(fa, fb)
+    if not fa or not fb or sigma is None:
+        return out
+    gap = statistics.fmean(fb) - statistics.fmean(fa)  # positive: a lower, better
+    steps_a, steps_b = (statistics.fmean(r.curve[-1][0] for r in arm.tuned.values() if r.completed and r.curve)
+                        for arm in (a, b))
+    lhs = (gap + (slope or 0.0) * (steps_b - steps_a)) / math.sqrt(1 / len(fa) + 1 / len(fb))
+    threshold = Z_TRACK * sigma
+    word = ("better" if lhs > 0 and lhs >= threshold else "worse" if lhs < 0 and -lhs >= threshold
+            else "not resolved")
+    z = lhs / sigma if sigma > 0 else math.copysign(math.inf, lhs) if lhs else 0.0
+    out.update(diff=gap, lhs=lhs, threshold=threshold, sigma=sigma, verdict=word,
+               p=float(stats.norm.sf(abs(z))), steps=None if slope is None else gap / slope)
+    return out
 
 
 def verdict_line(v: dict[str, Any]) -> str:
-    """`muon vs adamw (model.d_model=64): better by 0.041 [0.030, 0.052] ≈ 120 steps [90, 150] at 3.4e-04 loss/step
-    (p=0.002 < 0.01, n=4 seeds)`."""
+    """`muon vs adamw (model.d_model=64): better (by +0.041 in final test loss, ≈ +120 steps at 3.4e-04 loss/step;
+    track statistic 0.025 ≥ 2.326σ = 0.004, z p=1e-05; paired t p=0.002; n=4, 4 seeds)`."""
     head = f"{v['a']} vs {v['b']}" + (f" ({v['at']})" if v["at"] else "")
-    if v["diff"] is None or v["p"] is None:
+    if v["lhs"] is None:
         return f"{head}: {v['verdict']}"
-    ci = "" if v["low"] is None else f" [{-v['high']:+.3f}, {-v['low']:+.3f}]"
-    gain = f"by {-v['diff']:+.3f}{ci} in test loss"
+    gain = f"by {v['diff']:+.4f} in final test loss"
     if v["steps"] is not None:
-        s, lo, hi = v["steps"]
-        gain += f", ≈ {s:+.0f} steps" + ("" if lo is None else f" [{lo:+.0f}, {hi:+.0f}]") + \
-            f" at {v['slope']:.2g} loss/step"
-    level = f"p={v['p']:.2g} {'<' if v['p'] < ALPHA else '≥'} {ALPHA}, n={v['n']} seeds"
-    return f"{head}: {v['verdict']} ({gain}; {level})"
+        gain += f", ≈ {v['steps']:+.0f} steps at {v['slope']:.2g} loss/step"
+    sign = "≥" if abs(v["lhs"]) >= v["threshold"] else "<"
+    paired_p = "" if v["paired_p"] is None else f"; paired t p={v['paired_p']:.2g}"
+    return (f"{head}: {v['verdict']} ({gain}; track statistic {v['lhs']:+.4f}, |·| {sign} {Z_TRACK}σ = "
+            f"{v['threshold']:.4f}, one-sided p={v['p']:.2g}{paired_p}; n={v['n'][0]}, {v['n'][1]} seeds)")
 
 
 def report(found: list[Arm], target: float | None = None) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:

@@ -33,7 +33,7 @@ def test_the_benchmark_tunes_each_optimizer_on_one_half_and_compares_on_the_othe
     for arm in out["arms"]:  # the lr with the lower mean tune-half loss over the two seeds
         assert arm["lr"] == min(arm["tuning"], key=arm["tuning"].get) and arm["seeds"] == 2
     (pair,) = out["pairs"]
-    assert pair["a"] == "lion" and pair["b"] == "adamw" and pair["n"] == 2
+    assert pair["a"] == "lion" and pair["b"] == "adamw" and pair["n"] == [2, 2]
     assert pair["verdict"] in ("better", "worse", "not resolved")
     assert f"- lion vs adamw: {pair['verdict']} (" in res.stdout and "| adamw |" in res.stdout
     assert (sweep / "plots" / "optimizer_benchmark.png").stat().st_size > 10_000

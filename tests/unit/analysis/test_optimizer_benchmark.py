@@ -5,6 +5,7 @@ at the measured end slope, the default target and the steps to it."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 from scipy import stats
@@ -43,26 +44,37 @@ def test_each_arm_takes_the_lr_with_the_lowest_mean_tune_loss_and_a_failed_seed_
     assert picky.lr == "3e-3"
 
 
-def test_the_verdict_is_the_paired_t_test_at_001_and_its_steps_the_loss_gap_over_the_end_slope() -> None:
+def test_the_verdict_is_the_optimizer_tracks_rule_with_sigma_and_slope_from_these_runs() -> None:
+    """(L_b − L_a + slope·(steps_b − steps_a)) / √(1/n_a + 1/n_b) against 2.326·σ, σ the pooled sd, worked by hand."""
     base = _arm("adamw", {"3e-3": {"0": 2.00, "1": 2.10, "2": 1.95, "3": 2.05}}, slope=2e-4)
-    gaps = [0.050, 0.052, 0.049, 0.051]  # muon lower by ~0.05 on every seed
-    muon = _arm("muon", {"3e-3": {s: base.finals()[s] - g for s, g in zip("0123", gaps)}}, slope=4e-4)
+    muon = _arm("muon", {"3e-3": {s: v - 0.2 - 0.01 * i for i, (s, v) in enumerate(base.finals().items())}},
+                slope=4e-4)
     v = verdict(muon, base)
-    d = [-g for g in gaps]  # muon − adamw
-    t = sum(d) / 4 / (stats.tstd(d) / 2)
-    assert v["p"] == pytest.approx(2 * stats.t.sf(abs(t), 3), rel=1e-9) and v["p"] < 0.01
-    assert v["verdict"] == "better" and v["n"] == 4 and v["diff"] == pytest.approx(-0.0505)
+    fa, fb = list(muon.finals().values()), list(base.finals().values())
+    sigma = math.sqrt((3 * statistics.variance(fa) + 3 * statistics.variance(fb)) / 6)
+    gap = statistics.mean(fb) - statistics.mean(fa)  # 0.215: muon lower
+    assert v["sigma"] == pytest.approx(sigma) and v["diff"] == pytest.approx(gap)
+    assert v["lhs"] == pytest.approx(gap / math.sqrt(1 / 4 + 1 / 4)) and v["threshold"] == pytest.approx(2.326 * sigma)
+    assert v["verdict"] == "better" and v["n"] == (4, 4) and v["p"] == pytest.approx(stats.norm.sf(v["lhs"] / sigma))
     slope = (2e-4 + 4e-4) / 2  # each arm's (v[-2] − v[-1]) / 100, averaged
-    assert v["slope"] == pytest.approx(slope)
-    steps, low, high = v["steps"]
-    assert steps == pytest.approx(0.0505 / slope) and low < steps < high
+    assert v["slope"] == pytest.approx(slope) and v["steps"] == pytest.approx(gap / slope)
+    d = [a - b for a, b in zip(fa, fb)]  # the paired t test beside it
+    assert v["paired_p"] == pytest.approx(2 * stats.t.sf(abs(statistics.mean(d) / (statistics.stdev(d) / 2)), 3))
     line = verdict_line(v)
-    assert line.startswith("muon vs adamw (model.d_model=64): better (by +0.05") and "n=4 seeds" in line
+    assert line.startswith("muon vs adamw (model.d_model=64): better (by +0.2150 in final test loss, ≈ +717 steps")
+    assert "n=4, 4 seeds" in line and "2.326σ" in line
     assert verdict(base, muon)["verdict"] == "worse"
-    noisy = _arm("lion", {"3e-3": {s: base.finals()[s] + g for s, g in zip("0123", (0.05, -0.04, 0.03, -0.05))}})
+    # a gap of 0.02 with seed noise of ~0.06: not resolved; with the same noise and 0.2: resolved
+    noisy = _arm("lion", {"3e-3": {s: base.finals()[s] - 0.02 + g for s, g in zip("0123", (0.08, -0.08, 0.0, 0.0))}})
     assert verdict(noisy, base)["verdict"] == "not resolved"
+    # fewer steps to the same loss count for the arm that took them: the track's step term
+    short = _arm("soap", {"3e-3": dict(base.finals())}, slope=2e-4)
+    for run in short.tuned.values():
+        run.curve = [(s - 100, v) for s, v in run.curve]  # the same losses, 100 steps sooner
+    sv = verdict(short, base)
+    assert sv["diff"] == pytest.approx(0.0) and sv["lhs"] == pytest.approx(100 * 2e-4 / math.sqrt(0.5))
     one = _arm("soap", {"3e-3": {"0": 1.0}})
-    assert verdict(one, base)["verdict"] == "no test (n=1)" and verdict_line(verdict(one, base)).endswith("(n=1)")
+    assert verdict(one, _arm("x", {"3e-3": {"0": 1.0}}))["verdict"] == "no test (n=1, 1)"
 
 
 def test_the_report_targets_the_slowest_arms_final_loss_and_counts_steps_to_it() -> None:
