@@ -48,7 +48,9 @@ class GPTConfig:
     checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     chunked_loss: bool = False  # LM head + loss in row blocks (lmlab.model.loss.linear_cross_entropy): no (tokens, V)
                                 # logits
-    logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh(z / c) (Gemma 2); None: off
+    logit_softcap: PositiveFloat | None = None  # the final logits z ← c·tanh((z + b) / w) (Gemma 2: w = c, b = 0)
+    logit_softcap_width: PositiveFloat | None = None  # w (None: c); the speedrun's logit rescale: 15
+    logit_softcap_offset: float = 0.0  # b; the speedrun's asymmetric logit rescale (record 54): 5
     untie_at_step: PositiveInt | None = None  # a tied head gets its own copy of the embedding at this step (speedrun)
     embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
     eod_id: int | None = None  # the document separator (data.eod's id; data=token_bin: data.doc_sep) the documents

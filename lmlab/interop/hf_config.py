@@ -76,6 +76,10 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("model.embed_norm", True, fam, "model.embed_norm=false")
     if cfg.logit_softcap is not None and not softcaps:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
+    if cfg.logit_softcap_width is not None:  # transformers' final softcap is c·tanh(z / c) (Gemma 2's)
+        raise _refuse("model.logit_softcap_width", cfg.logit_softcap_width, fam, "model.logit_softcap_width=null")
+    if cfg.logit_softcap_offset:
+        raise _refuse("model.logit_softcap_offset", cfg.logit_softcap_offset, fam, "model.logit_softcap_offset=0")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),

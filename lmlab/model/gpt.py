@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
-from lmlab.model.loss import Z_LOSS, cross_entropy, linear_cross_entropy
+from lmlab.model.loss import Z_LOSS, Softcap, cross_entropy, linear_cross_entropy
 from lmlab.model.memory import check_model_fits
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.head import HEADS, MTP_LOSS
@@ -112,8 +112,7 @@ class GPT(nn.Module):
             if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh)
                 h = h * self.param.output_mult
             logits = F.linear(h, self.head_weight)
-            cap = self.cfg.logit_softcap
-            return logits if cap is None else cap * torch.tanh(logits / cap)
+            return logits if self.softcap is None else self.softcap(logits)
         out = self.lm_loss(self.ln_f(x), targets, z_loss=z_loss, parts=parts)
         # The side channel (lmlab.model.side): the sublayers' terms (an MoE's balancing losses), the head's (MTP's
         # depths), the loss's own z-loss; the objective adds those it lacks, in training only.
@@ -154,10 +153,16 @@ class GPT(nn.Module):
         multiplier, the logit softcap, chunked when `chunked_loss`; shared by the extra heads (head=mtp)."""
         if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
             h = h * self.param.output_mult
-        cap = self.cfg.logit_softcap
+        cap = self.softcap
         if self.cfg.chunked_loss:
             return linear_cross_entropy(h, self.head_weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
         return cross_entropy(F.linear(h, self.head_weight), targets, softcap=cap, z_loss=z_loss, parts=parts)
+
+    @property
+    def softcap(self) -> Softcap | None:
+        """The final-logit softcap (model.logit_softcap, its width and offset; lmlab.model.loss.Softcap), or None."""
+        c = self.cfg.logit_softcap
+        return None if c is None else Softcap(c, self.cfg.logit_softcap_width, self.cfg.logit_softcap_offset)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -8,18 +8,49 @@ against 32 ms). Lower-precision logits (bf16 autocast) are read by log_softmax d
 separate upcast copy, and get their gradient back in their own dtype.
 
 Two options change the objective, on both paths (and in their closed-form backward): `softcap` c, the final-logit
-softcap z ← c·tanh(z / c) before the softmax (Gemma 2), and `z_loss` λ, PaLM's auxiliary z-loss λ·mean(log Z)², log Z
+softcap z ← c·tanh(z / c) before the softmax (Gemma 2; a `Softcap` for its asymmetric form), and `z_loss` λ, PaLM's auxiliary z-loss λ·mean(log Z)², log Z
 the log-partition of each row, which keeps the logits from drifting. With `parts=True` the functions return the
 objective and, detached, its cross-entropy and z-loss parts (what the loggers show apart).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Z_LOSS = "z_loss"  # its side-channel term (lmlab.model.side): train/z_loss, mean (log Z)², already in the objective
+
+
+@dataclass(frozen=True)
+class Softcap:
+    """The final-logit softcap z ← c·tanh((z + b) / w): Gemma 2's with w = c and b = 0 (a plain float c stands for
+    it), and the GPT-2 speedrun's asymmetric logit rescale (record 54, 23·σ((z + 5) / 7.5)): A·σ((z + b) / s) is
+    A/2 + (A/2)·tanh((z + b) / 2s), whose constant the softmax drops, so c = A/2 = 11.5, w = 2s = 15, b = 5; the
+    offset moves the logits' range off centre, [−c, c] reached at −b ∓ ∞."""
+
+    cap: float
+    width: float | None = None  # w; None: the cap
+    offset: float = 0.0  # b
+
+    @property
+    def w(self) -> float:
+        return self.cap if self.width is None else self.width
+
+    def tanh(self, z: torch.Tensor) -> torch.Tensor:
+        """t = tanh((z + b) / w): the capped logits are c·t, their derivative (c / w)·(1 − t²)."""
+        return torch.tanh((z + self.offset) / self.w) if self.offset else torch.tanh(z / self.w)
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        return self.cap * self.tanh(z)
+
+    def grad(self, t: torch.Tensor) -> torch.Tensor:
+        return (self.cap / self.w) * (1 - t.square())
+
+
+def as_softcap(softcap: float | Softcap | None) -> Softcap | None:
+    return softcap if softcap is None or isinstance(softcap, Softcap) else Softcap(float(softcap))
 
 
 def _nll_sum(logp: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,13 +83,14 @@ class _CrossEntropy(torch.autograd.Function):
         return _dlogits(logp.exp(), index, scale).to(ctx.dtype), None, None  # logp stays intact: backward may rerun
 
 
-def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, softcap: float | None, z_loss: float,
+def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, softcap: float | Softcap | None, z_loss: float,
                  count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows z (N, V) in fp32: the summed NLL and summed (log Z)² of the (softcapped) rows, and d objective / d z
     for objective = (NLL + z_loss·(log Z)²) summed over the valid rows / count."""
+    softcap = as_softcap(softcap)
     if softcap is not None:
-        t = torch.tanh(z / softcap)
-        z = softcap * t
+        t = softcap.tanh(z)
+        z = softcap.cap * t
     logp = torch.log_softmax(z, dim=-1)
     nll, index = _nll_sum(logp, targets, valid)
     lse = (z[:, 0] - logp[:, 0])[:, None]  # log Z per row (logp = z − log Z in every column)
@@ -69,7 +101,7 @@ def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, so
     if z_loss:
         dz.add_(probs.mul_(lse * (2 * z_loss) * scale))
     if softcap is not None:
-        dz.mul_(1 - t.square())
+        dz.mul_(softcap.grad(t))
     return nll, z_sq, dz
 
 
@@ -77,7 +109,7 @@ class _CappedCrossEntropy(torch.autograd.Function):
     """cross_entropy with a softcap and/or a z-loss: the gradient is worked out in forward (one (N, V) tensor kept)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float | None,
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float | Softcap | None,
                 z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = targets != ignore_index
         count = valid.sum()
@@ -96,7 +128,7 @@ class _CappedCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  softcap: float | None = None, z_loss: float = 0.0, parts: bool = False) -> Any:
+                  softcap: float | Softcap | None = None, z_loss: float = 0.0, parts: bool = False) -> Any:
     """Mean token cross-entropy, in fp32 (fp64 for fp64 logits). logits (..., V), targets (...) class ids. With a
     `softcap` or a `z_loss`, their objective (module docstring); `parts=True`: (objective, cross-entropy, z-loss)."""
     flat, t = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
@@ -108,7 +140,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                         chunk_elems: int = 1 << 25, softcap: float | None = None, z_loss: float = 0.0,
+                         chunk_elems: int = 1 << 25, softcap: float | Softcap | None = None, z_loss: float = 0.0,
                          parts: bool = False) -> Any:
     """`cross_entropy(h @ weight.T, targets)` without ever holding the (N, V) logits: row blocks of about
     `chunk_elems` logits each, the head's gradients computed block by block in the forward pass.
@@ -146,13 +178,13 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
     return h.to(dtype), weight.to(dtype), dtype
 
 
-def _capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """The final-logit softcap c·tanh(z / c), or z itself without one."""
-    return z if softcap is None else softcap * torch.tanh(z / softcap)
+def _capped(z: torch.Tensor, softcap: float | Softcap | None) -> torch.Tensor:
+    """The final-logit softcap c·tanh((z + b) / w) (`Softcap`), or z itself without one."""
+    return z if softcap is None else as_softcap(softcap)(z)
 
 
 def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               softcap: float | Softcap | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed NLL of one row block (softcapped logits, with one), its fp32 log-probs and the class index per row."""
     with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit here
         acc = torch.promote_types(h.dtype, torch.float32)
@@ -166,7 +198,7 @@ def _block_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, val
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                rows: int, softcap: float | None = None, z_loss: float | None = None) -> Any:
+                rows: int, softcap: float | Softcap | None = None, z_loss: float | None = None) -> Any:
         hc, wc, dtype = _compute_dtype(h, weight)
         valid = targets != ignore_index
         count = valid.sum()

@@ -45,6 +45,11 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
                     for name, params in residual_specs(cfg.residual)}
     mixer_name, _ = option_params("mixer", MIXERS, cfg.mixer)
     cfg.mixer = {**option_defaults(MIXERS[mixer_name]), **cfg.mixer}
+    if cfg.logit_softcap is None and (cfg.logit_softcap_width is not None or cfg.logit_softcap_offset):
+        shown = (f"model.logit_softcap_width={cfg.logit_softcap_width}" if cfg.logit_softcap_width is not None
+                 else f"model.logit_softcap_offset={cfg.logit_softcap_offset}")
+        raise ValueError(f"{shown} shapes the final-logit softcap, which is off (model.logit_softcap=null); set "
+                         f"model.logit_softcap (the speedrun's logit rescale: 11.5, width 15, offset 5) or leave it")
     if "attention" in uses:
         _check_attention_layers(cfg)
     else:

@@ -73,7 +73,8 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
                                                                                          True)
     assert (last.position.name, last.norm.name, last.optim.name, last.activation.name) == ("rope", "rms", "muon",
                                                                                           "relu2")
-    assert last.attention.qk_norm and last.model.embed_norm and last.model.logit_softcap == 15.0
+    assert last.attention.qk_norm and last.model.embed_norm
+    assert (last.model.logit_softcap, last.model.logit_softcap_width, last.model.logit_softcap_offset) == (11.5, 15, 5)
     assert list(last.residual) == ["scaled", "x0", "unet", "value_embed", "smear", "backout", "bigram_hash"]
     assert last.residual.smear.init == 0.0  # the record's λ: the standard model at step 0
     assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)

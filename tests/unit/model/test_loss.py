@@ -178,28 +178,43 @@ def _reference(z: torch.Tensor, t: torch.Tensor, softcap, z_loss: float, ignore:
     """Softcap then cross-entropy, plus λ·mean over the counted rows of logsumexp², written with torch's ops."""
     import torch.nn.functional as F
 
-    capped = z if softcap is None else softcap * torch.tanh(z / softcap)
+    if softcap == "rescale":  # the GPT-2 speedrun's record 54, as its code writes it (a constant above ours)
+        capped = 23 * torch.sigmoid((z + 5) / 7.5) - (11.5 if z_loss else 0.0)
+    else:
+        capped = z if softcap is None else softcap * torch.tanh(z / softcap)
     valid = t != ignore
     return F.cross_entropy(capped, t, ignore_index=ignore) + z_loss * capped.logsumexp(-1)[valid].square().mean()
 
 
-@pytest.mark.parametrize("softcap,z_loss", [(None, 1e-2), (2.0, 0.0), (1.5, 0.1)])
+CAPS = [(None, 1e-2), (2.0, 0.0), (1.5, 0.1), ("rescale", 0.0), ("rescale", 0.1)]
+
+
+def _cap(softcap):
+    from lmlab.model.loss import Softcap
+
+    return Softcap(11.5, 15.0, 5.0) if softcap == "rescale" else softcap
+
+
+@pytest.mark.parametrize("softcap,z_loss", CAPS)
 def test_the_softcap_and_the_z_loss_are_their_formulas_on_both_paths(softcap, z_loss) -> None:
+    """The softcap c·tanh(z / c), and the speedrun's asymmetric logit rescale 23·σ((z + 5) / 7.5) (record 54: a
+    Softcap of c 11.5, width 15, offset 5, its constant 11.5 dropped, which the cross-entropy does not see)."""
     from lmlab.model.loss import linear_cross_entropy
 
+    reference, softcap = softcap, _cap(softcap)
     torch.manual_seed(0)
     x = (torch.randn(12, 9, dtype=torch.float64) * 3).requires_grad_()
     t = torch.randint(0, 9, (12,))
     t[3] = -100
     assert torch.autograd.gradcheck(lambda a: cross_entropy(a, t, softcap=softcap, z_loss=z_loss), (x,))
     total, ce, zl = cross_entropy(x, t, softcap=softcap, z_loss=z_loss, parts=True)
-    torch.testing.assert_close(total, _reference(x, t, softcap, z_loss))
-    torch.testing.assert_close(ce, _reference(x, t, softcap, 0.0))
+    torch.testing.assert_close(total, _reference(x, t, reference, z_loss))
+    torch.testing.assert_close(ce, _reference(x, t, reference, 0.0))
     assert not ce.requires_grad and not zl.requires_grad
     h = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
     ours = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27)  # 3-row blocks
-    ref = _reference(h @ w.t(), t, softcap, z_loss)
+    ref = _reference(h @ w.t(), t, reference, z_loss)
     torch.testing.assert_close(ours, ref)
     g_ours = torch.autograd.grad(ours, (h, w))
     g_ref = torch.autograd.grad(ref, (h, w))
@@ -226,11 +241,41 @@ def test_the_final_logit_softcap_bounds_the_models_logits_and_its_loss_is_theirs
     torch.testing.assert_close(capped(idx, y), F.cross_entropy((0.5 * torch.tanh(z / 0.5)).flatten(0, 1), y.flatten()))
 
 
-@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (2.0, 0.0), (1.5, 0.1)])
+def test_the_models_asymmetric_logit_rescale_is_the_speedruns_and_refused_without_a_cap() -> None:
+    """model.logit_softcap=11.5 logit_softcap_width=15 logit_softcap_offset=5: the logits are 23·σ((z + 5) / 7.5)
+    − 11.5 (generation) and the loss is the cross-entropy of 23·σ((z + 5) / 7.5), on both loss paths; a width or an
+    offset without a cap is refused by key."""
+    from lmlab.config import GPTConfig
+    from lmlab.model.gpt import GPT, validate
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=20, n_layer=1, d_model=16, n_head=2, max_seq_len=8)
+    rescale = dict(logit_softcap=11.5, logit_softcap_width=15.0, logit_softcap_offset=5.0)
+    plain = GPT(validate(GPTConfig(**kw)))
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(12)  # logits over the cap's range
+    capped, chunked = (GPT(validate(GPTConfig(**kw, **rescale, chunked_loss=c))) for c in (False, True))
+    capped.load_state_dict(plain.state_dict())
+    chunked.load_state_dict(plain.state_dict())
+    idx, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
+    z = plain(idx)
+    assert z.abs().max() > 15  # the cap is 11.5
+    record = 23 * torch.sigmoid((z + 5) / 7.5)
+    torch.testing.assert_close(capped(idx), record - 11.5)
+    for model in (capped, chunked):
+        torch.testing.assert_close(model(idx, y), F.cross_entropy(record.flatten(0, 1), y.flatten()))
+    for key, value in (("logit_softcap_width", 15.0), ("logit_softcap_offset", 5.0)):
+        with pytest.raises(ValueError, match=f"model.{key}={value} .*model.logit_softcap=null"):
+            validate(GPTConfig(**kw, **{key: value}))
+
+
+@pytest.mark.parametrize("softcap,z_loss", CAPS)
 def test_the_chunked_loss_without_gradients_is_the_objective(softcap, z_loss) -> None:
     """Evaluation (no gradient wanted) takes its own path, which computes no gradient: the same objective and parts."""
     from lmlab.model.loss import linear_cross_entropy
 
+    reference, softcap = softcap, _cap(softcap)
     torch.manual_seed(1)
     h, w = torch.randn(12, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
     t = torch.randint(0, 9, (12,))
@@ -238,6 +283,6 @@ def test_the_chunked_loss_without_gradients_is_the_objective(softcap, z_loss) ->
     with torch.no_grad():
         total, ce, zl = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27, parts=True)
         plain = linear_cross_entropy(h, w, t, softcap=softcap, z_loss=z_loss, chunk_elems=27)
-    torch.testing.assert_close(total, _reference(h @ w.t(), t, softcap, z_loss))
+    torch.testing.assert_close(total, _reference(h @ w.t(), t, reference, z_loss))
     torch.testing.assert_close(plain, total)
-    torch.testing.assert_close(ce, _reference(h @ w.t(), t, softcap, 0.0))
+    torch.testing.assert_close(ce, _reference(h @ w.t(), t, reference, 0.0))
