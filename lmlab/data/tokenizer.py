@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -185,8 +188,45 @@ def build_tokenizer(kind: str, texts: list[str] | Sample, *, vocab_size: int, ca
     digest = texts.fingerprint() if isinstance(texts, Sample) else fingerprint(texts)
     path = Path(cache_dir).expanduser() / "tokenizers" / f"{kind}-{vocab_size}{eod_key}-{digest[:20]}.json"
     if not path.is_file():
-        save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size, eod=eod), path)
+        if isinstance(texts, Sample) and kind != "char":
+            _train_apart(kind, texts, vocab_size, eod, path)
+        else:
+            _train_and_save(kind, texts, vocab_size, eod, path)
     return Tokenizer.from_file(str(path))
+
+
+def _train_and_save(kind: str, texts: list[str] | Sample, vocab_size: int, eod: str | None, path: str | Path) -> None:
+    save_tokenizer(TOKENIZERS[kind](texts, vocab_size=vocab_size, eod=eod), path)
+
+
+def _train_apart(kind: str, sample: Sample, vocab_size: int, eod: str | None, path: Path) -> None:
+    """Train in a child process (a fresh interpreter: no torch, nothing of the caller's, no __main__ imported again)
+    and save to `path`: the trainer's own memory (BPE's word and pair counts, ~450 MB on a 100 M-character sample),
+    which the caller's allocator would otherwise keep to its end (train.py keeps freed memory), leaves with the child.
+    The same tokenizer.json, byte for byte."""
+    spec = json.dumps({"kind": kind, "path": str(sample.path), "ends": list(sample.ends), "anywhere": sample.anywhere,
+                       "vocab_size": vocab_size, "eod": eod, "out": str(path)})
+    root = str(Path(__file__).resolve().parents[2])  # this lmlab, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    child = subprocess.Popen([sys.executable, "-c", "from lmlab.data.tokenizer import _train_main; _train_main()"],
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, err = child.communicate(spec)
+    except BaseException:  # a signal before training (lmlab.run.interrupt): stop the child now
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode != 0:
+        raise RuntimeError(f"the process training the {kind} tokenizer ({path.name}) exited with {child.returncode} "
+                           f"(killed, or out of memory? data.tokenizer_sample sets the characters it learns from): "
+                           f"{err.strip()[-2000:]}")
+
+
+def _train_main() -> None:
+    """`_train_apart`'s child: the spec on stdin."""
+    spec = json.loads(sys.stdin.read())
+    sample = Sample(spec["path"], spec["ends"], spec["anywhere"])
+    _train_and_save(spec["kind"], sample, spec["vocab_size"], spec["eod"], spec["out"])
 
 
 TOKENIZERS: dict[str, Callable[..., Tokenizer]] = {"char": train_char, "bpe": train_bpe}
