@@ -11,6 +11,7 @@ from torch import nn
 
 from lmlab.model.attention.mha import MHA
 from lmlab.model.attention.score import attend, explicit_weights
+from lmlab.model.attention.xsa import XSA
 from lmlab.registry import NonNegativeInt, PositiveFloat
 
 if TYPE_CHECKING:
@@ -36,10 +37,11 @@ class DiffAttention(MHA):
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0) -> None:
+                 mem_kv: NonNegativeInt = 0,
+                 xsa: XSA | None = None) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")

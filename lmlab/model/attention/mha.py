@@ -14,6 +14,7 @@ from torch import nn
 from lmlab.model.attention.mask import layer_window
 from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
                                         per_query, scale_queries)
+from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
 from lmlab.registry import NonNegativeInt, PositiveFloat, build
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ class MHA(nn.Module):
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0) -> None:
+                 mem_kv: NonNegativeInt = 0,
+                 xsa: XSA | None = None) -> None:
         super().__init__()
         if forget_bias != 0.0 and not forget_gate:
             raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "
@@ -135,6 +137,7 @@ class MHA(nn.Module):
             self.forget_bias = nn.Parameter(torch.full((self.n_head,), float(forget_bias)))
         self.mem_k = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, qk_dim)) if mem_kv else None
         self.mem_v = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, self.v_dim)) if mem_kv else None
+        self.xsa = None if xsa is None else ExclusiveSelfAttention(xsa, self.n_head)
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -203,6 +206,8 @@ class MHA(nn.Module):
         forget = self.forgetting(x, cache)  # the queries' and the keys' cumulative log forget gates, or None
         docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
         y = self.mix(q, k, v, pos, offset, docs, forget)  # (B, nh, T, hs)
+        if self.xsa is not None:  # each head's output less its share along the token's own value (attention.xsa)
+            y = self.xsa(y, v)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
         if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry, extra_params, gate_width
+from lmlab.model.attention.xsa import XSA
 from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ class MLA(MHA):
                  kv_lora_rank: PositiveInt | None = None, q_lora_rank: PositiveInt | None = None,
                  qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
                  v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None,
-                 forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0) -> None:
+                 forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0,
+                 xsa: XSA | None = None) -> None:
         if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
             raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
                              f"{qk_norm_eps} does not apply; leave it null")
@@ -54,7 +56,7 @@ class MLA(MHA):
                                v_head_dim=v_head_dim)
         super().__init__(cfg, layer, score=score, logn_scaling=logn_scaling, temperature=temperature, window=window,
                          pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv)
+                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
 from lmlab.model.attention.score import explicit_weights
+from lmlab.model.attention.xsa import XSA
 from lmlab.registry import NonNegativeInt, PositiveFloat
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class TalkingHeads(MHA):
                  pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0) -> None:
+                 mem_kv: NonNegativeInt = 0,
+                 xsa: XSA | None = None) -> None:
         """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
         the mixes of the heads' logits and weights)."""
         if sinks:
@@ -51,7 +53,7 @@ class TalkingHeads(MHA):
                                  f"leave it at its default")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 

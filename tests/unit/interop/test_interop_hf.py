@@ -293,6 +293,10 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
       "attention": {"name": "mha", "forget_gate": True}}, "attention.forget_gate=True"),  # no Llama has FoX's gate
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
       "attention": {"name": "mha", "mem_kv": 2}}, "attention.mem_kv=2"),  # nor memory keys: they were left out
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mha", "xsa": "gated"}}, "attention.xsa='gated'"),  # nor exclusive self-attention
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
+      "logit_softcap": 11.5, "logit_softcap_offset": 5.0}, "model.logit_softcap_offset=5.0"),  # Gemma 2's: c·tanh(z/c)
 ])
 def test_what_transformers_cannot_represent_is_refused_by_axis(override: dict, axis: str) -> None:
     kw = {"vocab_size": V, "n_layer": 1, "d_model": 32, "n_head": 4, "max_seq_len": 16,
