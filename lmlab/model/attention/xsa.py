@@ -1,11 +1,11 @@
-"""attention.xsa: exclusive self-attention (Zhai et al. 2026, arXiv 2603.09078; the GPT-2 speedrun's record 82, gated).
+"""attention.xsa: exclusive self-attention (arXiv 2603.09078; the GPT-2 speedrun's record 82, gated).
 
 Each head's output y_i (the values weighed) loses its component along the token's own value direction,
 v̂_i = v_i / ‖v_i‖:  y_i ← y_i − α_h·(y_i·v̂_i)·v̂_i,  so a head passes on what the context adds beyond the token itself
 (which the residual stream carries already). `full`: α_h = 1, the paper's XSA; `gated`: α_h = tanh(a_h) with a
 learnt a_h per head from 0, the record's (the standard model at step 0; a 1-D weight: the `rest` role, AdamW
-without decay, as the record's Adam). The own value is the value the head read at the token's position (after value mixes: value embeddings, value
-residual); under GQA/MQA a query head's is its key/value head's.
+without decay, as the record's Adam). The own value is the value the head read at the token's position (after value
+mixes: value embeddings, value residual); under GQA/MQA a query head's is its key/value head's.
 """
 
 from __future__ import annotations
