@@ -85,7 +85,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   *(() if gate else (("gate", None),)), ("sinks", False), ("forget_gate", False), ("mem_kv", 0),
-                  ("xsa", None),
+                  ("xsa", None), ("key_offset", False),
                   *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:

@@ -45,7 +45,7 @@ class CosineAttention(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0, tau_init: PositiveFloat = 10.0,
-                 xsa: XSA | None = None) -> None:
+                 xsa: XSA | None = None, key_offset: bool = False) -> None:
         if score != "softmax":
             raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
                              f"not apply; use score=softmax")
@@ -57,7 +57,7 @@ class CosineAttention(MHA):
             raise ValueError(f"attention.tau_init={tau_init} is above τ's clamp of {MAX_TAU:g} (Swin V2's)")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, window=window, pattern=pattern, softcap=softcap,
                          doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps, forget_gate=forget_gate,
-                         forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa)
+                         forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa, key_offset=key_offset)
         self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
 
     @classmethod

@@ -38,10 +38,11 @@ class DiffAttention(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None) -> None:
+                 xsa: XSA | None = None, key_offset: bool = False) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa,
+                         key_offset=key_offset)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")

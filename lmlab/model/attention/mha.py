@@ -14,6 +14,7 @@ from torch import nn
 from lmlab.model.attention.mask import layer_window
 from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
                                         per_query, scale_queries)
+from lmlab.model.attention.key_offset import check_key_offset, shift_keys
 from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
 from lmlab.registry import NonNegativeInt, PositiveFloat, build
 
@@ -88,7 +89,7 @@ class MHA(nn.Module):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None) -> None:
+                 xsa: XSA | None = None, key_offset: bool = False) -> None:
         super().__init__()
         if forget_bias != 0.0 and not forget_gate:
             raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "
@@ -138,6 +139,10 @@ class MHA(nn.Module):
         self.mem_k = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, qk_dim)) if mem_kv else None
         self.mem_v = nn.Parameter(torch.randn(self.n_kv_head, mem_kv, self.v_dim)) if mem_kv else None
         self.xsa = None if xsa is None else ExclusiveSelfAttention(xsa, self.n_head)
+        # attention.key_offset: the keys' unrotated dims from this one on are the previous position's (record 49)
+        self.key_offset = key_offset
+        if key_offset:
+            check_key_offset(cfg.position)
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -184,6 +189,8 @@ class MHA(nn.Module):
             q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.qk_norm_eps)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.qk_norm_eps)
         q, k = pos.rotate(q, k, offset, doc, self.layer)
+        if self.key_offset:
+            k = shift_keys(k, pos.rot_dim, offset, doc if self.doc_mask else None, cache if mix else None)
         for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
             v = value_mix(v)
         if cache is not None:

@@ -43,10 +43,14 @@ class MLA(MHA):
                  qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
                  v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None,
                  forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None) -> None:
+                 xsa: XSA | None = None, key_offset: bool = False) -> None:
         if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
             raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
                              f"{qk_norm_eps} does not apply; leave it null")
+        if key_offset:  # its keys are [k_nope; k_rope], k_rope one rotated part shared by every head
+            raise ValueError("attention=mla builds its keys from a latent, their rotated part shared by every head: "
+                             "attention.key_offset=true (the speedrun's shift of a head's unrotated key dims) has no "
+                             "form here; use attention=mha|gqa|mqa, or key_offset=false")
         if qk_norm:
             raise ValueError("attention=mla normalises its latents (RMSNorm on c_kv and c_q): attention.qk_norm=true "
                              "does not apply; use qk_norm=false")
@@ -56,7 +60,8 @@ class MLA(MHA):
                                v_head_dim=v_head_dim)
         super().__init__(cfg, layer, score=score, logn_scaling=logn_scaling, temperature=temperature, window=window,
                          pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa)
+                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa,
+                         key_offset=key_offset)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:

@@ -40,7 +40,7 @@ class TalkingHeads(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None) -> None:
+                 xsa: XSA | None = None, key_offset: bool = False) -> None:
         """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
         the mixes of the heads' logits and weights)."""
         if sinks:
@@ -53,7 +53,8 @@ class TalkingHeads(MHA):
                                  f"leave it at its default")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa)
+                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa,
+                         key_offset=key_offset)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 

@@ -75,7 +75,7 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
                                                                                           "relu2")
     assert last.attention.qk_norm and last.model.embed_norm
     assert (last.model.logit_softcap, last.model.logit_softcap_width, last.model.logit_softcap_offset) == (11.5, 15, 5)
-    assert last.attention.xsa == "gated"
+    assert last.attention.xsa == "gated" and last.attention.key_offset and last.position.rotary_pct == 0.5
     assert list(last.residual) == ["scaled", "x0", "unet", "value_embed", "smear", "backout", "bigram_hash"]
     assert last.residual.smear.init == 0.0  # the record's λ: the standard model at step 0
     assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)

@@ -295,6 +295,8 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
       "attention": {"name": "mha", "mem_kv": 2}}, "attention.mem_kv=2"),  # nor memory keys: they were left out
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
       "attention": {"name": "mha", "xsa": "gated"}}, "attention.xsa='gated'"),  # nor exclusive self-attention
+    ({"position": {"name": "rope", "rotary_pct": 0.5}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mha", "key_offset": True}}, "attention.key_offset=True"),  # nor shifted key dims
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
       "logit_softcap": 11.5, "logit_softcap_offset": 5.0}, "model.logit_softcap_offset=5.0"),  # Gemma 2's: c·tanh(z/c)
 ])
