@@ -71,7 +71,8 @@ def test_cached_generation_gives_the_full_forward(attention: dict) -> None:
 
 def test_it_trains_and_is_refused_where_no_dim_is_left_unrotated() -> None:
     assert_trains(_model(True), torch.randint(0, 50, (4, 16)), "attn.c_attn")
-    assert_refused(["trainer.max_steps=10", "attention.key_offset=true"], "attention.key_offset=true .* position=learned")
+    assert_refused(["trainer.max_steps=10", "attention.key_offset=true"],
+                   "attention.key_offset=true .* position=learned")
     assert_refused(["trainer.max_steps=10", "attention.key_offset=true", "position=rope"], "rotary_pct=1.0 leaves none")
     assert_refused(["trainer.max_steps=10", "attention=mla", "attention.key_offset=true", "position=rope",
                     "position.rotary_pct=0.5"], "attention.key_offset=true")
