@@ -1,4 +1,5 @@
-"""Checks every new option's tests make the same way: it trains, and its bad input is refused before training."""
+"""Checks every new option's tests make the same way: it trains, its bad input is refused before training, and cached
+generation gives the full forward."""
 
 from __future__ import annotations
 
@@ -32,3 +33,17 @@ def assert_refused(overrides: list[str], message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         check_config(compose(overrides))
+
+
+def assert_cached_equals_full(model: torch.nn.Module, idx: torch.Tensor) -> None:
+    """The logits of `idx` (B, T ≥ 10) read through a KV cache in pieces (5 tokens, 4, then one at a time) equal the
+    full forward's."""
+    from lmlab.model.attention.cache import KVCache
+
+    model.eval()
+    with torch.no_grad():
+        whole = model(idx)
+        cache = KVCache(len(model.h))
+        steps = [model(idx[:, :5], cache=cache), model(idx[:, 5:9], cache=cache)]
+        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(9, idx.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)

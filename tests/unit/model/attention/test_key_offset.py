@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from lmlab.config import GPTConfig
-from lmlab.model.attention.cache import KVCache
 from lmlab.model.attention.key_offset import shift_keys
 from lmlab.model.gpt import GPT, validate
-from tests.unit.model.options import assert_refused, assert_trains
+from tests.unit.model.options import assert_cached_equals_full, assert_refused, assert_trains
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
 
@@ -59,14 +58,8 @@ def test_a_documents_first_token_keeps_its_own_and_the_cache_carries_the_last_on
 
 @pytest.mark.parametrize("attention", [dict(), dict(n_kv_head=2), dict(window=6)])
 def test_cached_generation_gives_the_full_forward(attention: dict) -> None:
-    model = _model(True, attention.pop("n_kv_head", None), **attention).eval()
-    idx = torch.randint(0, 50, (2, 16))
-    with torch.no_grad():
-        whole = model(idx)
-        cache = KVCache(2)
-        steps = [model(idx[:, :5], cache=cache), model(idx[:, 5:9], cache=cache)]
-        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(9, 16)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    model = _model(True, attention.pop("n_kv_head", None), **attention)
+    assert_cached_equals_full(model, torch.randint(0, 50, (2, 16)))
 
 
 def test_it_trains_and_is_refused_where_no_dim_is_left_unrotated() -> None:
