@@ -167,7 +167,10 @@ class TrainBlocks(Dataset):
     def order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:  # items are read in index order, so one cached epoch is enough
             rng = np.random.default_rng([self.seed % 2**64, epoch])
-            self._epoch, self._order = epoch, rng.permutation(len(self.blocks))
+            n = len(self.blocks)
+            # shuffled in place as int32 below 2^31 blocks: the same order as rng.permutation(n) (Fisher-Yates draws
+            # the same indices whatever the dtype), in half its memory (4 bytes a block: 31 MB at 1 GB of characters)
+            self._epoch, self._order = epoch, rng.permutation(np.arange(n, dtype=np.int32 if n < 2**31 else np.int64))
         return self._order
 
     def block_index(self, i: int) -> int:

@@ -206,6 +206,10 @@ def test_order_is_a_pure_function_of_seed_and_index(tmp_path: Path) -> None:
         assert sorted(epoch) == list(range(50))  # every block exactly once per epoch
     assert epochs[0] != epochs[1] != epochs[2]  # reshuffled every epoch
     assert epochs[0] != list(range(50))
+    # the order every earlier run trained in (numpy's permutation of n), held as int32: half the memory
+    big = TrainBlocks(np.zeros((100_003, 1)), seed=7)
+    assert big.order(2).dtype == np.int32
+    assert np.array_equal(big.order(2), np.random.default_rng([7, 2]).permutation(100_003))
 
 
 def batches(loader, n: int) -> list[torch.Tensor]:
