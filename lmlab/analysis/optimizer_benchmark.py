@@ -215,7 +215,8 @@ def report(found: list[Arm], target: float | None = None) -> tuple[str, list[dic
         by_at[arm.at].append(arm)
     rows, pairs = [], []
     lines = ["", "Optimizer benchmark: each optimizer at its own best lr (chosen on the first half of the validation "
-             "windows), compared on the second half; verdicts at p < 0.01 (paired over seeds)", "",
+             "windows), compared on the second half; verdicts by the speedrun optimizer track's rule at one-sided "
+             "p < 0.01, the paired t test over seeds beside it", "",
              "| width | optimizer | tuned lr | final test loss | steps to target | vs first | end slope (loss/step) "
              "| seeds |", "|---|---|---|---|---|---|---|---|"]
     first_steps: dict[str, float | None] = {}
