@@ -403,8 +403,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render_row(row: dict[str, Any]) -> str:
     ceiling = (f", {row['shards_mb_per_s_per_proc']:.2f} MB/s a process tokenizing against the library's "
                f"{row['encoder_mb_per_s']:.2f} MB/s" if "encoder_mb_per_s" in row else "")
-    first = ceiling + (f", data set-up {row['setup_s']:.2f} s, train.py to a first step and exit {row['first_step_s']:.1f} s"
-             if "first_step_s" in row else "")
+    first = (ceiling + f", data set-up {row['setup_s']:.2f} s, "
+             f"train.py to a first step and exit {row['first_step_s']:.1f} s" if "first_step_s" in row else ceiling)
     return (f"{row['corpus_mb']:8.0f} MB  {row['tokenizer']:>5}  num_proc {row['num_proc']}: "
             f"{row['prepare_s']:6.1f} s ({row['process_s']:.1f} s with imports), {row['mb_per_s']:6.1f} MB/s, "
             f"peak PSS {row['peak_pss_gb']:.2f} GB (RSS {row['peak_rss_gb']:.2f} GB), {row['tokens']:,} tokens "

@@ -8,9 +8,10 @@ against 32 ms). Lower-precision logits (bf16 autocast) are read by log_softmax d
 separate upcast copy, and get their gradient back in their own dtype.
 
 Two options change the objective, on both paths (and in their closed-form backward): `softcap` c, the final-logit
-softcap z ← c·tanh(z / c) before the softmax (Gemma 2; a `Softcap` for its asymmetric form), and `z_loss` λ, PaLM's auxiliary z-loss λ·mean(log Z)², log Z
-the log-partition of each row, which keeps the logits from drifting. With `parts=True` the functions return the
-objective and, detached, its cross-entropy and z-loss parts (what the loggers show apart).
+softcap z ← c·tanh(z / c) before the softmax (Gemma 2; a `Softcap` for its asymmetric form), and `z_loss` λ,
+PaLM's auxiliary z-loss λ·mean(log Z)², log Z the log-partition of each row, which keeps the logits from drifting.
+With `parts=True` the functions return the objective and, detached, its cross-entropy and z-loss parts (what the
+loggers show apart).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class _CrossEntropy(torch.autograd.Function):
         return _dlogits(logp.exp(), index, scale).to(ctx.dtype), None, None  # logp stays intact: backward may rerun
 
 
-def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, softcap: float | Softcap | None, z_loss: float,
-                 count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, softcap: float | Softcap | None,
+                 z_loss: float, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows z (N, V) in fp32: the summed NLL and summed (log Z)² of the (softcapped) rows, and d objective / d z
     for objective = (NLL + z_loss·(log Z)²) summed over the valid rows / count."""
     softcap = as_softcap(softcap)
