@@ -53,6 +53,9 @@ class GPTConfig:
     logit_softcap_offset: float = 0.0  # b; the speedrun's asymmetric logit rescale (record 54): 5
     untie_at_step: PositiveInt | None = None  # a tied head gets its own copy of the embedding at this step (speedrun)
     embed_norm: bool = False  # the norm group applied to the embedding output (the GPT-2 speedrun's; Gemma-style)
+    embed_scale: PositiveFloat | Literal["sqrt_d"] | None = None  # the token embeddings × this (sqrt_d: √d_model,
+                                                                # Gemma's; the DyT paper's LLaMA runs start it there)
+    embed_scale_learned: bool = False  # that factor a learned scalar from its value (the DyT paper's LLaMA runs)
     eod_id: int | None = None  # the document separator (data.eod's id; data=token_bin: data.doc_sep) the documents
                                # are found by (doc masks)
     doc_sep_role: Literal["eod", "bos"] = "eod"  # eod_id ends each document (eod) or opens each (bos: token_bin's)

@@ -74,6 +74,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("attention", cfg.attention["name"], fam, f"attention={'|'.join(attentions)}")
     if cfg.embed_norm:
         raise _refuse("model.embed_norm", True, fam, "model.embed_norm=false")
+    if cfg.embed_scale is not None:
+        raise _refuse("model.embed_scale", cfg.embed_scale, fam, "model.embed_scale=null")
     if cfg.logit_softcap is not None and not softcaps:
         raise _refuse("model.logit_softcap", cfg.logit_softcap, fam, "model.logit_softcap=null")
     if cfg.logit_softcap_width is not None:  # transformers' final softcap is c·tanh(z / c) (Gemma 2's)

@@ -47,6 +47,11 @@ class GPT(nn.Module):
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document (data=token_bin: "
                              "data.doc_sep, the separator's id)")
+        scale = cfg.d_model ** 0.5 if cfg.embed_scale == "sqrt_d" else cfg.embed_scale
+        if cfg.embed_scale_learned and scale is None:
+            raise ValueError("model.embed_scale_learned=true learns the factor model.embed_scale starts from, which is "
+                             "null: set model.embed_scale (a number, or sqrt_d), or model.embed_scale_learned=false")
+        self.embed_scale = nn.Parameter(torch.tensor(scale)) if cfg.embed_scale_learned else scale  # None: × 1
         self.drop = nn.Dropout(cfg.dropout)
         self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
@@ -90,7 +95,8 @@ class GPT(nn.Module):
             cache.start()
             offset = cache.length
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
-        x = self.drop(self.pos.embed(self.wte(idx), offset, doc))  # (B, T, C)
+        tokens = self.wte(idx) if self.embed_scale is None else self.wte(idx) * self.embed_scale
+        x = self.drop(self.pos.embed(tokens, offset, doc))  # (B, T, C)
         x = self.residual.embed(x, idx, cache, doc)  # options that read the tokens (a look-back, a bigram table)
         if self.ln_e is not None:
             x = self.ln_e(x)
