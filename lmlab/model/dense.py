@@ -26,9 +26,11 @@ class MLP(nn.Module):
         self.act = Activation(activation)
         self.c_proj = nn.Linear(hidden, dim, bias=bias)
         self.c_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
+        self.hidden_scale: nn.Module | None = None  # on c_fc's outputs (norm=ngpt's s_v·√d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        h = self.c_fc(x)
+        return self.c_proj(self.act(h if self.hidden_scale is None else self.hidden_scale(h)))
 
     @staticmethod
     def n_params(dim: int, hidden: int, bias: bool) -> int:
@@ -54,9 +56,11 @@ class GLU(nn.Module):
         self.act = Activation({"name": self.gate} if self.gate else activation)
         self.c_proj = nn.Linear(hidden, dim, bias=bias)
         self.c_proj.is_residual_proj = True
+        self.hidden_scale: nn.Module | None = None  # on c_fc's outputs [gate; up] (norm=ngpt's s_v·√d_model, s_u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.c_fc(x).chunk(2, dim=-1)  # (..., hidden) each
+        h = self.c_fc(x)
+        gate, up = (h if self.hidden_scale is None else self.hidden_scale(h)).chunk(2, dim=-1)  # (..., hidden) each
         return self.c_proj(self.act(gate) * up)
 
     @staticmethod

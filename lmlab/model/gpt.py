@@ -76,11 +76,29 @@ class GPT(nn.Module):
             self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "_untied", bool(module.untied)))
         self.head = build("head", HEADS, cfg.head, cfg)  # extra predictions (head=mtp); next: none
         self.terms: list[Term] = []  # the last forward's side channel (lmlab.model.side)
+        # A norm that makes the model around it (norm=ngpt, lmlab.model.ngpt: its own update in every block, its
+        # scales in the sublayers) attaches itself to the built model; its model-wide part (the logits' scale, the
+        # sphere the weights are kept on) is `norm_model`. The other norms live in the blocks: None.
+        norm, params = option_params("norm", NORMS, cfg.norm)
+        attach = getattr(NORMS[norm], "attach", None)
+        self.norm_model = attach(self, **params) if attach is not None else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         build("init", INITS, self.cfg.init, self)
         self.param.rescale_init(self)
+        self.normalize_weights()
+
+    def normalize_weights(self) -> None:
+        """What the norm keeps true of the weights, at init and after every optimizer step (the training loop calls
+        it): under norm=ngpt every matrix along its d_model dimension on the unit sphere; nothing for the others."""
+        if self.norm_model is not None:
+            self.norm_model.normalize_weights(self)
+
+    @property
+    def decays(self) -> bool:
+        """Whether weight decay applies to its matrices (norm=ngpt: no, they are renormalised after every step)."""
+        return self.norm_model is None or self.norm_model.decays
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
                 z_loss: float = 0.0, parts: bool = False) -> Any:
@@ -172,8 +190,10 @@ class GPT(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The output head's matrix: the embedding's while tied (model.untie_at_step before its step), else its own."""
-        return self.lm_head.weight if self._untied else self.wte.weight
+        """The output head's matrix: the embedding's while tied (model.untie_at_step before its step), else its own;
+        under norm=ngpt its rows times the logits' scale s_z (s_z ⊙ (W h) = (s_z ⊙ W) h, on every loss path)."""
+        w = self.lm_head.weight if self._untied else self.wte.weight
+        return w if self.norm_model is None else self.norm_model.head_weight(w)
 
     @property
     def tied(self) -> bool:

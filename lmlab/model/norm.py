@@ -1,6 +1,9 @@
 """Normalization layers.
 
-Contract: `Norm(dim, *, eps, ...)` maps (..., dim) -> (..., dim), keeping dtype.
+Contract: `Norm(dim, *, eps, ...)` maps (..., dim) -> (..., dim), keeping dtype. An option that makes the whole model
+around it (`ngpt`, lmlab.model.ngpt) also has `attach(model, **its keys)`, which the GPT calls once built and which
+returns its model-wide part (the GPT's `norm_model`), `placements` (those it takes) and `check_run` (the training
+loop's settings it refuses).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.model.ngpt import NGPT
 from lmlab.registry import Fraction, NonNegativeFloat, PositiveFloat
 
 
@@ -135,3 +139,4 @@ class NoNorm(nn.Module):
 
 
 NORMS = {"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "batch": BatchNorm, "dyt": DyT, "none": NoNorm}
+NORMS["ngpt"] = NGPT  # the normalized Transformer, a norm that makes the model around it (lmlab.model.ngpt)

@@ -68,7 +68,10 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False,
     expert's matrix). The default two groups are the optimizer state's layout of every earlier run.
 
     layouts (with by_role): each hidden group carries `layouts`, one per parameter, its row blocks (`layout`), which
-    Muon's `split` cuts the matrix by."""
+    Muon's `split` cuts the matrix by. A model whose matrices take no decay (`decays` false: norm=ngpt's, renormalised
+    after every step) has the same groups at weight decay 0."""
+    if not getattr(model, "decays", True):
+        weight_decay = 0.0
     no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     readout = {id(m.weight) for m in model.modules() if getattr(m, "is_readout", False)} - no_decay
     decay, rest = [], []

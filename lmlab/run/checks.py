@@ -74,9 +74,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     import torch
 
     from lmlab.model.memory import check_attention_fits, check_batch_fits
-    from lmlab.optim import check_pieces, validate_optim
+    from lmlab.model.norm import NORMS
+    from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
     from lmlab.optim.qk_clip import check_qk_clip
-    from lmlab.registry import PositiveFloat, PositiveInt, check_values
+    from lmlab.registry import PositiveFloat, PositiveInt, check_values, option_params
 
     check_unknown_top_level(cfg)
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
@@ -84,6 +85,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
     check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
+    if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
+        optim = OmegaConf.to_container(cfg.optim)
+        averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)
+        check_run(optim, strategy_name(cfg), bool(averages))
     check_qk_clip(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg), gcfg.attention["name"],
                   strategy_name(cfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys

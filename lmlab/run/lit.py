@@ -169,6 +169,7 @@ class LitGPT(L.LightningModule):
             restore_groups(*self._groups_kept)
             self._groups_kept = None
             return
+        self.model.normalize_weights()  # what the norm keeps true of the weights (norm=ngpt: back on the sphere)
         if self.ema is not None:  # Lightning counts the step after this hook: this one makes global_step + 1 done
             self.ema.update(self.model, step=self.global_step + 1)
 

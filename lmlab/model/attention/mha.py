@@ -143,6 +143,7 @@ class MHA(nn.Module):
         self.key_offset = key_offset
         if key_offset:
             check_key_offset(cfg.position)
+        self.qk_map: nn.Module | None = None  # a map (q, k) -> (q, k) after the rotation (norm=ngpt's sphere and s_qk)
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -191,6 +192,8 @@ class MHA(nn.Module):
         q, k = pos.rotate(q, k, offset, doc, self.layer)
         if self.key_offset:
             k = shift_keys(k, pos.rot_dim, offset, doc if self.doc_mask else None, cache if mix else None)
+        if self.qk_map is not None:  # before caching: the cache holds the keys as the logits read them
+            q, k = self.qk_map(q, k)
         for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
             v = value_mix(v)
         if cache is not None:

@@ -71,9 +71,9 @@ def test_the_continue_command_pastes_into_a_shell() -> None:
 @pytest.mark.parametrize("config, args, said", [
     ("train", ["optim.lrr=1e-3"], "optim.lrr=1e-3: optim has no key 'lrr'; did you mean optim.lr?"),
     ("train", ["norm=rsm"], "norm=rsm: norm has no option 'rsm'; did you mean rms? (the options: batch, dyt, layer, "
-                            "none, rms, scale)"),
+                            "ngpt, none, rms, scale)"),
     ("train", ["-m", "norm=rms,rsm"], "norm=rms,rsm: norm has no option 'rsm'; did you mean rms? (the options: batch, "
-                                      "dyt, layer, none, rms, scale)"),
+                                      "dyt, layer, ngpt, none, rms, scale)"),
     ("train", ["nrom=rms"], "nrom=rms: there is no config group or key 'nrom'; did you mean norm or init_from?"),
     ("train", ["norm=layer", "norm.epss=1e-5"], "norm.epss=1e-5: norm has no key 'epss'; did you mean norm.eps?"),
     ("train", ["data=text_files", "data.pathz=[a]"], "data.pathz=[a]: data has no key 'pathz'; did you mean "
