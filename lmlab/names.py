@@ -52,6 +52,12 @@ def grad_norm(part: str) -> str:
     return f"{GRAD_NORM}/{part}"
 
 
+def val_loss(source: str) -> str:
+    """val/loss/<source>: a data=mixture source's validation loss, the mean over its own validation blocks (val/loss
+    pools every source's; lmlab.data.mixture)."""
+    return f"{VAL_LOSS}/{source}"
+
+
 def downstream(task: str, metric: str) -> str:
     """downstream/<task>/<metric>: lm-eval's `metric` (acc, acc_norm, word_perplexity, ...) of `task` at a validation
     (downstream.tasks; lmlab.run.downstream)."""

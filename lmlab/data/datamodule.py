@@ -46,7 +46,7 @@ from lmlab.data.corpus import CORPORA
 from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, Sample, build_tokenizer, check_tokenizer, save_tokenizer
-from lmlab.record.rundir import RunLock, atomic_write, remember
+from lmlab.record.rundir import remember
 from lmlab.registry import check_values, option_params
 
 log = logging.getLogger(__name__)
@@ -158,15 +158,16 @@ def _pair(block: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TrainBlocks(Dataset):
-    """Map-style and infinite: item i is block perm_e[i % n], e = i // n, perm_e seeded by (seed, e)."""
+    """Map-style and infinite: item i is block perm_e[i % n], e = i // n, perm_e seeded by (seed, e); `stream` > 0
+    (a mixture's later sources, lmlab.data.mixture) seeds it by (seed, e, stream) instead."""
 
-    def __init__(self, blocks: np.ndarray, seed: int) -> None:
-        self.blocks, self.seed = blocks, seed
+    def __init__(self, blocks: np.ndarray, seed: int, stream: int = 0) -> None:
+        self.blocks, self.seed, self.stream = blocks, seed, stream
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     def order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:  # items are read in index order, so one cached epoch is enough
-            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            rng = np.random.default_rng([self.seed % 2**64, epoch, *([self.stream] if self.stream else [])])
             n = len(self.blocks)
             # shuffled in place as int32 below 2^31 blocks: the same order as rng.permutation(n) (Fisher-Yates draws
             # the same indices whatever the dtype), in half its memory (4 bytes a block: 31 MB at 1 GB of characters)
@@ -228,10 +229,14 @@ class TextDataModule(pl.LightningDataModule):
         self.num_proc = usable_cpus() if num_proc is None else num_proc
         self.eod, self.tokenizer_sample, self.shard_size = (spec.pop(k) for k in ("eod", "tokenizer_sample",
                                                                                    "shard_size"))
-        self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
         self.seq_len, self.seed = int(seq_len), int(seed)
+        self._read_corpus(spec)
         self._check()
         self.tokenizer = None
+
+    def _read_corpus(self, spec: dict[str, Any]) -> None:
+        """The corpus option's own keys (`spec`: `data` less the shared keys), checked."""
+        self.corpus, self.corpus_kwargs = option_params("data", CORPORA, spec)
 
     def _check(self) -> None:
         """Everything that can be checked without reading the corpus, so bad values fail at construction."""
@@ -266,11 +271,7 @@ class TextDataModule(pl.LightningDataModule):
         self.corpus_sha256 = source.fingerprint
         recipe = self._recipe()
         directory = self.cache_dir / "shards" / shards.shard_key(corpus=source.fingerprint, **recipe)
-        index = shards.read_index(directory)
-        if index is None:
-            with RunLock(directory, wait=True):  # a second job of the sweep waits here, then reads the index
-                if (index := shards.read_index(directory)) is None:  # not made by the job we waited for
-                    index = self._prepare(source, directory, recipe)
+        index = shards.prepared(directory, lambda: self._prepare(source, directory, recipe))
         tok = shards.load_tokenizer(directory, index)
         self.tokenizer_sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self.shard_dir, self.eod_id = directory, index["eod_id"]
@@ -318,19 +319,12 @@ class TextDataModule(pl.LightningDataModule):
         finally:
             spool.unlink(missing_ok=True)
         save_tokenizer(tok, directory / "tokenizer.json")
-        eod_id = None if self.eod is None else tok.token_to_id(self.eod)
-        dtype = "uint16" if tok.get_vocab_size() <= 2**16 else "uint32"
         tokenizer_s = time.time() - started
-        metas = shards.tokenize(source.units(self.shard_size), directory, tokenizer_json=tok.to_str(), eod_id=eod_id,
-                                dtype=dtype, num_proc=self.num_proc)
-        index = {"format": shards.FORMAT, "corpus": self.corpus_sha256, "recipe": recipe, "dtype": dtype,
-                 "vocab_size": tok.get_vocab_size(), "eod_id": eod_id, "shards": metas,
-                 "tokenizer_sha256": hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest(),
-                 "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}
-        atomic_write(directory / "index.json", json.dumps(index, indent=1))
+        index = shards.write(directory, source.units(self.shard_size), corpus=self.corpus_sha256, recipe=recipe,
+                             eod=self.eod, num_proc=self.num_proc)
         self.preparation = {"tokenizer_s": tokenizer_s, "shards_s": time.time() - started - tokenizer_s,
                             "num_proc": self.num_proc}
-        log.info(f"data={self.corpus}: {index['tokens']} tokens in {len(metas)} shards, prepared in "
+        log.info(f"data={self.corpus}: {index['tokens']} tokens in {len(index['shards'])} shards, prepared in "
                  f"{time.time() - started:.1f} s ({tokenizer_s:.1f} s the tokenizer, the rest the shards) with "
                  f"{self.num_proc} process(es): {directory}")
         return index

@@ -31,7 +31,7 @@ import json
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from lmlab.record.rundir import atomic_write
+from lmlab.record.rundir import RunLock, atomic_write
 
 FORMAT = 1
 _ENCODE_CHARS = 1 << 20  # characters per tokenizer call: bounds the tokenizer's own per-token objects
@@ -200,6 +200,34 @@ def read_index(directory: Path) -> dict[str, Any] | None:
                 raise ValueError(f"a shard entry {shard!r:.80} that is not a file name and a token count")
     except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
         raise ShardError(f"the shard index {path} is corrupt ({err}); {_REBUILD.format(directory)}") from None
+    return index
+
+
+def prepared(directory: Path, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The index of the shards in `directory`, made by `make()` (which writes them and their index) unless a finished
+    preparation is there; one job prepares them, under the directory's lock, and a second one waits, then reads."""
+    index = read_index(directory)
+    if index is None:
+        with RunLock(directory, wait=True):
+            if (index := read_index(directory)) is None:  # not made by the job we waited for
+                index = make()
+    return index
+
+
+def write(directory: Path, units: Iterable[Any], *, corpus: str, recipe: dict[str, Any], eod: str | None,
+          num_proc: int) -> dict[str, Any]:
+    """Tokenize a corpus (`units`, as `tokenize` takes them) into shards in `directory` with the tokenizer.json the
+    caller put there, then write the index (`corpus`: the corpus fingerprint; `recipe`: what else decides the ids, the
+    directory's key) last; returns it. `eod`: the end-of-document token's text, appended to every document."""
+    data = (directory / "tokenizer.json").read_bytes()
+    tok = Tokenizer.from_str(data.decode())
+    eod_id = None if eod is None else tok.token_to_id(eod)
+    dtype = "uint16" if tok.get_vocab_size() <= 2**16 else "uint32"
+    metas = tokenize(units, directory, tokenizer_json=tok.to_str(), eod_id=eod_id, dtype=dtype, num_proc=num_proc)
+    index = {"format": FORMAT, "corpus": corpus, "recipe": recipe, "dtype": dtype, "vocab_size": tok.get_vocab_size(),
+             "eod_id": eod_id, "shards": metas, "tokenizer_sha256": hashlib.sha256(data).hexdigest(),
+             "tokens": sum(m["tokens"] for m in metas), "documents": sum(m["docs"] for m in metas)}
+    atomic_write(directory / "index.json", json.dumps(index, indent=1))
     return index
 
 

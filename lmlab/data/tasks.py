@@ -17,16 +17,20 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.data.datamodule import TextDataModule
+from lmlab.data.mixture import MixtureDataModule
 from lmlab.data.mqar import NAME as MQAR
 from lmlab.data.mqar import MQARDataModule
 from lmlab.data.probe import NAME as PROBE
 from lmlab.data.probe import PositionProbeDataModule
+from lmlab.data.sources import NAME as MIXTURE
 from lmlab.data.token_bin import NAME as TOKEN_BIN
 from lmlab.data.token_bin import TokenBinDataModule
 
 # data.name -> its data module; every other name is a corpus that TextDataModule tokenizes (token_bin is a corpus
-# already tokenized: its own module, with no section of its own in compare)
-TASKS = {PROBE: PositionProbeDataModule, MQAR: MQARDataModule, TOKEN_BIN: TokenBinDataModule}
+# already tokenized: its own module, with no section of its own in compare; mixture, several corpora by weight, with
+# its per-source val losses in compare)
+TASKS = {PROBE: PositionProbeDataModule, MQAR: MQARDataModule, TOKEN_BIN: TokenBinDataModule,
+         MIXTURE: MixtureDataModule}
 
 
 def module_class(name: str | None) -> type:

@@ -102,6 +102,9 @@ class RunSummary(TypedDict, total=False):
     #   per split ("train", "val": z_loss, moe_balance_loss, mtp_loss_1, ...) and the figure groups ("figures": moe)
     downstream: dict[str, Any] | None  # downstream.tasks set only: the latest lm-eval scores (lmlab.run.downstream)
     #   and their step, {"step": s, "metrics": {"downstream/<task>/<metric>": value}}; None before the first
+    final_val_loss_by_source: dict[str, float] | None  # data=mixture only: val/loss/<source> at the last validation
+    mixture: dict[str, dict[str, Any]] | None  # data=mixture only: each source's name (kind), weight, fraction of the
+    #   training blocks, train_tokens, val_blocks (lmlab.data.mixture)
     relaunched: str | None  # each resume that went on at the same global batch on another launch (world size,
     #   strategy, accumulation): "at step 3: world_size 2 -> 4, ..."; that attempt's `changed` has key -> [was, now]
 

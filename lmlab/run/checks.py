@@ -16,6 +16,7 @@ from lmlab.run import budget
 from lmlab.cli import override_key
 from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
+from lmlab.data.sources import check_sources
 from lmlab.model.gpt import validate
 from lmlab.record.targets import check_targets
 from lmlab.run.spikes import check_spike_skip
@@ -100,6 +101,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     absent = object()
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+    if "sources" in cfg.data.keys():  # data=mixture: its sources by key (lmlab.data.sources)
+        check_sources(OmegaConf.to_container(cfg.data, resolve=True))
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
     budget.chosen(cfg)  # budget.*: one at most, > 0
     check_targets(cfg.get("targets"))  # targets: a list of val losses > 0

@@ -138,14 +138,18 @@ class LitGPT(L.LightningModule):
         step at 4 layers x d 128."""
         return self.trainer._logger_connector.should_update_logs
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        n = batch[0].size(0)
-        self.log(names.VAL_LOSS, self.loss(batch), prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        """Logs val/loss; returns it for the data's callbacks (data=mixture's batches carry their source as a third
+        element: lmlab.data.mixture logs val/loss/<source> by it)."""
+        batch, n = batch[:2], batch[0].size(0)
+        loss = self.loss(batch)
+        self.log(names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
         for metric, value in self.model.figures("val").items():  # head=mtp: the extra depths', apart
             self.log(f"val/{metric}", value, sync_dist=True, batch_size=n)
         if self.ema is not None:  # the same batch through the EMA's weights (lmlab.optim.ema), the live ones after
             with self.ema.applied(self.model):
                 self.log(names.VAL_EMA_LOSS, self.loss(batch), sync_dist=True, batch_size=n)
+        return loss
 
     def on_validation_epoch_end(self) -> None:
         if (loss := self.trainer.callback_metrics.get(names.VAL_LOSS)) is not None and not self.trainer.sanity_checking:

@@ -27,8 +27,10 @@ def test_every_option_composes_and_builds(group: str, option: str, monkeypatch) 
     overrides = [f"{group}={option}"]
     if group == "rope_scaling":
         overrides.append("position=rope")
-    if group == "data" and option in ("text_files", "hf"):
-        overrides.append("data.paths=[x.txt]" if option == "text_files" else "data.dataset=x")
+    required = {"text_files": "data.paths=[x.txt]", "hf": "data.dataset=x",
+                "mixture": "data.sources={x: {paths: [x.txt], weight: 1}}"}
+    if group == "data" and option in required:
+        overrides.append(required[option])
     cfg = compose(overrides)
     assert cfg[group] is not None
     check_config(cfg)  # architecture on the meta device, optimizer, schedule
