@@ -44,6 +44,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from lmlab.data import shards
 from lmlab.data.corpus import CORPORA
 from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
+from lmlab.data.padded import PaddedRows, pad_documents
+from lmlab.data.padded import pair as padded_pair
 from lmlab.data.shards import BlockView, TokenStream
 from lmlab.data.tokenizer import TOKENIZERS, Sample, build_tokenizer, check_tokenizer, save_tokenizer
 from lmlab.record.rundir import remember
@@ -64,6 +66,7 @@ _DEFAULTS: dict[str, Any] = {
     "eod": None,  # the end-of-document token's text (e.g. "<|endoftext|>"); None: documents simply follow each other
     "tokenizer_sample": 100_000_000,  # characters of the training part a trained tokenizer learns from; None: all
     "shard_size": 1 << 23,  # text per token shard: bytes of files (whole files), characters of dataset rows
+    "packing": "packed",  # packed: documents follow each other in full blocks; padded: each its own rows (padded.py)
 }
 
 
@@ -153,6 +156,8 @@ def pack(tokens: Any, block: int) -> Any:
 
 
 def _pair(block: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(block, PaddedRows):  # data.packing=padded: its padding masked
+        return padded_pair(block)
     t = torch.from_numpy(block.astype(np.int64))
     return t[:-1], t[1:]  # input, target: (seq_len,) each
 
@@ -229,6 +234,7 @@ class TextDataModule(pl.LightningDataModule):
         self.num_proc = usable_cpus() if num_proc is None else num_proc
         self.eod, self.tokenizer_sample, self.shard_size = (spec.pop(k) for k in ("eod", "tokenizer_sample",
                                                                                    "shard_size"))
+        self.packing = spec.pop("packing")
         self.seq_len, self.seed = int(seq_len), int(seed)
         self._read_corpus(spec)
         self._check()
@@ -253,6 +259,11 @@ class TextDataModule(pl.LightningDataModule):
                                "tokenizer_sample": self.tokenizer_sample}, SHARD_KEYS)
         if self.eod == "":
             raise ValueError("data.eod='' must be a non-empty string (the token's text), or null for none")
+        check_values("data.", {"packing": self.packing}, {"packing": DATA_KEYS["packing"]})
+        if self.packing == "padded" and self.eod is None:
+            raise ValueError("data.packing=padded gives each document its own rows, found by their end-of-document "
+                             "token, and data.eod is null: set data.eod (e.g. data.eod='<|endoftext|>'), or "
+                             "data.packing=packed")
         check_tokenizer(self.tokenizer_kind, vocab_size=self.bpe_vocab_size)
 
     # --- building (idempotent; every step after the first run is a cache hit) ---
@@ -280,7 +291,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"data={self.corpus}: the corpus is empty (no tokens)")
 
         self.train_tokens, self.val_tokens = split_tokens(tokens, self.val_fraction)
-        train_blocks, val_blocks = pack(self.train_tokens, self.seq_len + 1), pack(self.val_tokens, self.seq_len + 1)
+        train_blocks, val_blocks = (self._rows(t) for t in (self.train_tokens, self.val_tokens))
         for side, side_tokens in (("training", self.train_tokens), ("validation", self.val_tokens)):
             if len(side_tokens) < self.seq_len + 1:
                 raise ValueError(
@@ -288,6 +299,9 @@ class TextDataModule(pl.LightningDataModule):
                     f"block of model.max_seq_len + 1 = {self.seq_len + 1}; change data.val_fraction, lower "
                     f"model.max_seq_len or use a larger corpus ({len(tokens)} tokens)"
                 )
+        if len(train_blocks) == 0 or len(val_blocks) == 0:  # data.packing=padded: documents of one token only
+            raise ValueError(f"data.packing=padded leaves {len(train_blocks)} / {len(val_blocks)} training / validation "
+                             f"rows: no document has two tokens; check data.eod, or data.packing=packed")
         self.train_dataset = TrainBlocks(train_blocks, self.seed)
         self.val_blocks = val_blocks[: self._max_val_blocks]
         self.vocab_size: int = tok.get_vocab_size()
@@ -297,6 +311,12 @@ class TextDataModule(pl.LightningDataModule):
             f"data={self.corpus}: {len(self.train_tokens)} / {len(self.val_tokens)} train / val tokens, {blocks}, "
             f"vocab {self.vocab_size}"
         )
+
+    def _rows(self, tokens: TokenStream) -> Any:
+        """The (n, seq_len + 1) rows of a split: packed blocks, or each document's padded pieces."""
+        if self.packing == "padded":
+            return pad_documents(np.asarray(tokens), self.seq_len + 1, self.eod_id)
+        return pack(tokens, self.seq_len + 1)
 
     def _recipe(self) -> dict[str, Any]:
         """Everything besides the corpus that decides the token ids (the shards' cache key)."""
@@ -388,7 +408,8 @@ class TextDataModule(pl.LightningDataModule):
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r}; choose 'train' or 'val'")
         blocks = self.train_dataset.blocks if split == "train" else self.val_blocks
-        memo = self.shard_dir / f"unigram-{split}-{self.seq_len}-{self.val_windows_n}.json"
+        padded = "-padded" if self.packing == "padded" else ""  # its targets leave the padding out
+        memo = self.shard_dir / f"unigram-{split}-{self.seq_len}-{self.val_windows_n}{padded}.json"
         if memo.is_file():  # the train split of a big corpus takes seconds to count: once per sweep
             return json.loads(memo.read_text())["entropy"]
         counts = blocks.target_counts(self.vocab_size)

@@ -3,7 +3,7 @@ the data module is built."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from lmlab.registry import NonNegativeInt, PositiveInt, Range
 
@@ -12,5 +12,5 @@ from lmlab.registry import NonNegativeInt, PositiveInt, Range
 DATA_KEYS = {"batch_size": PositiveInt, "vocab_size": PositiveInt,
              "val_fraction": Annotated[float, Range(gt=0, lt=1)], "val_windows": PositiveInt | None,
              "num_workers": NonNegativeInt, "num_proc": PositiveInt | None, "tokenizer_sample": PositiveInt | None,
-             "shard_size": PositiveInt, "eod": str | None}
+             "shard_size": PositiveInt, "eod": str | None, "packing": Literal["packed", "padded"]}
 SHARD_KEYS = {k: DATA_KEYS[k] for k in ("num_proc", "tokenizer_sample", "shard_size", "eod")}  # the shards' recipe

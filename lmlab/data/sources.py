@@ -74,6 +74,9 @@ def check_sources(data: dict[str, Any]) -> list[Source]:
             raise ValueError(f"data.sources.{s.name}.weight={s.weight!r} is too small: less than 1/{CHUNK} of the "
                              f"weights' sum ({total:g}), so no block of {CHUNK} would come from it; raise it or leave "
                              f"the source out")
+    if data.get("packing", "packed") != "packed":
+        raise ValueError(f"data.packing={data['packing']} is not read by data=mixture: its sources are packed into full "
+                         f"blocks; set data.packing=packed (padded rows: data=text_files, shakespeare or hf)")
     kind = str(data.get("tokenizer"))
     for s in out:
         if s.kind == "token_bin" and kind in TOKENIZERS:
