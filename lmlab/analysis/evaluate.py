@@ -21,6 +21,7 @@ from lmlab.config import GPTConfig
 from lmlab.data.tasks import module_class
 from lmlab.model.memory import check_attention_fits
 from lmlab.model.gpt import GPT, validate
+from lmlab.model.head import HEADS
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
@@ -163,6 +164,10 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     run_dir = Path(run_dir)
     saved = load_run(run_dir)
     model_cfg, run_cfg = saved.model, saved.config
+    if not HEADS[head := (model_cfg.get("head") or {}).get("name", "next")].predicts_next:
+        raise RunRefused(f"run={run_dir} trained head={head}, which does not predict the next token: its val/loss in "
+                         f"summary.json (final_val_loss) is its own objective's (head=mlm: the masked-token loss on "
+                         f"fixed masks, comparable across runs); eval.py's next-token loss per length does not apply")
     state = saved.weights if weights == "live" else saved.build(weights).state_dict()  # tied weights follow
     run_status, note = run_note(run_dir)
     trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]

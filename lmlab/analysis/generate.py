@@ -47,6 +47,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
     """idx (B, T) prompt ids -> (B, T + max_new_tokens). `on_token(tokens, logits)` sees each step's new tokens
     (B,) and the logits they were drawn from (B, V), e.g. to stream them; `use_cache=False` runs a full forward over
     the text at every step (the reference the cache is tested against)."""
+    if not model.head.predicts_next:
+        raise ValueError(f"head={model.cfg.head['name']} does not predict the next token (a bidirectional encoder's "
+                         f"objective): there is nothing to generate with; generate from a head=next or head=mtp run")
     model.eval()
     context = model.cfg.max_seq_len if type(model.pos).table_bound else None
     tokens, cache = idx, None

@@ -51,6 +51,9 @@ def harness_model(run_dir: str | Path, batch_size: int = 8, route: str = "auto")
 
     run = RunDir(run_dir)
     model = load_model(run.path)
+    if not model.head.predicts_next:  # lm-eval scores continuations by their next-token log-likelihoods
+        raise ValueError(f"run={run.path} trained head={model.cfg.head['name']}, which does not predict the next "
+                         f"token: lm-eval's log-likelihoods do not apply")
     if route in ("auto", "hf"):
         try:
             family(model.cfg)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.data.datamodule import TextDataModule
+from lmlab.data.labelled import NAME as LABELLED
+from lmlab.data.labelled import LabelledDataModule
 from lmlab.data.mixture import MixtureDataModule
 from lmlab.data.mqar import NAME as MQAR
 from lmlab.data.mqar import MQARDataModule
@@ -28,9 +30,9 @@ from lmlab.data.token_bin import TokenBinDataModule
 
 # data.name -> its data module; every other name is a corpus that TextDataModule tokenizes (token_bin is a corpus
 # already tokenized: its own module, with no section of its own in compare; mixture, several corpora by weight, with
-# its per-source val losses in compare)
+# its per-source val losses in compare; labelled, texts and their labels for head=classify, its accuracy in compare)
 TASKS = {PROBE: PositionProbeDataModule, MQAR: MQARDataModule, TOKEN_BIN: TokenBinDataModule,
-         MIXTURE: MixtureDataModule}
+         MIXTURE: MixtureDataModule, LABELLED: LabelledDataModule}
 
 
 def module_class(name: str | None) -> type:

@@ -39,6 +39,9 @@ def family(cfg: GPTConfig) -> str:
     blocks parallel or not), 'gpt2', or 'bamba' / 'qwen3_next' (a recurrent mixer in some layers:
     lmlab.interop.hf_hybrid), or NotRepresentable naming the first axis that fits none."""
     pos = cfg.position["name"]
+    if (head := cfg.head.get("name", "next")) not in ("next", "mtp"):  # mtp: its extra modules are left out
+        raise _refuse("head", head, "causal language model", "head=next (or head=mtp, whose extra modules are "
+                      "training's); a bidirectional encoder's head has none")
     if cfg.mixer.get("name", "attention") != "attention":
         return _check_hybrid(cfg)
     if cfg.attention.get("name") == "mla":

@@ -61,7 +61,7 @@ class GAU(nn.Module):
         u, v, z = self.act(self.c_fc(x)).split(self.c_fc.fused, dim=-1)
         z = z.unsqueeze(1)  # (B, 1, T, s): one head
         q, k = pos.rotate(z * self.q_gamma + self.q_beta, z * self.k_gamma + self.k_beta, offset, doc)
-        return u, scale_queries(q, self.score, offset), k, v.unsqueeze(1)
+        return u, scale_queries(q, self.score, offset, causal=pos.causal), k, v.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:  # doc: for the position scheme (per_document)

@@ -1,5 +1,5 @@
 """The GPT: token embeddings -> position scheme -> blocks -> (final norm) -> LM head (and the `head` axis's extra
-predictions in training: multi-token prediction).
+predictions in training: multi-token prediction; or its other objectives: a bidirectional masked LM, a classifier).
 
 Every part comes from its axis's registry through `build`; this file never asks which option it has. `validate`
 checks a config before anything else happens: its options resolved, its size against the machine, the model built on
@@ -75,6 +75,10 @@ class GPT(nn.Module):
             self.register_buffer("untied", torch.tensor(self._untied))
             self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "_untied", bool(module.untied)))
         self.head = build("head", HEADS, cfg.head, cfg)  # extra predictions (head=mtp); next: none
+        self.pos.causal = self.head.causal  # the direction every attention path reads (head=mlm: both ways)
+        if not self.causal and (why := self._causal_only()):
+            raise ValueError(f"head={cfg.head['name']} reads the whole text in every layer (bidirectional attention), "
+                             f"which this model cannot: {'; '.join(why)}")
         self.terms: list[Term] = []  # the last forward's side channel (lmlab.model.side)
         # A norm that makes the model around it (norm=ngpt, lmlab.model.ngpt: its own update in every block, its
         # scales in the sublayers) attaches itself to the built model; its model-wide part (the logits' scale, the
@@ -110,6 +114,9 @@ class GPT(nn.Module):
         it."""
         offset = 0
         if cache is not None:
+            if not self.causal:
+                raise ValueError(f"head={self.cfg.head['name']} is bidirectional: a token's output reads the tokens "
+                                 f"after it, so a KV cache (generation, one token at a time) cannot give it")
             cache.start()
             offset = cache.length
         doc = self.documents(idx, cache)  # (B, offset + T) document numbers (doc_mask, per_document), else None
@@ -131,18 +138,13 @@ class GPT(nn.Module):
             x = self.residual.after(i, x)
         if cache is not None:
             cache.length += idx.size(1)
-        if targets is None:
-            h = self.ln_f(x)
-            if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh)
-                h = h * self.param.output_mult
-            logits = F.linear(h, self.head_weight)
-            return logits if self.softcap is None else self.softcap(logits)
-        out = self.lm_loss(self.ln_f(x), targets, z_loss=z_loss, parts=parts)
+        if targets is None:  # the output head's logits (head=classify: the labels')
+            return self.head.logits(self.ln_f(x), idx, self.lm_logits)
+        out = self.head.loss(self.ln_f(x), idx, targets, self.lm_loss, z_loss=z_loss, parts=parts)
         # The side channel (lmlab.model.side): the sublayers' terms (an MoE's balancing losses), the head's (MTP's
-        # depths), the loss's own z-loss; the objective adds those it lacks, in training only.
+        # depths, a classifier's accuracy), the loss's own z-loss; the objective adds those it lacks, in training only.
         terms = [t for m in self._sources for t in m.terms]
-        if self.head.depth:
-            terms += self.head.terms(x, idx, targets, doc, self.wte, self.pos, self.lm_loss)
+        terms += self.head.terms(x, idx, targets, doc, self.wte, self.pos, self.lm_loss)
         if parts and z_loss:
             terms.append(Term(Z_LOSS, out[2], z_loss, in_loss=True))
         self.terms = terms
@@ -170,6 +172,25 @@ class GPT(nn.Module):
     def head_losses(self) -> list[torch.Tensor]:
         """The last forward's extra-depth losses (head=mtp), detached, depth 1 first."""
         return [t.value.detach() for t in self.terms if t.metric.startswith(MTP_LOSS)]
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head's logits (B, T, vocab) of normed hidden states h: µP's readout multiplier, the softcap."""
+        if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh)
+            h = h * self.param.output_mult
+        logits = F.linear(h, self.head_weight)
+        return logits if self.softcap is None else self.softcap(logits)
+
+    @property
+    def causal(self) -> bool:
+        """Whether each token reads only the tokens at or before it (False under head=mlm and head=classify)."""
+        return self.pos.causal
+
+    def _causal_only(self) -> list[str]:
+        """What in this model has no bidirectional form, each part's own sentence naming its key: the position scheme,
+        the token mixers of every layer (a window, a forget gate, a recurrent mixer)."""
+        mixers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
+        found = [self.pos.causal_only, *(getattr(m, "causal_only", None) for m in mixers)]
+        return list(dict.fromkeys(w for w in found if w))  # each sentence once (every layer says the same)
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, parts: bool = False) -> Any:
         """The output head's mean token cross-entropy on normed hidden states h (B, T, d) (lmlab.model.loss): µP's
@@ -213,6 +234,9 @@ class GPT(nn.Module):
         """This model without what only training reads, computing the same logits: head=mtp's modules left out, a
         model.untie_at_step head as it is now (tied before the step, its own matrix after). What export writes."""
         cfg = self.cfg
+        if not self.head.predicts_next:
+            raise ValueError(f"head={cfg.head['name']} does not predict the next token (a bidirectional encoder's "
+                             f"objective), so it has no next-token model to export or generate with")
         if cfg.head.get("name") == "next" and cfg.untie_at_step is None:
             return self
         plain = dataclasses.replace(cfg, head={"name": "next"}, untie_at_step=None, tie_embeddings=self.tied)

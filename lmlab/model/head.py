@@ -1,11 +1,22 @@
-"""What the model predicts besides the next token (the `head` axis): `next` (the next token only, every earlier run)
-or `mtp`, multi-token prediction, which trains extra modules to predict the tokens after it.
+"""What the model predicts (the `head` axis): `next` (the next token only, every earlier run), `mtp`, multi-token
+prediction, which trains extra modules to predict the tokens after it, and the encoder objectives of
+`lmlab.model.encoder`: `mlm` (a bidirectional masked language model) and `classify` (a sequence classifier).
 
 Contract: `Head(cfg, *, <own params>)`, an nn.Module built once per model, with `depth` (the extra tokens predicted;
-0: none) and `losses(h, idx, targets, doc, embed, pos, lm_loss)`: the extra tokens' cross-entropies [L_1, ..., L_D]
-from the trunk's final hidden state h (B, T, d) before the final norm, given the tokens idx and the next-token targets
-(B, T), and `weights`, each depth's weight in the objective. `lm_loss(h, targets)` is the model's own output head and
-loss on normed h (softcap, µP's readout multiplier, chunked or not): the shared unembedding.
+0: none) and `terms(h, idx, targets, doc, embed, pos, lm_loss)`: its side-channel terms (lmlab.model.side; MTP's
+depths' losses [L_1, ..., L_D], with `losses`, from the trunk's final hidden state h (B, T, d) before the final norm,
+given the tokens idx and the next-token targets (B, T); `weights`, each depth's weight in the objective). Besides:
+- `causal`: whether every layer reads only the keys at or before a query (the model sets it on its position scheme,
+  which every attention path reads; False: bidirectional, and what cannot read both ways is refused by key);
+- `reserved`: ids past the tokenizer's that the model embeds ([MASK] = vocab_size for the encoder heads; 0 here);
+- `predicts_next`: whether the output head's logits are next-token predictions (what generation, the KV cache,
+  eval.py's per-position loss and export=hf read; the others refuse a head without); `objective`: what its loss
+  is, as summary.json names it (next_token; masked_token, label);
+- `prepare(idx, targets, keys)`: the batch as the objective reads it (the training loop's and validation's), here
+  as it is; `draws`: whether it draws random numbers, from `keys`, one per sequence (head=mlm's masks);
+- `logits(h, idx, lm_logits)` and `loss(h, idx, targets, lm_loss, z_loss, parts)`: the model's output from the
+  normed final hidden states, here the output head's logits and token loss (`lm_logits(h)`, `lm_loss(h, targets)`:
+  the model's own output head, softcap, µP's readout multiplier, chunked or not: the shared unembedding).
 
 `mtp` (DeepSeek-V3, 2024, §2.2: "sequential" modules; or Gloeckle et al., 2024, "Better & Faster Large Language Models
 via Multi-token Prediction": "parallel" heads) with depth D. At depth k the target of position i is t_{i+k+1}, so the
@@ -27,17 +38,18 @@ The residual options shape the trunk only: each MTP block is wired by the placem
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from lmlab.model.block import BLOCKS
+from lmlab.model.encoder import Classify, MaskedLM
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.side import Term
-from lmlab.registry import NonNegativeFloat, PositiveInt, build
+from lmlab.registry import NonNegativeFloat, PositiveInt, build, option_params, option_types
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -55,6 +67,11 @@ class NextToken(nn.Module):
     depth = 0
     weights: tuple[float, ...] = ()
     declared: dict[str, tuple[str, ...]] = {}
+    causal = True
+    reserved = 0
+    predicts_next = True
+    draws = False
+    objective = "next_token"  # what its loss is (summary.json's `objective`)
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -63,11 +80,26 @@ class NextToken(nn.Module):
     def n_params(cls, cfg: GPTConfig, **params) -> int:
         return 0
 
+    def prepare(self, idx: torch.Tensor, targets: torch.Tensor, keys: Sequence[Sequence[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return idx, targets
 
-class MTP(nn.Module):
+    def logits(self, h: torch.Tensor, idx: torch.Tensor, lm_logits: Callable[[torch.Tensor], torch.Tensor]
+               ) -> torch.Tensor:
+        return lm_logits(h)
+
+    def loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, lm_loss: Callable[..., Any],
+             z_loss: float = 0.0, parts: bool = False) -> Any:
+        return lm_loss(h, targets, z_loss=z_loss, parts=parts)
+
+    def terms(self, *args: Any) -> list[Term]:
+        return []
+
+
+class MTP(NextToken):
     def __init__(self, cfg: GPTConfig, *, depth: PositiveInt = 1, style: Literal["sequential", "parallel"] =
                  "sequential", weight: NonNegativeFloat = 0.3, weights: list[float] | None = None) -> None:
-        super().__init__()
+        super().__init__(cfg)
         if weights is not None and (len(weights) != depth or any(w < 0 for w in weights)):
             raise ValueError(f"head.weights={list(weights)} must give one weight >= 0 per depth (head.depth={depth}), "
                              f"or be null for head.weight / depth each")
@@ -119,4 +151,25 @@ class MTP(nn.Module):
         return out
 
 
-HEADS = {"next": NextToken, "mtp": MTP}
+HEADS = {"next": NextToken, "mtp": MTP, "mlm": MaskedLM, "classify": Classify}
+
+
+def fit_head(spec: dict[str, Any], labels: Sequence[str] | None, data: str | None) -> tuple[dict[str, Any], int]:
+    """The head's spec fitted to the data `data` (its name, for the messages): a labelled set's label names (`labels`,
+    data=labelled's) become head=classify's `labels`, refused by key for a head without them or a head with them and
+    no labelled set. Returns the spec and the ids the head reads past the tokenizer's (`reserved`), which the model's
+    vocabulary adds to the tokenizer's."""
+    name, _ = option_params("head", HEADS, spec)
+    takes = "labels" in option_types(HEADS[name])
+    if labels is not None and not takes:
+        raise ValueError(f"data={data} is a labelled set (texts and their labels): train a classifier on it with "
+                         f"head=classify, not head={name}")
+    if takes and labels is None:
+        raise ValueError(f"head={name} learns labels: it needs a labelled set, data=labelled data.path=<a JSONL file "
+                         f"of text and label lines> (python -m lmlab.data.labelled builds one), not data={data}")
+    if labels is not None:
+        if spec.get("labels") is not None and [str(x) for x in spec["labels"]] != list(labels):
+            raise ValueError(f"head.labels={spec['labels']} but the data's labels are {list(labels)}: leave "
+                             f"head.labels=null (the data's are taken)")
+        spec = {**spec, "labels": list(labels)}
+    return spec, HEADS[name].reserved

@@ -69,6 +69,9 @@ class RunSummary(TypedDict, total=False):
     steps: int  # optimizer steps done
     tokens: int
     final_val_loss: float | None
+    objective: str  # what val/loss and the val figures measure, when not the next token's cross-entropy (absent:
+    #   next_token): masked_token (head=mlm: the chosen positions' cross-entropy, on the same masks in every run),
+    #   label (head=classify: the label's cross-entropy; val_accuracy beside it)
     final_val_ema_loss: float | None  # optim.ema > 0 only: the last validation's loss of the weight EMA (val/ema_loss)
     final_val_ppl: float | None
     best_val_loss: float | None
@@ -126,6 +129,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "steps": steps,
         "tokens": int(lit.tokens_seen),
         "final_val_loss": final,
+        **({"objective": objective} if (objective := lit.model.head.objective) != "next_token" else {}),
         "final_val_ppl": _ppl(final),
         "best_val_loss": min(vals) if vals else None,
         "best_val_ppl": _ppl(min(vals)) if vals else None,

@@ -82,7 +82,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
 
     check_unknown_top_level(cfg)
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
-    gcfg = validate(arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod))
+    arch = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod)
+    if "labels" in arch.head and arch.head["labels"] is None:  # head=classify: the data's labels, read with the data
+        arch.head["labels"] = ["0", "1"]  # (as vocab_size is the tokenizer's): any two check the model here
+    gcfg = validate(arch)
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
     check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
@@ -109,6 +112,11 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     check_spike_skip(OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))
     if (downstream := OmegaConf.select(cfg, "downstream", default=None)) is not None:
         check_downstream(OmegaConf.to_container(downstream, resolve=True))  # lm-eval tasks at validations
+        from lmlab.model.head import HEADS
+
+        if downstream.get("tasks") and not HEADS[gcfg.head["name"]].predicts_next:
+            raise ValueError(f"downstream.tasks scores the next-token log-likelihoods of continuations; "
+                             f"head={gcfg.head['name']} does not predict the next token: use downstream.tasks=[]")
 
     accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():

@@ -13,6 +13,7 @@ import torch
 from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT
+from lmlab.model.encoder import TRAIN_KEY, VAL_KEY
 from lmlab.run.monitor import Divergence, local, sum_over_shards
 from lmlab.run.spikes import SpikeSkip, restore_groups, skip_update
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
@@ -58,7 +59,7 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
 class LitGPT(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
                  compile: bool = False, divergence: dict[str, Any] | None = None,
-                 spike_skip: dict[str, Any] | None = None) -> None:
+                 spike_skip: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)  # the loggers get the whole run config from lmlab.record.tracking
         self.model = GPT(GPTConfig(**model))
@@ -76,6 +77,7 @@ class LitGPT(L.LightningModule):
         self.ema: WeightEMA | None = None  # optim.ema > 0: built when training starts (after a resume's weights)
         self.ema_val_history: list[tuple[int, float]] = []  # (step, the EMA's val loss) of every validation
         self._ema_saved: dict[str, torch.Tensor] | None = None  # a resumed checkpoint's, until the EMA is built
+        self._val_seen = 0  # validation windows read so far in this validation (the head's keys: head=mlm's masks)
 
     def configure_model(self) -> None:
         """Under trainer=fsdp2 (lmlab.run.distributed.FSDP2Strategy): fully_shard each block and the root, with
@@ -97,8 +99,31 @@ class LitGPT(L.LightningModule):
         x, y = batch  # (B, T) each
         return self(x, y)  # the model's own loss: fp32 whatever the logits' dtype, chunked if configured
 
+    def prepare(self, batch: tuple[torch.Tensor, ...], split: str, batch_idx: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch as the head's objective reads it (head=mlm masks it; the others take it as it is). Sequence r of
+        it is keyed by its global index, what the data order is a function of too: in training (the run's seed, the
+        sample's index in the stream the step sampler reads, lmlab.data), so a resume masks as the uninterrupted run
+        did, on any launch at the same global batch; in validation (a fixed seed, the window's index), so runs of any
+        seed read the same masked windows."""
+        x, y, head = batch[0], batch[1], self.model.head
+        if not head.draws:
+            return head.prepare(x, y, ())
+        if split == "train":
+            t = self.trainer
+            accumulate, world = int(t.accumulate_grad_batches), int(t.world_size)
+            micro = batch_idx % accumulate
+            first = ((self.global_step * accumulate + micro) * world + int(t.global_rank)) * x.size(0)
+            stream = (int(self.hparams.seed), TRAIN_KEY)
+        else:
+            stream, first, self._val_seen = (0, VAL_KEY), self._val_seen, self._val_seen + x.size(0)
+        return head.prepare(x, y, [(*stream, first + r) for r in range(x.size(0))])
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_seen = 0
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        x, y = self.prepare(batch, "train", batch_idx)
         z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
         if (step := self.model.cfg.untie_at_step) is not None and self.global_step >= step:
             self.model.untie()  # model.untie_at_step: the head trains apart from here (a resumed run: already untied)
@@ -141,9 +166,9 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Logs val/loss; returns it for the data's callbacks (data=mixture's batches carry their source as a third
         element: lmlab.data.mixture logs val/loss/<source> by it)."""
-        batch, n = batch[:2], batch[0].size(0)
+        batch, n = self.prepare(batch, "val"), batch[0].size(0)  # the EMA below reads the same (masked) batch
         loss = self.loss(batch)
-        self.log(names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=n)  # the next token's
+        self.log(names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=n)  # the head's (next token's)
         for metric, value in self.model.figures("val").items():  # head=mtp: the extra depths', apart
             self.log(f"val/{metric}", value, sync_dist=True, batch_size=n)
         if self.ema is not None:  # the same batch through the EMA's weights (lmlab.optim.ema), the live ones after

@@ -79,7 +79,7 @@ class Divergence:
 def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """Parameter groups named as the metrics are: layer_XX/<sublayer> (each sublayer's own `sublayer` name: attn and
     ffn for a transformer layer, gau for a GAU), layer_XX/norm (the rest of the block), embed, head, and mtp (head=mtp's
-    modules)."""
+    modules; head=classify's label layer: classify)."""
     groups: dict[str, list[nn.Parameter]] = {"embed": list(model.wte.parameters()) + list(model.pos.parameters())}
     for i, block in enumerate(model.h):
         taken: set[nn.Parameter] = set()
@@ -92,8 +92,8 @@ def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     embed = {id(p) for p in groups["embed"]}
     groups["head"] = [p for p in list(model.ln_f.parameters()) + list(model.lm_head.parameters())
                       if id(p) not in embed]  # a tied head is counted once, with the embeddings
-    if mtp := list(model.head.parameters()):  # head=mtp's modules: one group beside the output head
-        groups["mtp"] = mtp
+    if own := list(model.head.parameters()):  # head=mtp's modules (head=classify's layer): a group beside the head
+        groups[getattr(model.head, "params_group", "mtp")] = own
     return groups
 
 

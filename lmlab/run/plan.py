@@ -25,10 +25,12 @@ from lmlab.data import build_datamodule
 from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
+from lmlab.model.head import HEADS, fit_head
 from lmlab.model.resolve import resolve
 from lmlab.record.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.record.summary import FINISHED
 from lmlab.record.trusted import check_config_targets
+from lmlab.registry import option_params
 from lmlab.optim.warmup import fit_warmup
 
 
@@ -73,7 +75,8 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
                             seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
-    model = validate(arch_config(cfg, vocab_size=data.vocab_size, eod_id=getattr(data, "eod_id", None)))
+    model = validate(arch_config(cfg, vocab_size=data.vocab_size + objective_for(cfg, data),
+                                 eod_id=getattr(data, "eod_id", None)))
     spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     if (said := fit_warmup(cfg, overrides, saved)) and is_rank_zero():  # after the budget: the run's own length
         print(said, flush=True)
@@ -85,6 +88,16 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
         ended = _ended(saved, previous, resume_step, cfg.trainer.max_steps)
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
                    previous=previous, ended=ended, budget=spend, changed=changed)
+
+
+def objective_for(cfg: DictConfig, data: Any) -> int:
+    """Fit the head to the data in `cfg`, the effective config (lmlab.model.head.fit_head: a labelled set's label
+    names become head.labels); the ids the head reads past the tokenizer's, which the model's vocabulary adds."""
+    spec, reserved = fit_head(OmegaConf.to_container(cfg.head, resolve=True), getattr(data, "labels", None),
+                              cfg.data.get("name"))
+    if "labels" in spec:
+        cfg.head.labels = spec["labels"]
+    return reserved
 
 
 def continuing(run: RunDir, step: int, overrides: list[str] | None) -> str:
@@ -117,7 +130,7 @@ def _planned_steps(cfg: DictConfig, saved: dict[str, Any]) -> int:
 
 
 # Keys of the model config that may differ between a run and one initialised from it (`init_from=`).
-EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", *COMPUTE_KEYS)
+EXTENSIBLE = ("max_seq_len", "train_len", "rope_scaling", "dropout", "attention", "head", *COMPUTE_KEYS)
 RESUME_MODES = ("auto", "true", "false")
 
 
@@ -281,12 +294,26 @@ def check_same_launch(what: str, saved: dict[str, Any] | None, planned: dict[str
 
 
 def load_init_from(model, new: dict[str, Any], source: dict[str, Any]) -> None:
-    """Copy the source run's weights into `model`, refusing when the architectures differ."""
-    check_same_arch(f"init_from={source['path']}", new, source["model"], EXTENSIBLE)
+    """Copy the source run's weights into `model`, refusing when the architectures differ. The head may differ (an
+    mlm run fine-tuned as head=classify, a next-token run given MTP's modules): the trunk's weights are copied, the
+    new head's own (`head.*`) keep their init, the old head's are left behind."""
+    what = f"init_from={source['path']}"
+    old, now = (dict(cfg.get("head") or {"name": "next"}) for cfg in (source["model"], new))
+    if old != now:
+        reserved = [HEADS[option_params("head", HEADS, h)[0]].reserved for h in (old, now)]
+        if reserved[0] != reserved[1]:
+            raise ValueError(f"{what}: head={now['name']} reads {reserved[1]} id(s) past the tokenizer's ([MASK]) "
+                             f"and the source's head={old['name']} {reserved[0]}: their vocabularies differ; start "
+                             f"head={now['name']} from a run with the same (head=mlm for head=classify)")
+    check_same_arch(what, new, source["model"], EXTENSIBLE)
+    weights = source["weights"]
+    if old != now:  # the trunk only: each head's own weights are its own
+        weights = {k: v for k, v in weights.items() if not k.startswith("head.")}
+        weights |= {k: v for k, v in model.state_dict().items() if k.startswith("head.")}
     try:
-        model.load_state_dict(source["weights"])
+        model.load_state_dict(weights)
     except RuntimeError as err:  # a learned position table of another length, typically
-        raise ValueError(f"init_from={source['path']}: weights don't fit the config ({str(err).splitlines()[-1]}); "
+        raise ValueError(f"{what}: weights don't fit the config ({str(err).splitlines()[-1]}); "
                          f"position=learned cannot change model.max_seq_len") from None
 
 

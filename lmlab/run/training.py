@@ -106,7 +106,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=cfg.trainer.max_steps,
                  compile=cfg.compile,
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram},
-                 spike_skip=OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))
+                 spike_skip=OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True),
+                 seed=int(cfg.seed))  # head=mlm's masks are a function of (seed, sample)
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
     if saved is not None:

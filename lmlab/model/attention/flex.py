@@ -38,10 +38,11 @@ def _kernel(device_type: str):
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, offset: int,
                 window: int | None = None, doc: tuple[torch.Tensor, torch.Tensor] | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, causal: bool = True) -> torch.Tensor:
     """softmax(softcap(q·kᵀ·scale), masked) v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv), the S keys ending
-    with the last query (at positions offset + T - S ..); query i reads key j when j's position is at most i's, within
-    the `window`, and (with `doc`, the queries' and keys' document numbers) of its document -> (B, h, T, dv)."""
+    with the last query (at positions offset + T - S ..); query i reads key j when j's position is at most i's
+    (`causal`; a bidirectional model: any key), within the `window`, and (with `doc`, the queries' and keys' document
+    numbers) of its document -> (B, h, T, dv)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, _, T, _ = q.shape
@@ -51,7 +52,7 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
 
     def mask_mod(b, h, qi, kj):
         p, pk = qi + offset, kj + first
-        keep = pk <= p
+        keep = (pk <= p) if causal else (pk >= 0)
         if window is not None:
             keep = keep & (p - pk < window)
         if q_doc is not None:

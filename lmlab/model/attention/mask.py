@@ -22,8 +22,12 @@ import torch
 import torch.nn.functional as F
 
 
-def allowed(T: int, offset: int, S: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(T, S) bool: True where query i (at position offset + i) reads key j (at position offset + T - S + j)."""
+def allowed(T: int, offset: int, S: int, window: int | None, device: torch.device, causal: bool = True
+            ) -> torch.Tensor:
+    """(T, S) bool: True where query i (at position offset + i) reads key j (at position offset + T - S + j).
+    `causal=False` (a bidirectional model, head=mlm: lmlab.model.position.Position.causal): every key, no window."""
+    if not causal:
+        return torch.ones(T, S, dtype=torch.bool, device=device)
     q = torch.arange(offset, offset + T, device=device)[:, None]
     k = torch.arange(offset + T - S, offset + T, device=device)[None, :]
     mask = k <= q
@@ -58,9 +62,15 @@ def doc_allowed(mask: torch.Tensor, doc: tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def key_counts(T: int, offset: int, device: torch.device, window: int | None = None,
-               doc: torch.Tensor | None = None) -> torch.Tensor:
+               doc: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """n_i: how many keys query i (at position offset + i) reads, float: offset + i + 1, at most the window, (T,);
-    with `doc` (B, offset + T), every position's document number, the keys of its own document only, (B, T)."""
+    with `doc` (B, offset + T), every position's document number, the keys of its own document only, (B, T).
+    `causal=False` (bidirectional: no window): every query reads all offset + T keys, or its whole document."""
+    if not causal:  # every key of the text, or with documents of the query's own document (its size)
+        if doc is None:
+            return torch.full((T,), float(offset + T), device=device)
+        q_doc, keys = doc[:, offset:].contiguous(), doc.contiguous()
+        return (torch.searchsorted(keys, q_doc, right=True) - torch.searchsorted(keys, q_doc)).float()
     n = torch.arange(offset + 1, offset + T + 1, device=device, dtype=torch.float32)
     if doc is not None:  # documents are numbered in order: each one starts where its number first appears
         q_doc = doc[:, offset:].contiguous()

@@ -198,15 +198,17 @@ class MHA(nn.Module):
             v = value_mix(v)
         if cache is not None:
             k, v = cache.append(k, v)
-        return self.scale_queries(q, offset, doc), k, v
+        return self.scale_queries(q, offset, doc, pos.causal), k, v
 
-    def scale_queries(self, q: torch.Tensor, offset: int, doc: torch.Tensor | None) -> torch.Tensor:
-        """q times log-n scaling past the trained length and the score's per-query factor, where they apply."""
+    def scale_queries(self, q: torch.Tensor, offset: int, doc: torch.Tensor | None, causal: bool = True
+                      ) -> torch.Tensor:
+        """q times log-n scaling past the trained length and the score's per-query factor, where they apply (of the
+        keys each query reads: `causal=False`, every key of the text)."""
         T = q.size(-2)
         if self.logn_scaling and offset + T > self.train_len:
-            n = key_counts(T, offset, q.device, self.window, doc if self.doc_mask else None)
+            n = key_counts(T, offset, q.device, self.window, doc if self.doc_mask else None, causal)
             q = q * per_query(log_ratio(n, self.train_len).clamp_min(1.0).to(q.dtype))
-        return scale_queries(q, self.score, offset, self.window, doc if self.doc_mask else None)
+        return scale_queries(q, self.score, offset, self.window, doc if self.doc_mask else None, causal)
 
     def forward(self, x: torch.Tensor, pos: Position, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,6 +255,18 @@ class MHA(nn.Module):
         return (c, c) if cache is None else cache.append_forget(c)
 
     no_qk_clip: str | None = None  # why optim.qk_clip cannot rescale this option's logits (None: it can)
+
+    @property
+    def causal_only(self) -> str | None:
+        """Why this layer cannot read the keys after a query (head=mlm refuses it; None: it can, every path reads the
+        position scheme's `causal`): a window or a forget gate is defined on the past."""
+        if self.window is not None:
+            return (f"attention.window / attention.pattern give a layer a window of its last {self.window} keys, "
+                    f"defined on the causal past: use attention.window=null and attention.pattern=null")
+        if self.forget is not None:
+            return ("attention.forget_gate=true decays each key by the gates between it and a later query (FoX), "
+                    "which has no form for the keys after a query: use attention.forget_gate=false")
+        return None
 
     @torch.no_grad()
     def clip_logits(self, gamma: torch.Tensor) -> None:

@@ -145,7 +145,7 @@ class MLA(MHA):
         k_nope, v = self.kv_b(c[:, 0]).view(B, S, self.n_head, self.nope + self.v).transpose(1, 2).split(
             (self.nope, self.v), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, self.n_head, S, self.rope)), dim=-1)
-        return self.scale_queries(q, offset, doc), k, v
+        return self.scale_queries(q, offset, doc, pos.causal), k, v
 
 
 MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")

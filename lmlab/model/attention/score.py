@@ -11,6 +11,10 @@ Contract: `Score(train_len)` with
 Used by the attention (`attention.score`) and by the GAU block (`block.score`) through `attend` below, the way
 the FFN uses `activation`. n counts keys per query, so a score stays causal and the KV cache (queries starting at
 `offset`) gives the full forward's outputs.
+
+Which keys a query reads is the position scheme's `causal` (lmlab.model.position.Position, the one object every
+attention path is handed): True, the keys at or before it (every decoder); False, every key of the text (a
+bidirectional encoder, head=mlm), where n is the text's length for every query and SDPA runs without its causal mask.
 """
 
 from __future__ import annotations
@@ -116,10 +120,11 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     if forget is not None:
         decay = forget_bias(forget).to(logits.dtype)  # (B, h, T, S)
         bias = decay if bias is None else bias + decay
-    mask = doc_allowed(allowed(T, offset, S, window, q.device), doc)  # (T, S), or (B, 1, T, S) with documents
+    mask = doc_allowed(allowed(T, offset, S, window, q.device, pos.causal), doc)  # (T, S), or (B, 1, T, S) with docs
     if bias is not None:
         logits = logits + read_memory(bias.masked_fill(~mask, 0.0), n_mem)
-    n = key_counts(T, offset, q.device, window) if doc is None else mask.sum(-1).float()  # the keys each query reads
+    n = (key_counts(T, offset, q.device, window, causal=pos.causal) if doc is None
+         else mask.sum(-1).float())  # the keys each query reads
     mask = read_memory(mask, n_mem)
     masked = logits.masked_fill(~mask, float("-inf"))
     if sink is not None:  # softmax over the keys and the sink column, the sink's weight dropped
@@ -164,7 +169,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
             and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None
             and pos.score_bias(q[..., :1, :], k[..., :1, :], scale) is None):  # on the GPU: one masked kernel
         return flex_attend(q, k, v, scale=scale, offset=offset, window=window if cut else None, doc=doc,
-                           softcap=softcap)
+                           softcap=softcap, causal=pos.causal)
     if score.sdpa and softcap is None and sink is None:
         bias = pos.attn_bias(T, q.device, q.dtype, offset)  # (h, T, offset + T), -inf where j > i, or None
         if bias is not None:
@@ -174,14 +179,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
             return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
                                doc=doc, forget=forget, n_mem=n_mem)
         if doc is not None or forget is not None or n_mem:  # the keys read as a mask, or -inf in the bias
-            mask = doc_allowed(allowed(T, offset, S, None, q.device), doc)
+            mask = doc_allowed(allowed(T, offset, S, None, q.device, pos.causal), doc)
             if forget is not None:
                 decay = forget_bias(forget).to(q.dtype)  # (B, h, T, S)
                 bias = decay if bias is None else bias + decay
             bias = read_memory(mask if bias is None else bias.masked_fill(~mask, float("-inf")), n_mem)
         elif bias is None and offset and T > 1:  # SDPA's is_causal aligns to the top left: say where each query is
-            bias = allowed(T, offset, S, None, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None and not offset,
+            bias = allowed(T, offset, S, None, q.device, pos.causal)
+        causal = bias is None and not offset and pos.causal  # bidirectional: no mask at all
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -195,9 +201,10 @@ def per_query(factor: torch.Tensor) -> torch.Tensor:
 
 
 def scale_queries(q: torch.Tensor, score: Softmax, offset: int, window: int | None = None,
-                  doc: torch.Tensor | None = None) -> torch.Tensor:
-    """q (..., T, d) times the score's per-query factor (of the keys each query reads), if it has one."""
-    factor = score.query_scale(key_counts(q.size(-2), offset, q.device, window, doc))
+                  doc: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """q (..., T, d) times the score's per-query factor (of the keys each query reads), if it has one; `causal=False`:
+    every query reads the whole text."""
+    factor = score.query_scale(key_counts(q.size(-2), offset, q.device, window, doc, causal))
     return q if factor is None else q * per_query(factor.to(q.dtype))
 
 

@@ -49,6 +49,8 @@ class GatedDeltaNet(nn.Module):
 
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
+    # head=mlm refuses it: a recurrence over the past
+    causal_only = "mixer=gdn carries the past forward in its state: it has no bidirectional form"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, pattern: list | None = None,
                  n_heads: PositiveInt | None = None, n_v_heads: PositiveInt | None = None,

@@ -32,6 +32,8 @@ FEATURES = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x:
 class LinearAttention(nn.Module):
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
+    # head=mlm refuses it: a recurrence over the past
+    causal_only = "mixer=linear carries the past forward in its state: it has no bidirectional form"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, pattern: list | None = None,
                  n_heads: PositiveInt | None = None, head_dim: PositiveInt | None = None,

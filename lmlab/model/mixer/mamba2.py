@@ -46,6 +46,8 @@ class Mamba2(nn.Module):
 
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
+    # head=mlm refuses it: a recurrence over the past
+    causal_only = "mixer=mamba2 carries the past forward in its state: it has no bidirectional form"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, pattern: list | None = None,
                  d_state: PositiveInt = 64, expand: PositiveInt = 2, head_dim: PositiveInt = 32,

@@ -21,7 +21,9 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 class ALiBi(Position):
-    """Attention with linear biases (Press et al., 2022): logit(i, j) += -slope_h · (i − j). No embeddings."""
+    """Attention with linear biases (Press et al., 2022): logit(i, j) += -slope_h · (i − j). No embeddings.
+    Bidirectional (`causal` False, head=mlm): -slope_h · |i − j|, the symmetric form encoders use (the paper defines
+    the causal one only)."""
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any]) -> None:
@@ -39,6 +41,8 @@ class ALiBi(Position):
         i = torch.arange(offset, offset + T, device=device)  # the queries' positions
         j = torch.arange(offset + T, device=device)  # the keys': every token so far
         dist = (j[None, :] - i[:, None]).to(torch.float32)  # (T, offset + T): j - i, <= 0 in the causal part
+        if not self.causal:  # both ways: the distance's size
+            return (self.slopes.to(device)[:, None, None] * -dist.abs()).to(dtype)
         bias = self.slopes.to(device)[:, None, None] * dist  # (nh, T, offset + T)
         return bias.masked_fill(dist > 0, float("-inf")).to(dtype)
 

@@ -16,6 +16,11 @@ class Position(nn.Module):
     extrapolates = True  # runs past the trained length without a scaling method and stays sensible
     accepts_scaling = False  # takes a rope_scaling other than none
     table_bound = False  # cannot run past max_seq_len at all (a learned table)
+    # Which keys a query reads, for every attention path (lmlab.model.attention.score reads it here, the one object
+    # each of them is handed): True, the keys at or before it; False, every key (head=mlm, a bidirectional encoder;
+    # the GPT sets it from its head). The biases below are built for it.
+    causal = True
+    causal_only: str | None = None  # why the scheme has no bidirectional form (the GPT refuses head=mlm with it)
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any]) -> None:
@@ -69,6 +74,9 @@ class Position(nn.Module):
 
 class NoPE(Position):
     """No positional information (Kazemnejad et al., 2023): causal attention alone breaks permutation symmetry."""
+
+    causal_only = ("position=none leaves a bidirectional model permutation-equivariant (only the causal mask tells a "
+                   "NoPE model where it is): it could not tell the order of its tokens; use position=rope")
 
 
 def causal_distances(T: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,9 @@ class CoPE(Position):
     learns one per layer); the table, a 2-D weight that is no Linear's, is decayed (optimizer role `other`). z reads
     the query's last head_dim numbers, the size the scheme is built for: a whole head, MLA's rotary part."""
 
+    causal_only = ("position=cope counts the gated keys between a past key and its query (Golovneva et al., 2024), "
+                   "which has no form for the keys after a query; use position=rope, alibi or t5")
+
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, npos_max: Annotated[int, Range(ge=2)] = 64) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)

@@ -26,6 +26,10 @@ class FIRE(Position):
     leave the units with a negative weight dead for good. The output layer is a Linear like any other (the model's
     init, weight decay, optim=muon's hidden matrices)."""
 
+    causal_only = ("position=fire is a learned function of the normalised distance to a past key, "
+                   "ψ(i − j)/ψ(max(L, i)) (Li et al., 2023), with no form for the keys after a query; use "
+                   "position=rope, alibi or t5")
+
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, mlp_width: Annotated[int, Range(ge=1)] = 32,
                  init_threshold: PositiveFloat = 512.0) -> None:

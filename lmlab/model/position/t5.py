@@ -31,7 +31,11 @@ class T5Bias(Position):
     bucket for everything further, so any length runs. T5 adds the bias to unscaled logits (its init absorbs 1/√d); here
     it is added after the 1/√d scale, in the same logit units. The table is an nn.Embedding: the model's `init` sets it
     (init=gpt2: N(0, 0.02)), without weight decay, in the optimizer's `rest` group. transformers has no decoder-only
-    architecture with T5's bias (T5 and its kin are encoder-decoders), so `export=hf` refuses position=t5."""
+    architecture with T5's bias (T5 and its kin are encoder-decoders), so `export=hf` refuses position=t5.
+
+    Bidirectional (`causal` False, head=mlm): T5's encoder buckets (`_relative_position_bucket` with
+    bidirectional=True), half of the buckets for the keys at or before the query and half for those after it, each
+    half bucketed as above with num_buckets / 2."""
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, num_buckets: Annotated[int, Range(ge=2)] = 32,
@@ -49,8 +53,19 @@ class T5Bias(Position):
         # masked copy; SDPA's math path with an explicit mask as under ALiBi (counted, not measured)
         return T * T * (29 + 8 * n_head) + 8 * batch * n_head * T * T
 
+    @property
+    def causal_only(self) -> str | None:
+        if self.num_buckets < 4:
+            return (f"position.num_buckets={self.num_buckets} leaves a bidirectional bias {self.num_buckets // 2} "
+                    f"bucket(s) per direction, too few for T5's exact and logarithmic ranges: use num_buckets >= 4")
+        return None
+
     def attn_bias(self, T: int, device: torch.device, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         dist, future = causal_distances(T, offset, device)
+        if not self.causal:  # T5's encoder buckets: the keys after the query in the upper half
+            half = self.num_buckets // 2
+            bucket = future.long() * half + t5_bucket(dist.abs(), half, self.max_distance)
+            return self.table(bucket).permute(2, 0, 1).to(dtype)  # (nh, T, offset + T)
         bias = self.table(t5_bucket(dist, self.num_buckets, self.max_distance)).permute(2, 0, 1)  # (nh, T, offset + T)
         return bias.masked_fill(future, float("-inf")).to(dtype)
 

@@ -25,6 +25,9 @@ class XPos(Position):
     is multiplied by ζ_0^(−m/B), which outgrows the dtype's range (fp32 and bf16 past ~35k tokens at B = 512, fp16 past
     ~3.9k): such a length is refused. Without the paper's blockwise causal attention it does not extrapolate."""
 
+    causal_only = ("position=xpos scales q·k by ζ^((n − m)/B), a decay toward the past that grows without bound for "
+                   "the keys after a query (Sun et al., 2022); use position=rope")
+
     extrapolates = False
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,

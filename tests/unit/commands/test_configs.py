@@ -28,15 +28,17 @@ def test_every_option_composes_and_builds(group: str, option: str, monkeypatch) 
     if group == "rope_scaling":
         overrides.append("position=rope")
     required = {"text_files": "data.paths=[x.txt]", "hf": "data.dataset=x",
-                "mixture": "data.sources={x: {paths: [x.txt], weight: 1}}"}
-    if group == "data" and option in required:
+                "mixture": "data.sources={x: {paths: [x.txt], weight: 1}}",
+                "classify": "head.labels=[a,b]"}  # (the data's, data=labelled; check_config takes any two)
+    if group in ("data", "head") and option in required:
         overrides.append(required[option])
     cfg = compose(overrides)
     assert cfg[group] is not None
     check_config(cfg)  # architecture on the meta device, optimizer, schedule
     if group not in ("model",):  # the large sizes are only checked on meta: building them here costs seconds
         model = build_model(cfg, vocab_size=40)
-        assert model(torch.randint(0, 40, (1, 8))).shape == (1, 8, 40)
+        out = model(torch.randint(0, 40, (1, 8)))
+        assert out.shape == ((1, 2) if option == "classify" else (1, 8, 40))  # a classifier: its labels' logits
 
 
 @pytest.mark.parametrize("overrides", [["attention.score=relu2"], ["attention.score=softmax_plus"],

@@ -56,7 +56,7 @@ CASES |= {f"residual={r}": {"position": {"name": "rope"}, "residual": {r: SMALL[
           for r in RESIDUALS}
 CASES |= {f"{group}={name}": {"position": {"name": "rope"}, group: {"name": name}}
           for group, registry in (("ffn", FFNS), ("placement", PLACEMENTS), ("block", BLOCKS), ("head", HEADS))
-          for name in registry}
+          for name in registry if getattr(registry[name], "predicts_next", True)}  # mlm, classify: refused (encoder)
 CASES |= {f"rope_scaling={s}": {"position": {"name": "rope"}, "train_len": 8, "rope_scaling": {"name": s}}
           for s in ROPE_SCALINGS if s != "none"}  # trained at 8: the text runs 3x past it
 CASES |= {
