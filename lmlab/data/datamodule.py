@@ -300,8 +300,8 @@ class TextDataModule(pl.LightningDataModule):
                     f"model.max_seq_len or use a larger corpus ({len(tokens)} tokens)"
                 )
         if len(train_blocks) == 0 or len(val_blocks) == 0:  # data.packing=padded: documents of one token only
-            raise ValueError(f"data.packing=padded leaves {len(train_blocks)} / {len(val_blocks)} training / validation "
-                             f"rows: no document has two tokens; check data.eod, or data.packing=packed")
+            raise ValueError(f"data.packing=padded leaves {len(train_blocks)} / {len(val_blocks)} training / "
+                             f"validation rows: no document has two tokens; check data.eod, or data.packing=packed")
         self.train_dataset = TrainBlocks(train_blocks, self.seed)
         self.val_blocks = val_blocks[: self._max_val_blocks]
         self.vocab_size: int = tok.get_vocab_size()

@@ -75,8 +75,8 @@ def check_sources(data: dict[str, Any]) -> list[Source]:
                              f"weights' sum ({total:g}), so no block of {CHUNK} would come from it; raise it or leave "
                              f"the source out")
     if data.get("packing", "packed") != "packed":
-        raise ValueError(f"data.packing={data['packing']} is not read by data=mixture: its sources are packed into full "
-                         f"blocks; set data.packing=packed (padded rows: data=text_files, shakespeare or hf)")
+        raise ValueError(f"data.packing={data['packing']} is not read by data=mixture: its sources are packed into "
+                         f"full blocks; set data.packing=packed (padded rows: data=text_files, shakespeare or hf)")
     kind = str(data.get("tokenizer"))
     for s in out:
         if s.kind == "token_bin" and kind in TOKENIZERS:

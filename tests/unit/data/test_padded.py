@@ -84,7 +84,6 @@ def test_the_data_module_rows_are_the_documents(tmp_path: Path) -> None:
     dm = dm_for(tmp_path, tmp_path / "docs", seq_len=31, eod=EOD, packing="padded")
     eod = dm.eod_id
     docs = [dm.tokenizer.encode(p.read_text()).ids + [eod] for p in sorted(paths)]
-    stream = np.concatenate(docs)
     rows = np.asarray(dm.train_dataset.blocks)
     assert rows.shape[1] == 32 and (rows == PAD).any()
     pieces = [r[r != PAD] for r in rows]

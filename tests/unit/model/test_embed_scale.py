@@ -45,7 +45,8 @@ def test_the_first_block_reads_the_scaled_token_embeddings(scale, factor: float,
 
 def test_learned_factor_starts_at_its_value_and_trains() -> None:
     model = _model(embed_scale="sqrt_d", embed_scale_learned=True).train()
-    assert isinstance(model.embed_scale, torch.nn.Parameter) and model.embed_scale.item() == pytest.approx(math.sqrt(64))
+    assert isinstance(model.embed_scale, torch.nn.Parameter)
+    assert model.embed_scale.item() == pytest.approx(math.sqrt(64))
     before = model.embed_scale.item()
     assert_trains(model, torch.randint(0, V, (4, 24), generator=torch.Generator().manual_seed(2)), "embed_scale")
     assert model.embed_scale.item() != before
