@@ -39,6 +39,15 @@ def metric(run: Path, name: str) -> dict[int, float]:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
+def metric_rows(run: Path) -> dict[int, dict[str, str]]:
+    """metrics.csv by step: every metric logged at that step (its rows merged), empty cells left out."""
+    rows: dict[int, dict[str, str]] = {}
+    with open(run / "metrics.csv") as f:
+        for r in csv.DictReader(f):
+            rows.setdefault(int(r["step"]), {}).update({k: v for k, v in r.items() if v})
+    return rows
+
+
 def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

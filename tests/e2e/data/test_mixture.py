@@ -5,14 +5,13 @@ table; eval.py's loss per length reads the run back."""
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import pytest
 
 from lmlab import compose
-from tests.runs import write_corpus
+from tests.runs import metric_rows, write_corpus
 from tests.unit.data.test_mixture import write_code
 
 
@@ -23,14 +22,6 @@ def _args(prose: Path, code: Path, cache: Path, *extra: str) -> list[str]:
             "optim.lr=1e-2", "schedule=constant", "schedule.warmup_steps=0", "trainer.max_steps=8",
             "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
             "monitor.every_n_steps=2", "monitor.attn_every_n_steps=0", "logger=none", "threads=1", *extra]
-
-
-def _rows(run: Path) -> dict[int, dict[str, str]]:
-    rows: dict[int, dict[str, str]] = {}
-    with open(run / "metrics.csv") as f:
-        for r in csv.DictReader(f):
-            rows.setdefault(int(r["step"]), {}).update({k: v for k, v in r.items() if v})
-    return rows
 
 
 def test_a_mixture_run_continued_from_4_to_8_steps_logs_what_8_straight_do(tmp_path: Path) -> None:
@@ -49,7 +40,7 @@ def test_a_mixture_run_continued_from_4_to_8_steps_logs_what_8_straight_do(tmp_p
     again = train(compose(_args(prose, code, cache, "resume=true")), resumed)
     assert again["status"] == "completed" and again["steps"] == 8 and summary["steps"] == 8
 
-    a, b = _rows(straight), _rows(resumed)
+    a, b = metric_rows(straight), metric_rows(resumed)
     columns = ("train/loss", "val/loss", "val/loss/prose", "val/loss/code")
     assert sorted(s for s, r in a.items() if "train/loss" in r) == list(range(8))
     validated = sorted(s for s, r in a.items() if "val/loss" in r)
@@ -103,4 +94,4 @@ def test_the_docs_mixture_command_trains_as_written(tmp_path: Path) -> None:
     summary = train(compose([*args, *tiny[1:]]), tmp_path / "run")
     assert summary["status"] == "completed" and set(summary["final_val_loss_by_source"]) == {"web", "code"}
     assert summary["mixture"]["web"]["weight"] == 0.7 and summary["mixture"]["code"]["weight"] == 0.3
-    assert "val/loss/web" in _rows(tmp_path / "run")[1]
+    assert "val/loss/web" in metric_rows(tmp_path / "run")[1]

@@ -5,7 +5,6 @@ too), compare's table and plot, and a short run that leaves its figures and resu
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmlab import compose
+from tests.runs import metric_rows
 
 
 def _tiny_mqar(*extra: str) -> list[str]:
@@ -21,14 +21,6 @@ def _tiny_mqar(*extra: str) -> list[str]:
             "trainer.val_check_interval=10", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
             "monitor.every_n_steps=5", "monitor.attn_every_n_steps=10", "schedule.warmup_steps=5", "logger=none",
             "threads=1", *extra]
-
-
-def _rows(run: Path) -> dict[int, dict[str, str]]:
-    rows: dict[int, dict[str, str]] = {}
-    with open(run / "metrics.csv") as f:
-        for r in csv.DictReader(f):
-            rows.setdefault(int(r["step"]), {}).update({k: v for k, v in r.items() if v})
-    return rows
 
 
 def test_a_short_mqar_run_leaves_its_figures_and_resumes_exactly(tmp_path: Path) -> None:
@@ -43,7 +35,7 @@ def test_a_short_mqar_run_leaves_its_figures_and_resumes_exactly(tmp_path: Path)
     assert (summary["recall_chance_accuracy"], summary["recall_n_pairs"], summary["recall_step"]) == (1 / 16, 4, 30)
     assert json.loads((straight / "summary.json").read_text())["recall_accuracy"] == summary["recall_accuracy"]
     assert summary["unigram_val_loss"] == pytest.approx(math.log(16))
-    a = _rows(straight)
+    a = metric_rows(straight)
     logged = sorted(s for s, r in a.items() if "recall/accuracy" in r)  # on Lightning's logging step, as val/loss
     assert len(logged) == 3 and logged == sorted(s for s, r in a.items() if "val/loss" in r)  # no sanity check
     assert float(a[logged[-1]]["recall/accuracy"]) == pytest.approx(recall["accuracy"], rel=1e-6)
@@ -51,7 +43,7 @@ def test_a_short_mqar_run_leaves_its_figures_and_resumes_exactly(tmp_path: Path)
     with pytest.raises(SystemExit):
         train(compose(_tiny_mqar()), resumed, callbacks=[CtrlC(at=17)])
     train(compose(_tiny_mqar("resume=true")), resumed)
-    b = _rows(resumed)
+    b = metric_rows(resumed)
     assert sorted(s for s, r in a.items() if "train/loss" in r) == list(range(30))
     for step, row in a.items():
         for c in ("train/loss", "val/loss", "recall/accuracy"):

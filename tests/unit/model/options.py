@@ -27,6 +27,15 @@ def assert_trains(model: torch.nn.Module, idx: torch.Tensor, owned: str, steps: 
     assert losses[-1] < losses[0] - drop, losses
 
 
+def trunk(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The trunk's final hidden state before the final norm (the last block's output) for `idx`."""
+    out = []
+    hook = model.h[-1].register_forward_hook(lambda m, a, o: out.append(o))
+    model(idx)
+    hook.remove()
+    return out[0]
+
+
 def assert_refused(overrides: list[str], message: str) -> None:
     """train.py's checks before training refuse the config of `overrides`, matching `message`."""
     from lmlab.run.checks import check_config

@@ -16,7 +16,7 @@ from lmlab.model.encoder import IGNORE, MaskedLM
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.head import fit_head
 from lmlab.model.position import POSITIONS, alibi_slopes
-from tests.unit.model.options import assert_refused
+from tests.unit.model.options import assert_refused, trunk
 
 V = 41  # 40 tokenizer ids and [MASK] = 40
 
@@ -306,14 +306,6 @@ def test_a_head_is_fitted_to_its_data_or_refused_by_key() -> None:
 
 # --- head=classify ------------------------------------------------------------------------------------------------
 
-def _trunk(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    out = []
-    hook = model.h[-1].register_forward_hook(lambda m, a, o: out.append(o))
-    model(idx)
-    hook.remove()
-    return out[0]
-
-
 @pytest.mark.parametrize("pool", ["mean", "first"])
 def test_the_classifiers_loss_and_accuracy_by_hand(pool: str) -> None:
     model = _model({"name": "classify", "labels": ["a", "b", "c"], "pool": pool}).train()
@@ -323,7 +315,7 @@ def test_the_classifiers_loss_and_accuracy_by_hand(pool: str) -> None:
     labels = torch.tensor([0, 2, 1, 2])
     objective, ce, _ = model(x, labels, parts=True)
     with torch.no_grad():
-        h = model.ln_f(_trunk(model, x)).double()  # (B, T, d)
+        h = model.ln_f(trunk(model, x)).double()  # (B, T, d)
         real = (x != V - 1).double()[..., None]
         pooled = h[:, 0] if pool == "first" else (h * real).sum(1) / real.sum(1)
         logits = pooled @ model.head.out.weight.double().T + model.head.out.bias.double()  # (B, 3)
@@ -337,7 +329,7 @@ def test_the_classifiers_loss_and_accuracy_by_hand(pool: str) -> None:
         assert model.head.pooled(h, x).shape == (4, 32)
 
 
-def test_a_classifier_fine_tuned_from_an_mlm_run_takes_its_trunk() -> None:
+def test_a_classifier_fine_tuned_from_an_mlm_run_takes_itstrunk() -> None:
     from lmlab.run.plan import load_init_from
 
     mlm = _model()

@@ -11,6 +11,7 @@ from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.head import HEADS
+from tests.unit.model.options import trunk
 
 V = 40
 
@@ -27,15 +28,6 @@ def _batch(T: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _trunk(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    """The trunk's final hidden state before the final norm (the last block's output)."""
-    out = []
-    hook = model.h[-1].register_forward_hook(lambda m, a, o: out.append(o))
-    model(idx)
-    hook.remove()
-    return out[0]
-
-
 def _ce(model: GPT, norm, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy((norm(h) @ model.wte.weight.T).flatten(0, 1), targets.flatten())
 
@@ -48,14 +40,14 @@ def test_sequential_mtp_is_deepseek_v3s_equation() -> None:
     objective, ce, _ = model(idx, targets, parts=True)
     mtp = model.head
     with torch.no_grad():
-        h, expected = _trunk(model, idx), []
+        h, expected = trunk(model, idx), []
         T = idx.size(1)
         for k in (1, 2):
             n = T - k
             x = torch.cat((mtp.norm_h[k - 1](h[:, :n]), mtp.norm_e[k - 1](model.wte(idx[:, k:]))), dim=-1)
             h = mtp.blocks[k - 1](x @ mtp.proj[k - 1].weight.T, model.pos)
             expected.append(_ce(model, mtp.norms[k - 1], h, targets[:, k:]))
-        next_token = _ce(model, model.ln_f, _trunk(model, idx), targets)
+        next_token = _ce(model, model.ln_f, trunk(model, idx), targets)
     torch.testing.assert_close(torch.stack(model.head_losses), torch.stack(expected))
     torch.testing.assert_close(ce, next_token)
     torch.testing.assert_close(objective, next_token + 0.25 * (expected[0] + expected[1]))
@@ -69,7 +61,7 @@ def test_parallel_heads_each_read_the_trunk_and_take_their_own_weight() -> None:
     objective, ce, _ = model(idx, targets, parts=True)
     mtp = model.head
     with torch.no_grad():
-        h = _trunk(model, idx)
+        h = trunk(model, idx)
         T = idx.size(1)
         expected = [_ce(model, mtp.norms[k - 1], mtp.blocks[k - 1](h[:, :T - k], model.pos), targets[:, k:])
                     for k in (1, 2, 3)]
