@@ -16,6 +16,12 @@ Documents (for attention.doc_mask and position.per_document): `data.doc_sep` is 
 shards, which llm.c and modded-nanogpt write as [50256, *document]) or ends each (`eod`: lmlab's own shards, a text
 corpus's data.eod). The model records both (model.eod_id, model.doc_sep_role), so eval, generation and a resume
 number the documents alike.
+
+`data.align_docs=true` starts every training block at a document's first token (the speedrun's record 26, "align
+training batch starts with EoS"): a block starts at a separator under `bos` (just after one under `eod`), and the next
+block at the first document start at least max_seq_len tokens further on, so blocks do not overlap (but for the
+last target, which may be the next block's first token) and the fewest tokens are skipped. Validation keeps the
+fixed, unaligned blocks (as the record kept its validation).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ HEADER_BYTES = HEADER_INTS * 4
 SPEEDRUN_VAL_TOKENS = 10_485_760
 UNIGRAM_SAMPLE = 10_000_000  # train tokens the unigram plateau is counted on (a 10B-token corpus: a sample)
 _KEYS = {"name", "train", "val", "val_tokens", "vocab_size", "tokenizer", "batch_size", "num_workers", "doc_sep",
-         "doc_sep_role"}
+         "doc_sep_role", "align_docs"}
 DOC_KEYS = {"doc_sep": NonNegativeInt | None, "doc_sep_role": Literal["bos", "eod"]}
 
 
@@ -151,6 +157,43 @@ def open_shards(pattern: str, key: str) -> TokenStream:
     return TokenStream(arrays)
 
 
+def doc_starts(stream: TokenStream, sep: int, opens: bool, chunk: int = 1 << 24) -> np.ndarray:
+    """The positions where documents start (int64, ascending): each separator (`opens`, BOS), or the token after each
+    (EOD), read a chunk at a time."""
+    found = []
+    for a in range(0, len(stream), chunk):
+        ids = stream.read(a, min(len(stream), a + chunk))
+        found.append(np.flatnonzero(ids == sep).astype(np.int64) + a + (0 if opens else 1))
+    starts = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    return starts[starts < len(stream)]
+
+
+class AlignedBlocks:
+    """Blocks of `block` tokens that each start at a document start (`data.align_docs`): the first start, then each
+    time the first start at least block − 1 tokens after the one before (the record's rule: the next block starts
+    where the last one's inputs end, or at the next document), while a whole block fits."""
+
+    def __init__(self, stream: TokenStream, block: int, starts: np.ndarray) -> None:
+        self.stream, self.block = stream, block
+        chosen, i = [], 0
+        last = len(stream) - block  # the last position a whole block starts at
+        while i < len(starts) and starts[i] <= last:
+            chosen.append(starts[i])
+            i = int(np.searchsorted(starts, starts[i] + block - 1, side="left"))
+        self.starts = np.asarray(chosen, dtype=np.int64)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.starts), self.block)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, key: int) -> np.ndarray:
+        a = int(self.starts[key])
+        return self.stream.read(a, a + self.block)
+
+
 def stand_in_tokenizer(vocab_size: int):
     """A tokenizer whose token i is the text "<i>": ids round-trip, text is only a label."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -193,6 +236,11 @@ class TokenBinDataModule(pl.LightningDataModule):
         if self.eod_id is not None and self.eod_id >= self.vocab_size:
             raise ValueError(f"data.doc_sep={self.eod_id} is not a token of the vocabulary (ids below "
                              f"data.vocab_size={self.vocab_size}); GPT-2's <|endoftext|> is 50256")
+        self.align_docs = data.get("align_docs", False)
+        check_values("data.", {"align_docs": self.align_docs}, {"align_docs": bool})
+        if self.align_docs and self.eod_id is None:
+            raise ValueError("data.align_docs=true starts each training block at a document, found by data.doc_sep, "
+                             "which is null: set data.doc_sep (GPT-2's <|endoftext|>: 50256), or data.align_docs=false")
         self.tokenizer = None
 
     def prepare_data(self) -> None:
@@ -223,7 +271,14 @@ class TokenBinDataModule(pl.LightningDataModule):
                          # reads
             "data.train": {"shards": len(paths), "tokens": len(train), "sha256": fingerprint(paths, self.cache_dir)},
             "data.val": {"tokens": len(self.val_tokens), "sha256": val_sha256}}
-        self.train_dataset = TrainBlocks(pack(train, self.seq_len + 1), self.seed)
+        blocks = pack(train, self.seq_len + 1)
+        if self.align_docs:
+            blocks = AlignedBlocks(train, self.seq_len + 1, doc_starts(train, self.eod_id, self.doc_sep_role == "bos"))
+            if not len(blocks):
+                raise ValueError(f"data.align_docs=true: data.train ({self.train_pattern}) has no document start "
+                                 f"(data.doc_sep={self.eod_id}) with a whole block of model.max_seq_len + 1 = "
+                                 f"{self.seq_len + 1} tokens after it")
+        self.train_dataset = TrainBlocks(blocks, self.seed)
         self.val_blocks = pack(self.val_tokens, self.seq_len + 1)
         if self.tokenizer_kind == NAME:
             self.tokenizer = stand_in_tokenizer(self.vocab_size)

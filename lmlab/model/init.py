@@ -5,17 +5,26 @@ they need from the modules: `is_residual_proj` on the projections that write int
 `fused` (the row blocks of a fused projection) and `value_parts` (which of them carry values rather than queries or
 keys), and the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1 otherwise).
 Norm weights keep their constructors' values (ones; ScaleNorm's sqrt(d)); biases are zeroed.
+
+Every scheme also takes the keys of `conf/init_base/shared.yaml`, applied after its draw (`finish`): `zero_proj`
+zeroes the projections that write into the stream (the GPT-2 speedrun's record 5: each block is the identity at step
+0), `zero_head` the untied head (record 8), and `mimetic_vo=β` draws each attention layer's values and output as
+W_v = √β·I + ε, W_o = −√β·I + ε, ε ~ N(0, `mimetic_noise`), so that W_o·W_v ≈ −β·I (Trockman & Kolter, 2023's
+mimetic init of the value–output pair; the speedrun's record 64, β = 0.05, noise 0.01, with the MLP's down-projection
+still zero under `zero_proj`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import warnings
 
 import torch
 from torch import nn
 
-from lmlab.registry import PositiveFloat
+from lmlab.registry import NonNegativeFloat, PositiveFloat
 
 
 def _linears_and_embeddings(model: nn.Module):
@@ -125,4 +134,69 @@ def deepnet(model: nn.Module) -> None:
     xavier(model)
 
 
-INITS = {"gpt2": gpt2, "deepnet": deepnet, "small": small, "xavier": xavier}
+def _attention_vo(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear]]:
+    """Each attention layer's (fused q, k, v projection, output projection), found by their markers; refused unless
+    the values and the output are as wide as the stream (the mimetic identity W_o·W_v = −β·I needs square maps)."""
+    d = model.wte.embedding_dim
+    pairs = []
+    for block in model.h:
+        for name in block.sublayer_names:
+            sub = getattr(block, name)
+            qkv, out = getattr(sub, "c_attn", None), getattr(sub, "c_proj", None)
+            if qkv is None or out is None or getattr(qkv, "value_parts", None) != (False, False, True):
+                continue
+            if qkv.fused[2] != d or out.in_features != d:
+                raise ValueError(f"init.mimetic_vo draws W_v and W_o as ±√β times the identity, which needs values "
+                                 f"as wide as the stream: here {qkv.fused[2]} value and {out.in_features} output "
+                                 f"columns against model.d_model={d}; use model.n_kv_head=model.n_head and "
+                                 f"n_head × head_dim = d_model, or init.mimetic_vo=null")
+            pairs.append((qkv, out))
+    if not pairs:
+        raise ValueError("init.mimetic_vo draws the value and output projections of softmax attention layers (q, k, v "
+                         "fused, then an output projection: attention=mha and its head counts); this model has none; "
+                         "use init.mimetic_vo=null")
+    return pairs
+
+
+@torch.no_grad()
+def finish(model: nn.Module, *, zero_proj: bool = False, zero_head: bool = False,
+           mimetic_vo: NonNegativeFloat | None = None, mimetic_noise: NonNegativeFloat = 0.01) -> None:
+    """The shared keys, after a scheme's draw (the module docstring): zero the stream's projections, zero the head,
+    then the mimetic value–output pairs (which replace a zeroed attention output)."""
+    if zero_head:
+        if model.lm_head.weight is model.wte.weight or getattr(model.cfg, "untie_at_step", None) is not None:
+            raise ValueError("init.zero_head=true zeroes the head's own matrix; with model.tie_embeddings=true the "
+                             "head reads the embedding (zero tokens) or, with model.untie_at_step, is copied from it: "
+                             "set model.tie_embeddings=false, or init.zero_head=false")
+        nn.init.zeros_(model.lm_head.weight)
+    if zero_proj:
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and getattr(module, "is_residual_proj", False):
+                nn.init.zeros_(module.weight)
+    if mimetic_vo is not None:
+        root = mimetic_vo ** 0.5
+        for qkv, out in _attention_vo(model):
+            start = qkv.fused[0] + qkv.fused[1]
+            v = qkv.weight[start:start + qkv.fused[2]]
+            v.copy_(root * torch.eye(*v.shape) + mimetic_noise * torch.randn_like(v))
+            out.weight.copy_(-root * torch.eye(*out.weight.shape) + mimetic_noise * torch.randn_like(out.weight))
+
+
+_SHARED = [p for p in inspect.signature(finish).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _scheme(draw):
+    """A scheme as the registry calls it: its own keys, then the shared ones (`finish`'s), in one signature."""
+    @functools.wraps(draw)
+    def init(model: nn.Module, **keys) -> None:
+        shared = {p.name: keys.pop(p.name) for p in _SHARED if p.name in keys}
+        draw(model, **keys)
+        finish(model, **shared)
+
+    own = inspect.signature(draw)
+    init.__signature__ = own.replace(parameters=[*own.parameters.values(), *_SHARED])
+    return init
+
+
+INITS = {name: _scheme(draw) for name, draw in
+         {"gpt2": gpt2, "deepnet": deepnet, "small": small, "xavier": xavier}.items()}

@@ -387,7 +387,7 @@ SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": ws
 # (lmlab.optim.ema); qk_clip the max attention logit τ QK-clip keeps every head under (null: off; lmlab.optim.qk_clip)
 OPTIM_LOOP_KEYS = {"weight_decay": NonNegativeFloat, "grad_clip": NonNegativeFloat | None, "z_loss": NonNegativeFloat,
                    "ema": Annotated[float, Range(ge=0, lt=1)], "ema_start": NonNegativeInt,
-                   "qk_clip": PositiveFloat | None}
+                   "qk_clip": PositiveFloat | None, "groups": list | None}  # groups: lmlab.optim.overrides
 
 
 def optimizer_spec(optim: dict) -> dict:

@@ -77,6 +77,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     from lmlab.model.memory import check_attention_fits, check_batch_fits
     from lmlab.model.norm import NORMS
     from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
+    from lmlab.optim.overrides import check as check_groups
     from lmlab.optim.qk_clip import check_qk_clip
     from lmlab.registry import PositiveFloat, PositiveInt, check_values, option_params
 
@@ -89,6 +90,9 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
     check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
+    opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(OmegaConf.to_container(cfg.optim)))[0]
+    check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False),
+                 lambda: _meta_model(gcfg))
     if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
         optim = OmegaConf.to_container(cfg.optim)
         averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)

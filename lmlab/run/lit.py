@@ -24,6 +24,7 @@ from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, valid
     param_groups,
     validate_optim,
 )
+from lmlab.optim import overrides
 from lmlab.optim.ema import WeightEMA
 from lmlab.record.tracking import log_at
 from lmlab.registry import build, option_params
@@ -41,7 +42,10 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     by_role = getattr(OPTIMIZERS[opt_name], "roles", False) or bool(param is not None and param.per_role)
     groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role,
                           layouts=getattr(OPTIMIZERS[opt_name], "layouts", False))
+    groups = overrides.split(model, groups, optim.get("groups"))  # optim.groups: settings per tensor
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
+    for g in optimizer.param_groups:  # optim.groups' lr_mult, before the schedule reads the lr
+        g["lr"] = g["lr"] * g.get("lr_mult", 1.0)
     if param is not None and param.per_role:  # an option may set its own per-group rule (Muon's spectral one)
         rule = getattr(OPTIMIZERS[opt_name], "mup_lr_mult", None)
         _, opt_params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))

@@ -1,6 +1,7 @@
 """`residual=scaled`: learned scalars on the stream and on each sublayer's branch.
 
-x ← λ_l·x at the input of layer l when `stream` (the GPT-2 speedrun's `resid_lambdas`, init 1), and each sublayer's
+x ← λ_l·x at the input of layer l when `stream` (the GPT-2 speedrun's `resid_lambdas`, init `stream_init`: 1, or
+the record 45's 1.1, which weighs the early layers' outputs up by 1.1^(L − l) at step 0), and each sublayer's
 branch F scaled by a learned α (x + α·F(N(x)) under pre-norm): one per sublayer (`per_channel=false`: ReZero,
 Bachlechner et al., 2020, with `branch_init=0` — the model is exactly the identity at step 0 — or a scalar at 1) or one
 per channel
@@ -36,10 +37,13 @@ class BranchScale(nn.Module):
 
 class Scaled(nn.Module):
     def __init__(self, cfg: GPTConfig, *, branch_init: NonNegativeFloat = 1.0, per_channel: bool = False,
-                 stream: bool = False) -> None:
+                 stream: bool = False, stream_init: float = 1.0) -> None:
         super().__init__()
         self.branch_init, self.per_channel, self.d_model = branch_init, per_channel, cfg.d_model
-        self.stream = nn.Parameter(torch.ones(cfg.n_layer)) if stream else None
+        if stream_init != 1.0 and not stream:
+            raise ValueError(f"residual.scaled.stream_init={stream_init} starts the stream scalars λ_l, which "
+                             f"residual.scaled.stream=false leaves out: set residual.scaled.stream=true")
+        self.stream = nn.Parameter(torch.full((cfg.n_layer,), float(stream_init))) if stream else None
 
     def attach(self, model: nn.Module) -> None:
         for block in model.h:

@@ -153,3 +153,43 @@ def test_the_data_module_gives_the_separator_and_refuses_one_outside_the_vocabul
     with caplog.at_level(logging.WARNING, logger="lmlab.data.token_bin"):
         TokenBinDataModule(_spec(d, doc_sep=8), seq_len=32, seed=0).setup()
     assert "data.doc_sep=8 never occurs in the 66 val tokens" in caplog.text
+
+
+@pytest.mark.parametrize("role", ["bos", "eod"])
+def test_align_docs_starts_every_training_block_at_a_document_and_skips_the_fewest_tokens(tmp_path, role) -> None:
+    """data.align_docs (record 26): each block opens a document (at a BOS; after an EOD), the next block starts at
+    the first document start at least max_seq_len tokens on (the record's rule, by hand below), and whole blocks
+    only; the validation blocks stay the fixed, unaligned ones."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(10, 64, 3 + i % 11)) for i in range(60)]
+    stream = np.concatenate([[S, *doc] if role == "bos" else [*doc, S] for doc in docs])
+    write_shard(d / "train_0.bin", stream)
+    write_shard(d / "val_0.bin", stream[::-1].copy())
+    L = 16
+    data = TokenBinDataModule(_spec(d, doc_sep=S, doc_sep_role=role, align_docs=True), seq_len=L, seed=0)
+    data.setup()
+    seps = np.flatnonzero(stream == S)
+    starts = seps if role == "bos" else seps + 1
+    want, s = [], starts[0]
+    while s + L + 1 <= len(stream):  # by hand: accept s, then the first start at or past s + L
+        want.append(s)
+        later = starts[starts >= s + L]
+        if not len(later):
+            break
+        s = later[0]
+    blocks = data.train_dataset.blocks
+    assert blocks.starts.tolist() == want and len(want) > 5
+    for i, a in enumerate(want):
+        block = np.asarray(blocks[i])
+        assert block.tolist() == stream[a:a + L + 1].tolist()
+        assert block[0] == S if role == "bos" else stream[a - 1] == S
+    unaligned = TokenBinDataModule(_spec(d, doc_sep=S, doc_sep_role=role), seq_len=L, seed=0)
+    unaligned.setup()
+    assert np.array_equal(np.asarray(data.val_blocks), np.asarray(unaligned.val_blocks))
+
+
+def test_align_docs_without_a_separator_is_refused_naming_the_keys(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"data.align_docs=true .* data.doc_sep, which is null"):
+        TokenBinDataModule(_spec(tmp_path, align_docs=True), seq_len=16, seed=0)

@@ -208,3 +208,49 @@ def test_deepnorm_with_xavier_is_deepnet_and_gpt2_says_it_drops_beta(tiny_cfg) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GPT(tiny_cfg(**{**cfg, "placement": {"name": "pre"}}, init={"name": "gpt2"}))  # β = 1: nothing to say
+
+
+# ---- the shared keys (conf/init_base/shared.yaml): the speedrun's zero and mimetic inits ----------------------
+
+
+@pytest.mark.parametrize("scheme", sorted(INITS))
+def test_zero_proj_and_zero_head_zero_exactly_the_stream_writers_and_the_head(scheme: str) -> None:
+    """Records 5 and 8: every projection into the stream (attention's and the MLP's output) and the untied head are
+    zero, so each block is the identity and the logits are 0 at step 0; the other matrices keep the scheme's draw."""
+    model = _model({"name": scheme, "zero_proj": True, "zero_head": True}, tie_embeddings=False)
+    for block in model.h:
+        assert not block.attn.c_proj.weight.any() and not block.mlp.c_proj.weight.any()
+        assert _std(block.attn.c_attn.weight) > 0.01 and _std(block.mlp.c_fc.weight) > 0.01
+    assert not model.lm_head.weight.any() and _std(model.wte.weight) > 0.01
+    idx = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        assert not model(idx).any()
+
+
+def test_mimetic_vo_makes_the_value_output_product_minus_beta_identity() -> None:
+    """Record 64 (Trockman & Kolter, 2023): W_v = √β·I + ε, W_o = −√β·I + ε with ε ~ N(0, noise): W_o·W_v = −β·I up
+    to the noise; q and k keep the scheme's draw; with zero_proj the MLP's output stays zero and attention's is
+    mimetic's."""
+    beta, noise = 0.05, 0.01
+    model = _model({"name": "gpt2", "mimetic_vo": beta, "mimetic_noise": noise, "zero_proj": True})
+    for block in model.h:
+        attn = block.attn
+        v = attn.c_attn.weight[2 * C:3 * C]
+        product = attn.c_proj.weight @ v
+        # off the diagonal: two noise terms of √β·ε each, std √(2β)·noise; the diagonal −β plus those
+        torch.testing.assert_close(product.diagonal().mean().item(), -beta, rtol=0, atol=5e-3)
+        assert _std(product - torch.diag(product.diagonal())) == pytest.approx((2 * beta) ** 0.5 * noise, rel=0.1)
+        assert _std(v - beta ** 0.5 * torch.eye(C)) == pytest.approx(noise, rel=REL)
+        assert _std(attn.c_attn.weight[:2 * C]) == pytest.approx(0.02, rel=REL)
+        assert not block.mlp.c_proj.weight.any()
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"init": {"name": "gpt2", "zero_head": True}}, r"init.zero_head=true .* model.tie_embeddings=true"),
+    ({"init": {"name": "gpt2", "mimetic_vo": 0.05}, "n_kv_head": 2, "attention": {"name": "gqa"}},
+     r"init.mimetic_vo .* model.n_kv_head"),
+    ({"init": {"name": "gpt2", "mimetic_vo": -1.0}}, r"init.mimetic_vo"),
+])
+def test_bad_shared_init_keys_are_named(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _model(**kw)

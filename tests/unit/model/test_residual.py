@@ -4,6 +4,8 @@ activation checkpointing, the options stacked, and the refusals by key."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -187,6 +189,28 @@ def test_unet_adds_layer_L_minus_1_minus_is_output_into_the_second_half(n_layer:
         torch.testing.assert_close(ins[i], want, rtol=1e-6, atol=1e-6)
 
 
+def test_unet_chosen_pairs_with_sigmoid_gates_add_sigma_w_times_the_sources_output() -> None:
+    """Record 45's one skip (here [1, 3] of 4 layers, and [0, 2]) with record 32's σ gates: layer r's input is layer
+    r − 1's output plus σ(w)·(layer s's output); every other input is the previous output alone."""
+    model = _model({"unet": {"pairs": [[1, 3], [0, 2]], "gate": "sigmoid"}})
+    ins, outs, _ = _trace(model, _idx())
+    unet = model.residual.options["unet"]
+    w = unet.gates.detach()
+    assert unet.receivers == [2, 3] and w.numel() == 2
+    torch.testing.assert_close(ins[1], outs[0])
+    torch.testing.assert_close(ins[2], outs[1] + torch.sigmoid(w[0]) * outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ins[3], outs[2] + torch.sigmoid(w[1]) * outs[1], rtol=1e-6, atol=1e-6)
+    assert GPT(validate(GPTConfig(vocab_size=V, n_layer=4, d_model=32, n_head=4, max_seq_len=16, residual={
+        "unet": {"gate": "sigmoid", "gate_init": -1.5}}))).residual.options["unet"].gate(3).item() == \
+        pytest.approx(1 / (1 + math.exp(1.5)))  # record 32: σ(−1.5) ≈ 0.18
+
+
+def test_scaled_stream_init_starts_every_lambda_there() -> None:
+    model = GPT(validate(GPTConfig(vocab_size=V, n_layer=3, d_model=32, n_head=4, max_seq_len=16,
+                                   residual={"scaled": {"stream": True, "stream_init": 1.1}})))
+    assert torch.equal(model.residual.options["scaled"].stream.detach(), torch.full((3,), 1.1))
+
+
 @pytest.mark.parametrize("placement", ["pre", "double", "post_nonres"])
 def test_parallel_sums_both_branches_of_the_same_input(placement: str) -> None:
     model = _model({"parallel": {}}, placement={"name": placement})
@@ -275,6 +299,10 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=value_residual", "attention=mla"], r"residual=value_residual with attention=mla"),
     (["residual=value_residual", "block=gau"], r"residual=value_residual mixes attention values"),
     (["residual=unet", "model.n_layer=1"], r"residual=unet .* model.n_layer=1"),
+    (["residual=unet", "residual.unet.pairs=[[3,2]]"], r"residual.unet.pairs has \[3, 2\]: .* source < receiver"),
+    (["residual=unet", "residual.unet.pairs=[[0,3],[1,3]]"], r"residual.unet.pairs gives layer 3 two skips"),
+    (["residual=unet", "residual.unet.gate=tanh"], r"residual.unet.gate"),
+    (["residual=scaled", "residual.scaled.stream_init=1.1"], r"stream_init=1.1 .* residual.scaled.stream=true"),
     (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual\.value_residual\.init=2.0"),
     (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual\.scaled\.branch_init=-1"),
     (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
