@@ -27,6 +27,8 @@ COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not 
 # option's own keys.
 # `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).
 FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt, "hidden": PositiveInt | None}
+# Keys of the ffn group that say which layers have an FFN (lmlab.model.block reads them; the FFN class never sees them).
+FFN_LAYERS = {"skip_layers": Annotated[list[int], Range(ge=0)] | None}
 # The derived sizes (lmlab.model.resolve fills them; None in a record written before December 2026: worked out then)
 DERIVED = ("head_dim", "kv_heads", "ffn_hidden", "attn_heads", "attn_head_dim", "cache_width", "attn_width",
            "unused")
@@ -98,8 +100,9 @@ class GPTConfig:
 
     @property
     def ffn_spec(self) -> dict[str, Any]:
-        """The ffn group as its option takes it: without the sizing keys (FFN_SIZES), which give `ffn_hidden`."""
-        return {k: v for k, v in self.ffn.items() if k not in FFN_SIZES}
+        """The ffn group as its option takes it: without the sizing keys (FFN_SIZES), which give `ffn_hidden`, and the
+        layers' (FFN_LAYERS), which the block kind reads."""
+        return {k: v for k, v in self.ffn.items() if k not in FFN_SIZES and k not in FFN_LAYERS}
 
     @property
     def resolved(self) -> bool:

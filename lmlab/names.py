@@ -8,6 +8,7 @@ TRAIN_LOSS = "train/loss"
 TRAIN_Z_LOSS = "train/z_loss"  # mean (log Z)² of the output logits, under optim.z_loss (the objective adds λ times it)
 # An MoE's balancing losses before their coefficients, summed over its layers (lmlab.model.moe; the objective adds them)
 TRAIN_AUX = {"balance": "train/moe_balance_loss", "router_z": "train/router_z_loss"}
+TRAIN_PREFIX_LOSS = "train/prefix_loss"  # head=prefix's auxiliary loss, before its weight (lmlab.model.prefix)
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_EMA_LOSS = "val/ema_loss"  # val/loss of the weight EMA (optim.ema > 0; lmlab.optim.ema), at every validation

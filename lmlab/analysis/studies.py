@@ -197,7 +197,15 @@ SPEEDRUN_RECORDS = {
     "02_muon": "#3: 31.4 → 24.9 min", "03_relu2_qknorm": "#5: 22.3 → 15.2 min (with zero-init projections, padding)",
     "04_untied": "#8: 12.0 → 10.8 min", "05_shortcuts": "#9: 10.8 → 8.2 min (with momentum warm-up)",
     "06_unet": "#11: 7.8 → 7.2 min (with 2× lr)", "07_value_embed": "#14: 4.66 → 4.41 min",
-    "08_softcap15": "#18: 3.57 → 3.4 min", "09_untie_late": "a 2025 record (not in the table held here)",
+    "08_softcap15": "#18: 3.57 → 3.4 min", "09_untie_late": "#53: untied at 2/3 of training",
+    "10_smear": "#34: 2.565 → 2.547 min", "11_backout": "#40: backout", "12_bigram_hash": "#62: bigram hash",
+    "13_logit_rescale": "#54: asymmetric logit rescale", "14_xsa": "#82: learnable XSA",
+    "15_key_offset": "#49: partial key offset", "16_zero_proj": "#5: 22.3 → 15.2 min (zero-init projections)",
+    "17_sigmoid_skips": "#32: 2.656 → 2.625 min", "18_refine_skip": "#45: 2.269 → 2.248 min",
+    "19_mlp_lr": "#42: 2.345 → 2.313 min", "20_mimetic_vo": "#64: 1.650 → 1.630 min",
+    "21_drop_mlp": "#30: 2.731 → 2.717 min", "22_drop_attn": "#17: 3.80 → 3.57 min (one layer's attention)",
+    "23_paired_heads": "#58: 1.878 → 1.820 min", "24_window_warmup": "#13: 5.03 → 4.66 min",
+    "25_batch_schedule": "#46: 2.248 → 2.203 min", "26_seq_schedule": "#72: 1.516 → 1.496 min",
 }
 
 

@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lmlab.data import shards
+from lmlab.data import shards, stages
 from lmlab.data.corpus import CORPORA
 from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
 from lmlab.data.padded import PaddedRows, pad_documents
@@ -67,6 +67,9 @@ _DEFAULTS: dict[str, Any] = {
     "tokenizer_sample": 100_000_000,  # characters of the training part a trained tokenizer learns from; None: all
     "shard_size": 1 << 23,  # text per token shard: bytes of files (whole files), characters of dataset rows
     "packing": "packed",  # packed: documents follow each other in full blocks; padded: each its own rows (padded.py)
+    "batch_schedule": None,  # the batch by stage (lmlab.data.stages); None: data.batch_size throughout
+    "seq_schedule": None,  # the training sequences' length by stage (read by the loop: lmlab.run.lit)
+    "batch_lr_power": 0.0,  # the lr x (B/B0)^p under batch_schedule (read by the loop)
 }
 
 
@@ -217,6 +220,24 @@ class StepSampler(Sampler[int]):
             first += self.world_size * self.batch_size
 
 
+def scheduled(spec: dict[str, Any], seq_len: int) -> stages.Stages | None:
+    """Pop the schedule keys off a data spec (lmlab.data.stages), checked; the batch stages (None: none)."""
+    batch = stages.check("data.batch_schedule", spec.pop("batch_schedule", None))
+    stages.check("data.seq_schedule", spec.pop("seq_schedule", None), limit=seq_len, divides=seq_len)
+    check_values("data.", {"batch_lr_power": spec.pop("batch_lr_power", 0.0)},
+                 {"batch_lr_power": DATA_KEYS["batch_lr_power"]})
+    return batch
+
+
+def scheduled_loader(data: Any, dataset: Any, step: int, accumulate: int, world: int, rank: int) -> DataLoader:
+    """The training loader under data.batch_schedule: `ScheduledBatches` from optimizer step `step` on."""
+    max_steps = data.trainer.max_steps if data.trainer is not None else 1
+    sampler = stages.ScheduledBatches(start_step=step, max_steps=max_steps, stages=data.batch_stages,
+                                      batch_size=data.batch_size, rank=rank, world_size=world, accumulate=accumulate)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
+                      pin_memory=torch.cuda.is_available())
+
+
 class TextDataModule(pl.LightningDataModule):
     """`data` is the composed `data` config group as a plain dict; `seq_len` is `model.max_seq_len`."""
 
@@ -236,6 +257,7 @@ class TextDataModule(pl.LightningDataModule):
                                                                                    "shard_size"))
         self.packing = spec.pop("packing")
         self.seq_len, self.seed = int(seq_len), int(seed)
+        self.batch_stages = scheduled(spec, self.seq_len)
         self._read_corpus(spec)
         self._check()
         self.tokenizer = None
@@ -369,6 +391,8 @@ class TextDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
         step, accumulate, world_size, rank = self._progress()
+        if self.batch_stages is not None:  # data.batch_schedule: batches sized by the step (lmlab.data.stages)
+            return scheduled_loader(self, self.train_dataset, step, accumulate, world_size, rank)
         start = step * accumulate * self.batch_size * world_size  # global samples consumed so far
         sampler = StepSampler(start=start, batch_size=self.batch_size, rank=rank, world_size=world_size)
         return DataLoader(

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack
+from lmlab.data.datamodule import Blocks, StepSampler, TrainBlocks, pack, scheduled, scheduled_loader
 from lmlab.data.shards import TokenStream
 from lmlab.record.rundir import atomic_write, remember
 from lmlab.registry import NonNegativeInt, check_values
@@ -52,7 +52,7 @@ HEADER_BYTES = HEADER_INTS * 4
 SPEEDRUN_VAL_TOKENS = 10_485_760
 UNIGRAM_SAMPLE = 10_000_000  # train tokens the unigram plateau is counted on (a 10B-token corpus: a sample)
 _KEYS = {"name", "train", "val", "val_tokens", "vocab_size", "tokenizer", "batch_size", "num_workers", "doc_sep",
-         "doc_sep_role", "align_docs"}
+         "doc_sep_role", "align_docs", "batch_schedule", "seq_schedule", "batch_lr_power"}
 DOC_KEYS = {"doc_sep": NonNegativeInt | None, "doc_sep_role": Literal["bos", "eod"]}
 
 
@@ -224,6 +224,7 @@ class TokenBinDataModule(pl.LightningDataModule):
         self.tokenizer_kind = str(data.get("tokenizer") or NAME)
         self.batch_size, self.num_workers = int(data.get("batch_size", 8)), int(data.get("num_workers", 0))
         self.seq_len, self.seed = int(seq_len), int(seed)
+        self.batch_stages = scheduled(dict(data), self.seq_len)  # data.batch_schedule (lmlab.data.stages)
         self.cache_dir = Path(data.get("cache_dir") or os.environ.get("LMLAB_CACHE", "~/.cache/lmlab")).expanduser()
         if not 0 < self.vocab_size <= 2**16:
             raise ValueError(f"data.vocab_size={self.vocab_size} must be in [1, 65536]: .bin shards hold uint16 ids")
@@ -292,6 +293,8 @@ class TokenBinDataModule(pl.LightningDataModule):
         t = self.trainer
         step, accumulate, world, rank = (0, 1, 1, 0) if t is None else (
             t.global_step, t.accumulate_grad_batches, t.world_size, t.global_rank)
+        if self.batch_stages is not None:
+            return scheduled_loader(self, self.train_dataset, step, accumulate, world, rank)
         sampler = StepSampler(start=step * accumulate * self.batch_size * world, batch_size=self.batch_size,
                               rank=rank, world_size=world)
         return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler,

@@ -64,6 +64,10 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("block", cfg.block["name"], fam, "block=transformer")
     if cfg.mixer.get("name", "attention") != mixer:  # every layer softmax attention, but in the hybrid families
         raise _refuse("mixer", cfg.mixer["name"], fam, f"mixer={mixer}")
+    if "none" in (cfg.mixer.get("pattern") or []):  # a layer without a token mixer: no family has one
+        raise _refuse("mixer.pattern", list(cfg.mixer["pattern"]), fam, "a token mixer in every layer")
+    if cfg.ffn.get("skip_layers"):
+        raise _refuse("ffn.skip_layers", list(cfg.ffn["skip_layers"]), fam, "ffn.skip_layers=null")
     if extra := [name for name in cfg.residual if name not in (*residual, "standard")]:
         raise _refuse("residual", extra[0], fam, f"residual={'|'.join(('standard', *residual))}")
     if cfg.placement["name"] != placement:
@@ -90,7 +94,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   *(() if gate else (("gate", None),)), ("sinks", False), ("forget_gate", False), ("mem_kv", 0),
-                  ("xsa", None), ("key_offset", False),
+                  ("xsa", None), ("key_offset", False), ("paired_heads", False),
+                  ("window_block", None), ("eval_window", None),  # transformers' windows: tokens, one for every use
                   *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:
         if attn.get(key, plain) != plain:

@@ -250,8 +250,8 @@ class GPT(nn.Module):
 
     @property
     def extra_losses(self) -> bool:
-        """Whether training adds losses to the cross-entropy (an MoE's balancing terms, MTP's depths)."""
-        return self.routes or bool(self.head.depth)
+        """Whether training adds losses to the cross-entropy (an MoE's balancing terms, MTP's depths, head=prefix's)."""
+        return self.routes or bool(self.head.depth) or any(self.head.weights)
 
     @property
     def routes(self) -> bool:

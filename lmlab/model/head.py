@@ -1,11 +1,14 @@
 """What the model predicts (the `head` axis): `next` (the next token only, every earlier run), `mtp`, multi-token
-prediction, which trains extra modules to predict the tokens after it, and the encoder objectives of
-`lmlab.model.encoder`: `mlm` (a bidirectional masked language model) and `classify` (a sequence classifier).
+prediction, which trains extra modules to predict the tokens after it, `prefix` (lmlab.model.prefix: the next token and
+each target's longest prefix token from the same logits, the GPT-2 speedrun's auxiliary loss), and the encoder
+objectives of `lmlab.model.encoder`: `mlm` (a bidirectional masked language model) and `classify` (a sequence
+classifier).
 
 Contract: `Head(cfg, *, <own params>)`, an nn.Module built once per model, with `depth` (the extra tokens predicted;
 0: none) and `terms(h, idx, targets, doc, embed, pos, lm_loss)`: its side-channel terms (lmlab.model.side; MTP's
 depths' losses [L_1, ..., L_D], with `losses`, from the trunk's final hidden state h (B, T, d) before the final norm,
-given the tokens idx and the next-token targets (B, T); `weights`, each depth's weight in the objective). Besides:
+given the tokens idx and the next-token targets (B, T); `weights`, the weights its terms take in the objective: each
+depth's, head=prefix's one). Besides:
 - `causal`: whether every layer reads only the keys at or before a query (the model sets it on its position scheme,
   which every attention path reads; False: bidirectional, and what cannot read both ways is refused by key);
 - `reserved`: ids past the tokenizer's that the model embeds ([MASK] = vocab_size for the encoder heads; 0 here);
@@ -48,6 +51,7 @@ from lmlab.model.block import BLOCKS
 from lmlab.model.encoder import Classify, MaskedLM
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
+from lmlab.model.prefix import PrefixToken
 from lmlab.model.side import Term
 from lmlab.registry import NonNegativeFloat, PositiveInt, build, option_params, option_types
 
@@ -151,7 +155,7 @@ class MTP(NextToken):
         return out
 
 
-HEADS = {"next": NextToken, "mtp": MTP, "mlm": MaskedLM, "classify": Classify}
+HEADS = {"next": NextToken, "mtp": MTP, "prefix": PrefixToken, "mlm": MaskedLM, "classify": Classify}
 
 
 def fit_head(spec: dict[str, Any], labels: Sequence[str] | None, data: str | None) -> tuple[dict[str, Any], int]:
@@ -173,3 +177,15 @@ def fit_head(spec: dict[str, Any], labels: Sequence[str] | None, data: str | Non
                              f"head.labels=null (the data's are taken)")
         spec = {**spec, "labels": list(labels)}
     return spec, HEADS[name].reserved
+
+
+def fit_vocabulary(spec: dict[str, Any], tokenizer: Any, vocab_size: int, eod_id: int | None, data: str | None
+                   ) -> dict[str, Any]:
+    """The head's spec fitted to the data's tokenizer (`tokenizer`, None for data without one; the model's
+    `vocab_size`, the data's end-of-document `eod_id`, `data` its name for the messages): a head that reads the
+    vocabulary (its `fit_vocabulary`: head=prefix's prefix table, lmlab.model.prefix) takes what it needs, refused by
+    key when the vocabulary cannot give it; the others are returned as they are. Kept in the model record, not the
+    run's config (as the data's eod_id is)."""
+    name, _ = option_params("head", HEADS, spec)
+    fit = getattr(HEADS[name], "fit_vocabulary", None)
+    return dict(spec) if fit is None else fit(spec, tokenizer, vocab_size, eod_id, data)

@@ -96,7 +96,7 @@ def _capped_rows(z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, so
     nll, index = _nll_sum(logp, targets, valid)
     lse = (z[:, 0] - logp[:, 0])[:, None]  # log Z per row (logp = z − log Z in every column)
     z_sq = torch.where(valid[:, None], lse.square(), 0.0).sum()
-    scale = valid[:, None].to(z.dtype) / count
+    scale = valid[:, None].to(z.dtype) / count.clamp(min=1)  # every row ignored: a zero gradient, not 0 / 0
     probs = logp.exp_()
     dz = _dlogits(probs.clone() if z_loss else probs, index, scale)
     if z_loss:
@@ -212,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for i in range(0, h.size(0), rows):
                 if z_loss is None:  # the plain loss: one log-softmax per block, its gradient in place
                     nll, index, logp = _block_nll(hc[i:i + rows], wc, targets[i:i + rows], valid[i:i + rows])
-                    scale = valid[i:i + rows, None].to(logp.dtype) / count
+                    scale = valid[i:i + rows, None].to(logp.dtype) / count.clamp(min=1)  # (as _capped_rows)
                     dlogits = _dlogits(logp.exp_(), index, scale).to(dtype)  # logp is this block's own: in place
                 else:
                     z = (hc[i:i + rows] @ wc.t()).to(acc)

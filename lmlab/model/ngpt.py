@@ -71,6 +71,10 @@ def check(cfg: GPTConfig) -> None:
     if extra := [name for name in cfg.residual if name != "standard"]:
         raise ValueError(f"norm=ngpt with residual={extra[0]}: nGPT's update is the whole stream rule (a residual "
                          f"option adds to the stream or rewires the block); use residual=standard")
+    if "none" in (cfg.mixer.get("pattern") or []) or cfg.ffn.get("skip_layers"):
+        key = "mixer.pattern" if "none" in (cfg.mixer.get("pattern") or []) else "ffn.skip_layers"
+        raise ValueError(f"norm=ngpt with {key} dropping a sublayer: nGPT's update moves the stream toward each "
+                         f"sublayer's output with its own learned rate; give every layer attention and an FFN")
     if cfg.ffn.get("name") == "moe":
         raise ValueError("norm=ngpt with ffn=moe: its s_u, s_v and normalised matrices are a dense FFN's; use "
                          "ffn=mlp|glu|swiglu|geglu|reglu (swiglu is the paper's)")

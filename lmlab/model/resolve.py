@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from lmlab.config import DERIVED, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
+from lmlab.config import DERIVED, FFN_LAYERS, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
@@ -45,6 +45,7 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
                     for name, params in residual_specs(cfg.residual)}
     mixer_name, _ = option_params("mixer", MIXERS, cfg.mixer)
     cfg.mixer = {**option_defaults(MIXERS[mixer_name]), **cfg.mixer}
+    cfg.ffn = {**dict.fromkeys(FFN_LAYERS), **cfg.ffn}  # ffn.skip_layers: null (every layer its FFN) when not saved
     if cfg.logit_softcap is None and (cfg.logit_softcap_width is not None or cfg.logit_softcap_offset):
         shown = (f"model.logit_softcap_width={cfg.logit_softcap_width}" if cfg.logit_softcap_width is not None
                  else f"model.logit_softcap_offset={cfg.logit_softcap_offset}")
@@ -137,7 +138,8 @@ def n_params_estimate(cfg: GPTConfig) -> int:
     kind = build("block", BLOCKS, cfg.block, resolve(cfg))
     head, params = option_params("head", HEADS, cfg.head)
     untied = not cfg.tie_embeddings or cfg.untie_at_step is not None  # model.untie_at_step: a head matrix of its own
-    layers = sum(kind.n_params(kind.types.index(t)) * n for t, n in Counter(kind.types).items())  # per layer type
+    layouts = list(zip(kind.types, kind.ffn_layers))  # each layer's mixer and whether it has its FFN
+    layers = sum(kind.n_params(layouts.index(t)) * n for t, n in Counter(layouts).items())  # per layout
     return (layers + cfg.vocab_size * cfg.d_model * (2 if untied else 1)
             + residual_params(cfg) + HEADS[head].n_params(cfg, **params)
             + POSITIONS[option_params("position", POSITIONS, cfg.position)[0]].n_params(cfg.d_model, cfg.max_seq_len))

@@ -95,6 +95,8 @@ class RunSummary(TypedDict, total=False):
     budget: dict[str, Any] | None  # the run's budget.* (lmlab.run.budget): flops, tokens, tokens_per_param or wall
     flops_per_token: float  # train FLOPs per token (lmlab.run.perf's count), what a budget was turned into steps by
     budget_spent: dict[str, Any]  # what the run spent of it: tokens, flops (and the wall time)
+    stages: list[dict[str, Any]]  # data.batch_schedule / seq_schedule only (lmlab.data.stages.table): from_step,
+    #   batch_size, seq_len, tokens_per_step, flops_per_token of each stage
     overrides: list[str]
     error: str | None
     model: dict[str, Any]  # the GPTConfig record (lmlab.config), derived sizes included

@@ -7,10 +7,11 @@ at its first validation; one that never gets there has None.
 
 The curve is summary.json's `val_curve`: (optimizer steps done, val loss) at every validation. Tokens at that step
 are the run's tokens per step × the step, FLOPs are tokens × the run's train FLOPs per token
-(`lmlab.run.perf.flops_per_token`), and time is the run's wall time over all its attempts × the fraction of its steps
-(training time is close to linear in steps; validation is included as it was spent). A run of an older lmlab has no
-`val_curve`: its metrics.csv is read instead, whose val rows are Lightning's logging steps (one behind the optimizer
-steps for a validation during fit), with tokens read off its `tokens` curve.
+(`lmlab.run.perf.flops_per_token`) — under a batch or length schedule both summed over its `stages` — and time is the
+run's wall time over all its attempts × the fraction of its steps (training time is close to linear in steps;
+validation is included as it was spent). A run of an older lmlab has no `val_curve`: its metrics.csv is read instead,
+whose val rows are Lightning's logging steps (one behind the optimizer steps for a validation during fit), with
+tokens read off its `tokens` curve.
 
 A run reports these figures for its own targets (train.yaml's `targets:` list, run_targets): summary.json's
 `to_target` and the W&B run's summary (wandb_keys: `steps_to_target_2p5` for a target of 2.5); `eval.py compare=`
@@ -68,6 +69,18 @@ def run_wall(summary: Mapping[str, Any]) -> float | None:
     return summary.get("wall_time_s")
 
 
+def through(stages: list[dict[str, Any]], step: float) -> tuple[float, float]:
+    """(tokens, train FLOPs) of the first `step` optimizer steps (fractional: interpolated within its stage), from
+    lmlab.data.stages.table's stages (summary.json's `stages`)."""
+    tokens = flops = 0.0
+    ends = [s["from_step"] for s in stages[1:]] + [math.inf]
+    for stage, end in zip(stages, ends):
+        n = max(0.0, min(step, end) - stage["from_step"])
+        tokens += n * stage["tokens_per_step"]
+        flops += n * stage["tokens_per_step"] * stage["flops_per_token"]
+    return tokens, flops
+
+
 def to_target(series: Mapping[str, Sequence[tuple[int, float]]], summary: Mapping[str, Any], target: float,
               flops_per_token: float | None) -> dict[str, float | None]:
     """TARGET_FIGURES of one run: `summary` its summary.json (its `val_curve`), `series` its metrics.csv
@@ -80,12 +93,15 @@ def to_target(series: Mapping[str, Sequence[tuple[int, float]]], summary: Mappin
         return out
     out["steps_to_target"] = step
     steps, tokens, wall = summary.get("steps"), summary.get("tokens"), run_wall(summary)
-    tok = None if on_summary else _at(list(series.get(names.TOKENS, [])), step)
-    if tok is None and steps and tokens:
-        tok = tokens / steps * step
-    out["tokens_to_target"] = tok
-    if tok is not None and flops_per_token:
-        out["flops_to_target"] = tok * flops_per_token
+    if stages := summary.get("stages"):  # a batch or length schedule: each stage's tokens and FLOPs per token
+        out["tokens_to_target"], out["flops_to_target"] = through(stages, step)
+    else:
+        tok = None if on_summary else _at(list(series.get(names.TOKENS, [])), step)
+        if tok is None and steps and tokens:
+            tok = tokens / steps * step
+        out["tokens_to_target"] = tok
+        if tok is not None and flops_per_token:
+            out["flops_to_target"] = tok * flops_per_token
     if steps and wall:
         out["time_to_target_s"] = wall * step / steps
     return out

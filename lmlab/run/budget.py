@@ -13,6 +13,11 @@ accumulate_grad_batches × devices × num_nodes) and F the model's train FLOPs p
     tokens_per_param: steps = floor(budget · N / T)     N = matmul weights (the 6·N count's N; Chinchilla ≈ 20)
     wall:             Lightning's max_time = budget seconds; the schedule keeps trainer.max_steps's length
 
+Under a batch or length schedule (data.batch_schedule, data.seq_schedule: lmlab.data.stages) a step's tokens and
+FLOPs per token follow its stage, and the stages scale with trainer.max_steps: the steps are the most S whose S steps,
+staged over S, stay within the budget (`staged_steps`), and `summary.json` keeps the stages (`stage_table`) for the
+FLOPs and tokens spent and compare's figures to a target.
+
 A wall budget cannot know the steps before training, so the schedule cannot be stretched to it: give it a schedule
 without a decay to a set end (schedule=constant) or a trainer.max_steps past what the time allows, and read what was
 spent in summary.json. The summary records the budget, the steps it gave and what was spent (budget_spent: tokens,
@@ -70,6 +75,54 @@ def tokens_per_step(cfg: DictConfig) -> int:
             * world_size(cfg))
 
 
+def stages_of(cfg: DictConfig) -> dict[str, Any] | None:
+    """The run's batch and length schedules as the loop reads them ({batch, seq, batch_lr_power}), checked; None
+    without either."""
+    from lmlab.data import stages
+
+    data, seq_len = cfg.data, int(cfg.model.max_seq_len)
+    batch = stages.check("data.batch_schedule", OmegaConf.to_container(data.get("batch_schedule"))
+                         if data.get("batch_schedule") is not None else None)
+    seq = stages.check("data.seq_schedule", OmegaConf.to_container(data.get("seq_schedule"))
+                       if data.get("seq_schedule") is not None else None, limit=seq_len, divides=seq_len)
+    if batch is None and seq is None:
+        return None
+    return {"batch": batch, "seq": seq, "batch_lr_power": float(data.get("batch_lr_power") or 0.0)}
+
+
+def stage_table(cfg: DictConfig, model, max_steps: int | None = None) -> list[dict[str, Any]]:
+    """lmlab.data.stages.table for the run `cfg` and its model (its FLOPs per token at each stage's length)."""
+    from lmlab.data import stages
+    from lmlab.run.perf import flops_per_token
+
+    staged = stages_of(cfg) or {}
+    per_batch = tokens_per_step(cfg) // (int(cfg.data.batch_size) * int(cfg.model.max_seq_len))  # ranks × accumulation
+    return stages.table(int(max_steps or cfg.trainer.max_steps), staged.get("batch"), staged.get("seq"),
+                        batch_size=int(cfg.data.batch_size), seq_len=int(cfg.model.max_seq_len), per_batch=per_batch,
+                        flops_per_token=lambda s: flops_per_token(model, s)["train"])
+
+
+def staged_steps(kind: str, value: float, cfg: DictConfig, model, n_matmul: int) -> int:
+    """The optimizer steps a budget buys under a schedule: the most S whose S steps, with the stages placed over S,
+    cost at most `value` (the cost grows with S; found by bisection). Refuses a budget below one step."""
+    from lmlab.record.targets import through
+
+    def cost(steps: int) -> float:
+        tokens, flops = through(stage_table(cfg, model, steps), steps)
+        return {"flops": flops, "tokens": tokens, "tokens_per_param": tokens / n_matmul}[kind]
+
+    if cost(1) > value * (1 + 1e-12):
+        raise ValueError(f"budget.{kind}={value:g} buys no optimizer step: the first step costs {cost(1):g} under "
+                         f"data.batch_schedule / data.seq_schedule")
+    lo, hi = 1, 2
+    while cost(hi) <= value * (1 + 1e-12):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) <= value * (1 + 1e-12) else (lo, mid)
+    return lo
+
+
 def steps_for(kind: str, value: float, *, flops_per_token: float, tokens_per_step: int, n_matmul: int) -> int:
     """The optimizer steps a budget buys (the rules of the module docstring); refuses a budget below one step."""
     per_step = {"flops": flops_per_token * tokens_per_step, "tokens": tokens_per_step,
@@ -101,16 +154,25 @@ def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
         model = GPT(model_cfg)
     fpt, n = flops_per_token(model, model_cfg.max_seq_len)["train"], matmul_params(model)
     per_step = tokens_per_step(cfg)
-    steps = steps_for(kind, value, flops_per_token=fpt, tokens_per_step=per_step, n_matmul=n)
+    if stages_of(cfg) is not None:
+        steps = staged_steps(kind, value, cfg, model, n)
+    else:
+        steps = steps_for(kind, value, flops_per_token=fpt, tokens_per_step=per_step, n_matmul=n)
     cfg.trainer.max_steps = steps
     return {"kind": kind, "value": value, "steps": steps, "flops_per_token": fpt, "tokens_per_step": per_step,
             "n_matmul": n}
 
 
-def spent(budget: dict[str, Any] | None, summary: dict[str, Any], flops_per_token: float) -> dict[str, Any]:
+def spent(budget: dict[str, Any] | None, summary: dict[str, Any], flops_per_token: float,
+          stages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The summary's budget figures: the budget (None: trainer.max_steps decided), the run's train FLOPs per token and
-    what it spent (tokens, FLOPs = tokens × FLOPs per token, wall seconds)."""
+    what it spent (tokens, FLOPs = tokens × FLOPs per token, or through the `stages` of a schedule, wall seconds)."""
     tokens = summary.get("tokens") or 0
+    flops = tokens * flops_per_token
+    if stages:
+        from lmlab.record.targets import through
+
+        flops = through(stages, summary.get("steps") or 0)[1]
     return {"budget": budget, "flops_per_token": flops_per_token,
-            "budget_spent": {"tokens": tokens, "flops": tokens * flops_per_token,
+            "budget_spent": {"tokens": tokens, "flops": flops,
                              "wall_s": summary.get("wall_time_s")}}

@@ -136,10 +136,16 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
                          f"until that step, which trainer.strategy={strategy} refuses (DDP expects every parameter "
                          f"used): use trainer.strategy=ddp_find_unused_parameters_true, or trainer=fsdp2")
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    from lmlab.model.head import HEADS
+
+    staged = budget.stages_of(cfg)  # data.batch_schedule / seq_schedule (lmlab.data.stages), checked by key
+    largest = max([b for _, b in (staged or {}).get("batch") or []] + [int(cfg.data.get("batch_size", 1))])
+    if staged and staged["batch"] and getattr(HEADS[gcfg.head["name"]], "draws", False):
+        raise ValueError(f"data.batch_schedule with head={gcfg.head['name']}: its masks are keyed by a sequence's "
+                         f"place in a fixed-size batch; use one data.batch_size, or head=next")
     check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,
-                         gcfg.max_seq_len, cfg.data.get("batch_size", 1), "cuda" if on_gpu else "cpu")
-    check_batch_fits(int(cfg.data.get("batch_size", 1)), gcfg.max_seq_len, gcfg.d_model, gcfg.n_layer,
-                     "cuda" if on_gpu else "cpu")
+                         gcfg.max_seq_len, largest, "cuda" if on_gpu else "cpu")
+    check_batch_fits(largest, gcfg.max_seq_len, gcfg.d_model, gcfg.n_layer, "cuda" if on_gpu else "cpu")
 
     warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
     chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)

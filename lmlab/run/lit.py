@@ -12,26 +12,29 @@ import torch
 
 from lmlab import names
 from lmlab.config import GPTConfig
-from lmlab.model.gpt import GPT
+from lmlab.data import stages as data_stages
+from lmlab.model.attention.window import windowed
 from lmlab.model.encoder import TRAIN_KEY, VAL_KEY
-from lmlab.run.monitor import Divergence, local, sum_over_shards
-from lmlab.run.spikes import SpikeSkip, restore_groups, skip_update
+from lmlab.model.gpt import GPT
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
     OPTIM_LOOP_KEYS,
     OPTIMIZERS,
     SCHEDULES,
     optimizer_spec,
+    overrides,
     param_groups,
     validate_optim,
 )
-from lmlab.optim import overrides
 from lmlab.optim.ema import WeightEMA
 from lmlab.record.tracking import log_at
 from lmlab.registry import build, option_params
+from lmlab.run.monitor import Divergence, local, sum_over_shards
+from lmlab.run.spikes import SpikeSkip, restore_groups, skip_update
 
 
 # Read here, not by the optimizer constructor; typed like an option's own keys (grad_clip 0 or null: off).
-def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int) -> dict:
+def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, max_steps: int,
+                           stages: dict | None = None) -> dict:
     """The optimizer over lmlab's parameter groups and its per-step LR schedule, in Lightning's form.
 
     The groups are split by role when the optimizer asks for it (Muon) or the parametrisation sets per-role learning
@@ -55,18 +58,30 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     name, params = option_params("schedule", SCHEDULES, schedule)
     if getattr(optimizer, "warmup_only", False):
         name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}
-    fn = SCHEDULES[name]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params))
+    fn, factor = SCHEDULES[name], batch_lr_factor(stages, max_steps)  # data.batch_lr_power under a batch schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params) * factor(step))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def batch_lr_factor(stages: dict | None, max_steps: int):
+    """step -> (B(step)/B₀)^p under data.batch_schedule with data.batch_lr_power p (lmlab.data.stages); 1 otherwise."""
+    batch, power = (stages or {}).get("batch"), float((stages or {}).get("batch_lr_power") or 0.0)
+    if not batch or not power:
+        return lambda step: 1.0
+    return lambda step: (data_stages.at(batch, step, max_steps, batch[0][1]) / batch[0][1]) ** power
 
 
 class LitGPT(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
                  compile: bool = False, divergence: dict[str, Any] | None = None,
-                 spike_skip: dict[str, Any] | None = None, seed: int = 0) -> None:
+                 spike_skip: dict[str, Any] | None = None, seed: int = 0, stages: dict[str, Any] | None = None
+                 ) -> None:
+        """`stages`: data.batch_schedule, data.seq_schedule and data.batch_lr_power (lmlab.data.stages), checked;
+        None: one batch size and length throughout."""
         super().__init__()
         self.save_hyperparameters(logger=False)  # the loggers get the whole run config from lmlab.record.tracking
         self.model = GPT(GPTConfig(**model))
+        self._windowed = windowed(self.model)  # attention layers whose window moves (attention.window_schedule, ...)
         self.divergence = Divergence(**(divergence or {}))
         # spike_skip.enabled (lmlab.run.spikes): a spiking step's update is skipped; None: off, the loop as before
         self.spikes = SpikeSkip(**spike_skip) if (spike_skip or {}).get("enabled") else None
@@ -128,6 +143,9 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = self.prepare(batch, "train", batch_idx)
+        if seq := (self.hparams.get("stages") or {}).get("seq"):  # data.seq_schedule: the blocks cut shorter
+            length = data_stages.at(seq, self.global_step, self.hparams.max_steps, x.size(1))
+            x, y = x.reshape(-1, length), y.reshape(-1, length)  # piece j: inputs j·s .. and their next tokens
         z_loss = float(self.hparams.optim.get("z_loss") or 0.0)
         if (step := self.model.cfg.untie_at_step) is not None and self.global_step >= step:
             self.model.untie()  # model.untie_at_step: the head trains apart from here (a resumed run: already untied)
@@ -213,6 +231,7 @@ class LitGPT(L.LightningModule):
         return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
 
     def on_validation_start(self) -> None:
+        self._set_window_step()  # validation reads the schedule's window at this step, or attention.eval_window
         if (opt := self._modal_optimizer()) is not None:
             opt.eval()  # after the callbacks' on_validation_start, before any batch
 
@@ -222,8 +241,15 @@ class LitGPT(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.update_skipped = False
+        self._set_window_step()
         if (opt := self._modal_optimizer()) is not None:
             opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
+
+    def _set_window_step(self) -> None:
+        """attention.window_schedule: each scheduled layer's window at this step of max_steps, before its forward; a
+        function of the step alone, so a resumed run reads at step s what the uninterrupted one read."""
+        for m in self._windowed:
+            m.set_step(self.global_step, self.hparams.max_steps)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).
@@ -270,7 +296,8 @@ class LitGPT(L.LightningModule):
         if "fused" in optim and optim["fused"] is None and self._trainer is not None and getattr(
                 self.trainer.precision_plugin, "scaler", None) is not None:
             optim["fused"] = False  # fp16's loss scaler: Lightning unscales before clipping only when unfused
-        return configure_optimization(self.model, optim, dict(self.hparams.schedule), self.hparams.max_steps)
+        return configure_optimization(self.model, optim, dict(self.hparams.schedule), self.hparams.max_steps,
+                                      self.hparams.get("stages"))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         if not (clip := self.hparams.optim.get("grad_clip", 0.0)) or self.update_skipped:

@@ -46,11 +46,12 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     (FLOPS_FORMULA): the scores QKᵀ and the weighted sum A·V cost 2·T per unit of the block's own `attn_width`
     forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
     queries read a window of W keys (attention.window) costs W in place of T. A recurrent mixer's layer (mixer=gdn,
-    mamba2, linear: sublayer `mix`) costs its own recurrence's FLOPs per token (its geometry's), whatever the length."""
+    mamba2, linear: sublayer `mix`) costs its own recurrence's FLOPs per token (its geometry's), whatever the length;
+    a layer without a token mixer (mixer.pattern's `none`) costs no scores."""
     cfg = model.cfg
     blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
     spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks
-             if not hasattr(block, "mix")]
+             if not hasattr(block, "mix") and _mixes_tokens(block)]
     n, attn = matmul_params(model), sum(spans) * cfg.attn_width
     if mixers := sum(hasattr(block, "mix") for block in blocks):
         name, params = option_params("mixer", MIXERS, cfg.mixer)
@@ -58,6 +59,11 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
         attn += mixers * per / 2  # the `2 · attn` forward convention below: a mixer's forward FLOPs are `per`
     n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
     return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
+
+
+def _mixes_tokens(block: nn.Module) -> bool:
+    """Whether some sublayer of the block reads the other tokens (attention, a GAU, a recurrent mixer)."""
+    return any(getattr(getattr(block, name), "mixes_tokens", False) for name in block.sublayer_names)
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -25,7 +25,7 @@ from lmlab.data import build_datamodule
 from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
 from lmlab.model.gpt import validate
-from lmlab.model.head import HEADS, fit_head
+from lmlab.model.head import HEADS, fit_head, fit_vocabulary
 from lmlab.model.resolve import resolve
 from lmlab.record.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.record.summary import FINISHED
@@ -48,6 +48,7 @@ class RunPlan:
     budget: dict[str, Any] | None = None  # budget.*: what it is and the steps it gave (lmlab.run.budget; None:
                                           # max_steps)
     changed: dict[str, list[Any]] | None = None  # a resume's launch against the checkpoint's: key -> [was, now]
+    stages: dict[str, Any] | None = None  # data.batch_schedule / seq_schedule as the loop reads them (data/stages.py)
 
 
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
@@ -75,8 +76,12 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
                             seed=cfg.seed)
     data.prepare_data()
     data.setup("fit")
-    model = validate(arch_config(cfg, vocab_size=data.vocab_size + objective_for(cfg, data),
-                                 eod_id=getattr(data, "eod_id", None)))
+    eod_id = getattr(data, "eod_id", None)
+    model = arch_config(cfg, vocab_size=data.vocab_size + objective_for(cfg, data), eod_id=eod_id)
+    # what the head reads from the vocabulary (head=prefix's prefix table), into the model record only
+    model.head = fit_vocabulary(model.head, getattr(data, "tokenizer", None), model.vocab_size, eod_id,
+                                cfg.data.get("name"))
+    model = validate(model)
     spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     if (said := fit_warmup(cfg, overrides, saved)) and is_rank_zero():  # after the budget: the run's own length
         print(said, flush=True)
@@ -87,7 +92,7 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
                                     run.path)
         ended = _ended(saved, previous, resume_step, cfg.trainer.max_steps)
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
-                   previous=previous, ended=ended, budget=spend, changed=changed)
+                   previous=previous, ended=ended, budget=spend, changed=changed, stages=budget.stages_of(cfg))
 
 
 def objective_for(cfg: DictConfig, data: Any) -> int:

@@ -107,7 +107,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                  compile=cfg.compile,
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram},
                  spike_skip=OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True),
-                 seed=int(cfg.seed))  # head=mlm's masks are a function of (seed, sample)
+                 seed=int(cfg.seed),  # head=mlm's masks are a function of (seed, sample)
+                 stages=plan.stages)  # data.batch_schedule / seq_schedule (lmlab.data.stages): None without
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
     if saved is not None:
@@ -194,7 +195,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                             tokens_at_start=tokens_at_start, overrides=overrides,
                             config=recorded(cfg), error=error)  # ${oc.env:...} as written, not in clear
         summary["signal"] = stop.signum or None
-        summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token))
+        staged = budget.stage_table(cfg, lit.model) if plan.stages is not None else None  # each stage's tokens,
+        summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token, staged))  # FLOPs per token
+        if staged is not None:  # compare's *_to_target count through them
+            summary["stages"] = staged
         if downstream is not None:  # the last downstream/ values (downstream.tasks=[]: the summary as before)
             summary.update(downstream.figures())
         if trainer.is_global_zero:

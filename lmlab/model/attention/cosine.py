@@ -7,8 +7,9 @@ so a logit is bounded by τ whatever the activations' size: a large q or k canno
 at depth and scale) and the attention entropy cannot collapse by the logits growing. τ starts at `tau_init` (Swin V2:
 10) and is clamped at 100 as Swin V2 clamps it. RoPE rotates q and k before the cosine (a rotation keeps norms), ALiBi's
 bias adds to τ·cos, and the masks, windows, documents, softcap, sinks, gate and KV cache are MHA's; so are the forget
-gate (its decay adds to τ·cos) and the memory keys (unit vectors too, as the tokens' keys). The score is the
-softmax; `temperature` and `logn_scaling`, a fixed scale on the logits, are the learned τ's job here and are refused.
+gate (its decay adds to τ·cos), the memory keys (unit vectors too, as the tokens' keys) and paired heads (τ_h·cos over
+the pair's slots, attention.paired_heads). The score is the softmax; `temperature` and `logn_scaling`, a fixed scale on
+the logits, are the learned τ's job here and are refused.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
+from lmlab.model.attention.paired_heads import paired_attend
 from lmlab.model.attention.score import attend
 from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -45,7 +47,10 @@ class CosineAttention(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0, tau_init: PositiveFloat = 10.0,
-                 xsa: XSA | None = None, key_offset: bool = False) -> None:
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None,
+                 xsa: XSA | None = None, key_offset: bool = False,
+                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
         if score != "softmax":
             raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
                              f"not apply; use score=softmax")
@@ -56,8 +61,10 @@ class CosineAttention(MHA):
         if tau_init > MAX_TAU:
             raise ValueError(f"attention.tau_init={tau_init} is above τ's clamp of {MAX_TAU:g} (Swin V2's)")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, window=window, pattern=pattern, softcap=softcap,
+                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps, forget_gate=forget_gate,
-                         forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa, key_offset=key_offset)
+                         forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa, key_offset=key_offset,
+                         paired_heads=paired_heads)
         self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
 
     @classmethod
@@ -83,6 +90,9 @@ class CosineAttention(MHA):
             docs: tuple[torch.Tensor, torch.Tensor] | None,
             forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         q, k = self.cosine(q, k)
+        if self.paired:  # attention.paired_heads: τ·cos over the pair's interleaved slots
+            return paired_attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0,
+                                 self.window, self.softcap, docs)
         return attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0, self.window,
                       self.softcap, docs, self.sink, self.memory(), forget)
 

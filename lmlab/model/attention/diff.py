@@ -12,7 +12,7 @@ from torch import nn
 from lmlab.model.attention.mha import MHA
 from lmlab.model.attention.score import attend, explicit_weights
 from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -31,6 +31,7 @@ class DiffAttention(MHA):
 
     scaled_dot_product = False  # its own formula: two maps per head pair (tests/unit/model/attention/test_window.py)
     no_qk_clip = "each head's weights are a difference of two maps, whose logits a per-head scale does not bound"
+    no_paired_heads = "attention=diff pairs its heads already, (2j, 2j + 1) into the two maps of a differential head"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
@@ -38,11 +39,15 @@ class DiffAttention(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None, key_offset: bool = False) -> None:
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None,
+                 xsa: XSA | None = None, key_offset: bool = False,
+                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
+                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa,
-                         key_offset=key_offset)
+                         key_offset=key_offset, paired_heads=paired_heads)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")

@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from lmlab.model.attention.mask import granule
+
 # Devices whose tensors take this path (tests add "cpu" to check the masks without gradients).
 FLEX_DEVICES = {"cuda"}
 
@@ -41,20 +43,23 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 softcap: float | None = None, causal: bool = True) -> torch.Tensor:
     """softmax(softcap(q·kᵀ·scale), masked) v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv), the S keys ending
     with the last query (at positions offset + T - S ..); query i reads key j when j's position is at most i's
-    (`causal`; a bidirectional model: any key), within the `window`, and (with `doc`, the queries' and keys' document
-    numbers) of its document -> (B, h, T, dv)."""
+    (`causal`; a bidirectional model: any key), within the `window` (counted in blocks when it is a `BlockWindow`: the
+    record's block-causal sliding mask, whose blocks of 128 are FlexAttention's own), and (with `doc`, the queries'
+    and keys' document numbers) of its document -> (B, h, T, dv)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, _, T, _ = q.shape
     S = k.size(-2)
     first = offset + T - S  # the position of key 0
     q_doc, k_doc = doc if doc is not None else (None, None)
+    g = granule(window)  # a window counted in blocks of g tokens (attention.window_block): whole blocks
+    size = None if window is None else int(window)  # a plain int inside the traced mask
 
     def mask_mod(b, h, qi, kj):
         p, pk = qi + offset, kj + first
         keep = (pk <= p) if causal else (pk >= 0)
-        if window is not None:
-            keep = keep & (p - pk < window)
+        if size is not None:
+            keep = keep & ((p - pk < size) if g == 1 else (p // g - pk // g < size // g))
         if q_doc is not None:
             keep = keep & (q_doc[b, qi] == k_doc[b, kj])
         return keep

@@ -9,7 +9,10 @@ document it ends) or one that opens each (BOS, the speedrun's .bin shards: it be
 Positions are absolute: the T queries sit at positions offset .. offset + T - 1 and the S keys at the S positions that
 end with the last query (offset + T - S .. offset + T - 1: a KV cache of a windowed layer keeps only the last W - 1
 keys). Query p reads key q when q <= p and, with a window W, p - q < W: W keys, itself included (transformers'
-sliding window counts the same way).
+sliding window counts the same way). A window counted in blocks of g tokens (`BlockWindow`, attention.window_block)
+reads whole blocks instead: ⌊p/g⌋ - ⌊q/g⌋ < W/g, the keys of the query's block up to itself and of the W/g - 1
+blocks before it (the GPT-2 speedrun's block-causal sliding mask). Which window a layer reads when (a schedule over
+training, windows for evaluation) is lmlab.model.attention.window's.
 
 Memory keys (`attention.mem_kv`) sit outside these positions: learned key/value pairs in front of the S keys, which
 every query reads, with no position bias and no decay (`read_memory`). The forget gate (`attention.forget_gate`) adds
@@ -22,6 +25,45 @@ import torch
 import torch.nn.functional as F
 
 
+class BlockWindow(int):
+    """A window of W keys counted in whole blocks of `block` tokens (attention.window_block; W a multiple of it): the
+    query at position p, in block b = ⌊p/g⌋, reads the keys of blocks b - W/g + 1 .. b up to itself, so W - g + 1 + (p
+    mod g) keys when the context reaches that far (W at a block's last query). An int, W itself, wherever a size is
+    read (the KV cache keeps W - 1 keys, all any query reaches; a window W >= the context cuts nothing); the masks
+    (`allowed`, `key_counts`, the banded and FlexAttention paths) read its `block`. Interned: one object per (W, g),
+    so a compiled forward's guard on it holds while the window does."""
+
+    block: int
+    _made: dict[tuple[int, int], BlockWindow] = {}
+
+    def __new__(cls, size: int, block: int) -> BlockWindow:
+        if (size, block) not in cls._made:
+            if size % block:
+                raise ValueError(f"a window of {size} keys is not a whole number of blocks of {block}")
+            made = super().__new__(cls, size)
+            made.block = block
+            cls._made[size, block] = made
+        return cls._made[size, block]
+
+    def __reduce__(self):  # a copy (deepcopy, pickle) is the interned object of the same (W, g)
+        return BlockWindow, (int(self), self.block)
+
+    def __repr__(self) -> str:
+        return f"BlockWindow({int(self)}, block={self.block})"
+
+
+def granule(window: int | None) -> int:
+    """The block a window is counted in: its `block` (BlockWindow), else 1 (single tokens)."""
+    return window.block if isinstance(window, BlockWindow) else 1
+
+
+def first_key(p: int, window: int) -> int:
+    """The position of the first key the query at position p reads under `window` (before the causal start 0):
+    p - W + 1, or the first key of the window's first block."""
+    g = granule(window)
+    return p - window + 1 if g == 1 else (p // g - window // g + 1) * g
+
+
 def allowed(T: int, offset: int, S: int, window: int | None, device: torch.device, causal: bool = True
             ) -> torch.Tensor:
     """(T, S) bool: True where query i (at position offset + i) reads key j (at position offset + T - S + j).
@@ -31,7 +73,10 @@ def allowed(T: int, offset: int, S: int, window: int | None, device: torch.devic
     q = torch.arange(offset, offset + T, device=device)[:, None]
     k = torch.arange(offset + T - S, offset + T, device=device)[None, :]
     mask = k <= q
-    return mask & (q - k < window) if window is not None else mask
+    if window is None:
+        return mask
+    g = granule(window)
+    return mask & (q - k < window if g == 1 else q // g - k // g < window // g)
 
 
 def documents(idx: torch.Tensor, sep_id: int, first: torch.Tensor | None = None, opens: bool = False) -> torch.Tensor:
@@ -65,7 +110,8 @@ def key_counts(T: int, offset: int, device: torch.device, window: int | None = N
                doc: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """n_i: how many keys query i (at position offset + i) reads, float: offset + i + 1, at most the window, (T,);
     with `doc` (B, offset + T), every position's document number, the keys of its own document only, (B, T).
-    `causal=False` (bidirectional: no window): every query reads all offset + T keys, or its whole document."""
+    A block-counted window (`BlockWindow`) caps query p at the keys from its window's first block, p - `first_key`
+    + 1. `causal=False` (bidirectional: no window): every query reads all offset + T keys, or its whole document."""
     if not causal:  # every key of the text, or with documents of the query's own document (its size)
         if doc is None:
             return torch.full((T,), float(offset + T), device=device)
@@ -75,7 +121,13 @@ def key_counts(T: int, offset: int, device: torch.device, window: int | None = N
     if doc is not None:  # documents are numbered in order: each one starts where its number first appears
         q_doc = doc[:, offset:].contiguous()
         n = n - torch.searchsorted(doc.contiguous(), q_doc).float()
-    return n.clamp_max(window) if window is not None else n
+    if window is None:
+        return n
+    g = granule(window)
+    if g == 1:
+        return n.clamp_max(window)
+    p = torch.arange(offset, offset + T, device=device)
+    return torch.minimum(n, (p % g + window - g + 1).to(n.dtype))  # the keys from the window's first block
 
 
 def forget_bias(forget: tuple[torch.Tensor, torch.Tensor], rows: slice = slice(None), keys: slice = slice(None)
@@ -100,7 +152,8 @@ def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0) -> torch.Tensor:
     """Softmax attention under a window of W keys, a block of queries at a time: each block of (at most W) queries
     reads only the keys its window reaches (the block's own plus the W - 1 before it), through SDPA with that small
-    mask. Memory and time O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, n_mem + S, d) (key heads
+    mask (a window counted in blocks, `BlockWindow`: the blocks its first query's window reaches). Memory and time
+    O(T·W), never a (T, T) matrix. q (B, h, T, d), k and v (B, hkv, n_mem + S, d) (key heads
     shared by query heads are expanded by SDPA; the first n_mem keys memory, read by every block), `bias` (h, T, S) a
     position bias (ALiBi) or None, `doc` the queries' and the keys' document numbers (`doc_allowed`) or None, `forget`
     the forget gate's cumulative sums (`forget_bias`) or None -> (B, h, T, d)."""
@@ -110,7 +163,7 @@ def banded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     out = []
     for a in range(0, T, block):
         b = min(T, a + block)
-        lo = max(first, offset + a - window + 1)  # the first key position any query of the block reads
+        lo = max(first, first_key(offset + a, window))  # the first key position any query of the block reads
         keys = slice(lo - first, offset + b - first)
         mask = allowed(b - a, offset + a, keys.stop - keys.start, window, q.device)
         if doc is not None:

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.attention.mask import layer_window
+from lmlab.model.attention.key_offset import check_key_offset, shift_keys
+from lmlab.model.attention.paired_heads import paired_attend, paired_layer, paired_weights, rotate_paired
 from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
                                         per_query, scale_queries)
-from lmlab.model.attention.key_offset import check_key_offset, shift_keys
+from lmlab.model.attention.window import layer_windows
 from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
-from lmlab.registry import NonNegativeInt, PositiveFloat, build
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, build
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -54,6 +55,9 @@ class MHA(nn.Module):
     - pattern: the layers' windows, cycled over the layers (Gemma 2/3, gpt-oss, OLMo-core's local/global layers):
       each entry `local` (the window), `global` (the whole context) or a layer's own window, e.g.
       [local,local,local,global]; its length divides n_layer;
+    - window_block, window_schedule, eval_window: the windows counted in blocks of g tokens, grown over training as a
+      function of the step, and used when not training (the GPT-2 speedrun's; lmlab.model.attention.window): the
+      window in force is `window`, set by `set_step` and the mode (`train`/`eval`);
     - softcap: c · tanh(logits / c) on the attention logits (Gemma 2), bounding them to (-c, c); explicit;
     - doc_mask: each query reads only the keys of its own document in a packed block (the model numbers documents by
       the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document;
@@ -70,7 +74,9 @@ class MHA(nn.Module):
       `attn_num_mem_kv`; Darcet et al., 2023's registers) in front of the keys: every query reads them, with no
       position (unrotated: under RoPE a key at position 0; a zero position bias), no decay, under any window or
       document mask; parameters, not cached; q/k-normed with the keys under qk_norm; init N(0, 1) as
-      x-transformers'; score=softmax, without sinks (a memory pair with a zero value is a sink).
+      x-transformers'; score=softmax, without sinks (a memory pair with a zero value is a sink);
+    - paired_heads: heads h and h + n_head/2 read each other's keys in one softmax, over their interleaved slots
+      (the GPT-2 speedrun's record 58; lmlab.model.attention.paired_heads): true, every layer; a list, those layers.
     """
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
@@ -78,6 +84,7 @@ class MHA(nn.Module):
     # Its weights are one map of the scaled dot products q·k/√d of the fused q, k, v projection (what
     # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
     scaled_dot_product = True
+    no_paired_heads: str | None = None  # why attention.paired_heads has no form in this option (None: it has)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
@@ -89,7 +96,10 @@ class MHA(nn.Module):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None, key_offset: bool = False) -> None:
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None,
+                 xsa: XSA | None = None, key_offset: bool = False,
+                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
         super().__init__()
         if forget_bias != 0.0 and not forget_gate:
             raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "
@@ -113,7 +123,12 @@ class MHA(nn.Module):
         self.doc_mask = doc_mask
         self.layer = layer
         self.value_mixes = nn.ModuleList()  # v -> v mixed with other values (residual=value_residual, value_embed)
-        self.window = layer_window(window, pattern, layer, cfg.n_layer, cfg.max_seq_len)  # None: the whole context
+        # attention.window / pattern, and what moves them (window_schedule, window_block, eval_window)
+        self.windows = layer_windows(window, pattern, layer, cfg.n_layer, cfg.max_seq_len,
+                                     window_schedule=window_schedule, window_block=window_block,
+                                     eval_window=eval_window)
+        self.window_step: tuple[int, int] | None = None  # (step, max_steps) the schedule reads; None: after training
+        self.window = self.windows.at(None, None, True)  # the window in force (None: the whole context)
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
         if forget_gate and not self.score.sdpa:
@@ -144,6 +159,27 @@ class MHA(nn.Module):
         if key_offset:
             check_key_offset(cfg.position)
         self.qk_map: nn.Module | None = None  # a map (q, k) -> (q, k) after the rotation (norm=ngpt's sphere and s_qk)
+        # attention.paired_heads: heads h and h + n_head/2 as one head over twice the positions (record 58)
+        self.paired = paired_layer(paired_heads, layer, cfg, self.no_paired_heads,
+                                   {"sinks": sinks, "forget_gate": forget_gate, "mem_kv": mem_kv})
+        if self.paired:
+            self.no_qk_clip = "attention.paired_heads: a logit of a pair is one head's query against the other's key"
+
+    def set_step(self, step: int | None, max_steps: int | None = None) -> None:
+        """The training step the window schedule reads, of max_steps (the training loop's, before each step and each
+        validation); None: after training (the model's own windows). The window is a function of it and the mode."""
+        self.window_step = None if step is None else (step, max_steps)
+        self._update_window()
+
+    def train(self, mode: bool = True) -> MHA:
+        super().train(mode)
+        self._update_window()  # attention.eval_window when not training
+        return self
+
+    def _update_window(self) -> None:
+        window = self.windows.at(*(self.window_step or (None, None)), self.training)
+        if (window, type(window)) != (self.window, type(self.window)):
+            self.window = window  # only on a change (a compiled forward guards on it); BlockWindows are interned
 
     def project(self, cfg: GPTConfig) -> tuple[int, int]:
         """Build the projections; return the size of a query/key head and of a value head."""
@@ -189,7 +225,10 @@ class MHA(nn.Module):
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.qk_norm_eps)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.qk_norm_eps)
-        q, k = pos.rotate(q, k, offset, doc, self.layer)
+        if self.paired:  # at the slots' positions, 2t and 2t + 1
+            q, k = rotate_paired(pos, q, k, offset, doc, self.layer)
+        else:
+            q, k = pos.rotate(q, k, offset, doc, self.layer)
         if self.key_offset:
             k = shift_keys(k, pos.rot_dim, offset, doc if self.doc_mask else None, cache if mix else None)
         if self.qk_map is not None:  # before caching: the cache holds the keys as the logits read them
@@ -231,6 +270,9 @@ class MHA(nn.Module):
             forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The values weighed: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs); `forget`: the forget gate's
         cumulative sums (`forgetting`)."""
+        if self.paired:
+            return paired_attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
+                                 self.window, self.softcap, docs)
         return attend(q, k, v, self.score, self.scale, pos, offset, self.dropout if self.training else 0.0,
                       self.window, self.softcap, docs, self.sink, self.memory(), forget)
 
@@ -304,6 +346,9 @@ class MHA(nn.Module):
                       doc: torch.Tensor | None, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`probs` from q (B, nh, T, d) and k (B, nkv, T, d) of the whole text x: the tokens' weights, the max logits;
         the memory keys as `memory` gives them."""
+        if self.paired:  # each token's two slots summed
+            return paired_weights(q, k, self.score, self.scale if scale is None else scale, pos, self.window,
+                                  self.softcap, doc if self.doc_mask else None)
         mem = self.memory()
         n_mem = 0 if mem is None else mem[0].size(-2)
         if mem is not None:

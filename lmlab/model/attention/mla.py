@@ -34,6 +34,8 @@ class MLA(MHA):
     apply (the latents are normalised)."""
 
     scaled_dot_product = False  # its own formula: keys and values from a latent (tests/unit/model/attention/test_mla.py)
+    no_paired_heads = ("attention=mla caches a latent and one rotated key part shared by every head, which pairing "
+                       "would rotate at two positions per token (its heads' slots)")
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
@@ -43,7 +45,10 @@ class MLA(MHA):
                  qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
                  v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None,
                  forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None, key_offset: bool = False) -> None:
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None,
+                 xsa: XSA | None = None, key_offset: bool = False,
+                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
         if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
             raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
                              f"{qk_norm_eps} does not apply; leave it null")
@@ -60,8 +65,9 @@ class MLA(MHA):
                                v_head_dim=v_head_dim)
         super().__init__(cfg, layer, score=score, logn_scaling=logn_scaling, temperature=temperature, window=window,
                          pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
+                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa,
-                         key_offset=key_offset)
+                         key_offset=key_offset, paired_heads=paired_heads)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:

@@ -22,7 +22,7 @@ from torch import nn
 from lmlab.model.attention.mha import MHA, Geometry
 from lmlab.model.attention.score import explicit_weights
 from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -33,6 +33,7 @@ class TalkingHeads(MHA):
     """MHA with the logits and the weights mixed across heads (`lmlab.model.attention.talking`); every MHA key."""
 
     no_qk_clip = "its logits are mixed across heads before the softmax: a head's own scale is not its mixed logit's"
+    no_paired_heads = "attention=talking_heads mixes the heads' logits over one key axis per head, which pairing merges"
 
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
                  logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
@@ -40,7 +41,10 @@ class TalkingHeads(MHA):
                  gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
                  qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
                  mem_kv: NonNegativeInt = 0,
-                 xsa: XSA | None = None, key_offset: bool = False) -> None:
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None,
+                 xsa: XSA | None = None, key_offset: bool = False,
+                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
         """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
         the mixes of the heads' logits and weights)."""
         if sinks:
@@ -53,8 +57,9 @@ class TalkingHeads(MHA):
                                  f"leave it at its default")
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
+                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa,
-                         key_offset=key_offset)
+                         key_offset=key_offset, paired_heads=paired_heads)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 

@@ -5,8 +5,14 @@ layer, Nemotron-H's Mamba-2 with a few attention layers).
 
 `mixer=<name>` gives every layer that mixer; `mixer.pattern` lists a layer type per layer, cycled over `model.n_layer`
 (its length divides it): each entry the mixer's own name (or `mixer`, whichever mixer.name is: a sweep over mixers
-with one pattern) or `attention`, e.g. `mixer=gdn mixer.pattern=[gdn,gdn,gdn,attention]`. Attention layers take the whole `attention=` axis (windows, sinks, gates,
-MLA, ...); the mixer's layers take the mixer's own keys. `mixer=attention` (the default) is the plain transformer.
+with one pattern), `attention`, or `none`, e.g. `mixer=gdn mixer.pattern=[gdn,gdn,gdn,attention]`. Attention layers
+take the whole `attention=` axis (windows, sinks, gates, MLA, ...); the mixer's layers take the mixer's own keys.
+`mixer=attention` (the default) is the plain transformer.
+
+A `none` layer has no token mixer at all (the GPT-2 speedrun's records 17 and 35: no attention in layer 7, then none
+in layer 0 either), e.g. `mixer.pattern=[none,attention,attention,attention]` for 4 layers: the block is its FFN
+alone (lmlab.model.block), with no mixer weights, no KV cache and no score FLOPs. Every layer `none` is refused (no
+token would read another); so is a layer with no FFN either (`ffn.skip_layers`).
 
 Contract of a mixer option (one file each, ending in its `OPTIONS`, gathered here): `Mixer(cfg, layer, *, pattern,
 <own keys>)`, an nn.Module with `sublayer = "mix"` and `mixes_tokens = True`, called as `(x, pos=, cache=, doc=)`
@@ -24,6 +30,7 @@ from lmlab.model.mixer.base import MixerGeometry
 from lmlab.registry import gather
 
 ATTENTION = "attention"  # the pattern entry that means a softmax attention layer (the attention axis)
+NONE = "none"  # the pattern entry that means a layer without a token mixer (its FFN alone)
 THE_MIXER = "mixer"  # the pattern entry that means mixer.name's layer, whichever it is
 
 
@@ -38,8 +45,9 @@ MIXERS: dict[str, Any] = {ATTENTION: Attention, **gather(__name__, __path__, "OP
 
 
 def layer_types(cfg: Any) -> list[str]:
-    """Each layer's mixer name (`attention` or the mixer's), from `cfg.mixer` (a GPTConfig): the pattern cycled over
-    the layers; checked (the entries, the length dividing model.n_layer), naming the key."""
+    """Each layer's mixer name (`attention`, the mixer's, or `none`: no token mixer), from `cfg.mixer` (a GPTConfig):
+    the pattern cycled over the layers; checked (the entries, the length dividing model.n_layer, some layer mixing
+    tokens), naming the key."""
     spec = dict(cfg.mixer)
     name, pattern = spec.get("name", ATTENTION), spec.get("pattern")
     if name not in MIXERS:
@@ -48,10 +56,13 @@ def layer_types(cfg: Any) -> list[str]:
         return [name] * cfg.n_layer
     pattern = [name if p == THE_MIXER else p for p in pattern]
     accepted = sorted({name, ATTENTION})
-    if not pattern or (bad := [p for p in pattern if p not in accepted]):
+    if not pattern or (bad := [p for p in pattern if p not in (*accepted, NONE)]):
         raise ValueError(f"mixer.pattern={pattern} has {bad if pattern else 'no entries'}: with mixer={name} each "
-                         f"entry is one of {accepted} or {THE_MIXER} (a layer's type; the pattern is cycled over the "
-                         f"layers)")
+                         f"entry is one of {accepted}, {THE_MIXER} or {NONE} (a layer's type, {NONE}: no token mixer; "
+                         f"the pattern is cycled over the layers)")
+    if all(p == NONE for p in pattern):
+        raise ValueError(f"mixer.pattern={pattern} gives no layer a token mixer, so no token would read another: keep "
+                         f"{ATTENTION} (or the mixer) in some layer, e.g. mixer.pattern=[{NONE},{ATTENTION}]")
     if cfg.n_layer % len(pattern):
         divisors = [n for n in range(1, cfg.n_layer + 1) if cfg.n_layer % n == 0]
         raise ValueError(f"mixer.pattern has {len(pattern)} entries, which does not divide model.n_layer="
@@ -59,4 +70,4 @@ def layer_types(cfg: Any) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(cfg.n_layer)]
 
 
-__all__ = ["ATTENTION", "MIXERS", "THE_MIXER", "MixerGeometry", "layer_types"]
+__all__ = ["ATTENTION", "MIXERS", "NONE", "THE_MIXER", "MixerGeometry", "layer_types"]

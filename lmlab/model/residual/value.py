@@ -3,7 +3,8 @@ Residual Learning"; the GPT-2 speedrun's value residual): v_l ← (1 − λ_l)·
 layer's values v_1 of the same tokens (before the KV cache, so the cache holds the mixed values). λ_l = `init` (0.5:
 ResFormer's equal mix), learned per layer when `learned` (the speedrun's). Needs attention whose values are computed
 per token before they are cached (mha, gqa, mqa, diff); refused for attention=mla (its cache holds the latent) and for
-block=gau.
+block=gau. A later layer without attention (mixer.pattern: `none`, a recurrent mixer) has no values to mix; the first
+layer must have attention (its values are what the others read), else it is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmlab.model.mixer import ATTENTION, layer_types
 from lmlab.registry import Fraction
 
 if TYPE_CHECKING:
@@ -54,11 +56,17 @@ class ValueResidual(nn.Module):
         if cfg.attention.get("name") == "mla":
             raise ValueError("residual=value_residual with attention=mla: MLA caches a latent, not the values it "
                              "would mix; use attention=mha|gqa|mqa|diff")
+        if (first := layer_types(cfg)[0]) != ATTENTION:
+            raise ValueError(f"residual=value_residual mixes the first layer's attention values into the later "
+                             f"layers': layer 0 is {first!r} (mixer={cfg.mixer.get('name')} mixer.pattern="
+                             f"{cfg.mixer.get('pattern')}), without attention; make its first entry attention, or "
+                             f"leave residual=value_residual out")
         self.init, self.learned, self.first = init, learned, _First()
 
     def attach(self, model: nn.Module) -> None:
         for i, block in enumerate(model.h):
-            block.attn.value_mixes.append(ValueMix(i, self.first, self.init, self.learned))
+            if hasattr(block, "attn"):  # a layer without attention has no values to mix
+                block.attn.value_mixes.append(ValueMix(i, self.first, self.init, self.learned))
 
 
 OPTIONS = {"value_residual": ValueResidual}

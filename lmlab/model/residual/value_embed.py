@@ -4,7 +4,9 @@ per layer (init 0.5 each, the speedrun's). `tables` tables are shared the speedr
 L − tables + i use table i (the first and the last `tables` layers; a layer in both reads the same table once);
 `layers` names the layers instead (table i for the i-th listed). Each table adds vocab·n_kv_head·head_dim weights,
 counted in `n_params`. Needs attention whose values are computed per token before they are cached (refused for
-attention=mla and block=gau)."""
+attention=mla and block=gau). A layer of the layout without attention (mixer.pattern: `none`, a recurrent mixer) reads
+no table, as in the speedrun's record 35, whose first layer lost its attention and table 0 served layer L − 3 alone; a
+table left with no layer, or a layer named in `layers` without attention, is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmlab.model.mixer import ATTENTION, layer_types
 from lmlab.registry import PositiveInt
 
 if TYPE_CHECKING:
@@ -48,7 +51,7 @@ class ValueEmbed(nn.Module):
         if cfg.attention.get("name") == "mla":
             raise ValueError("residual=value_embed with attention=mla: MLA caches a latent, not values; use "
                              "attention=mha|gqa|mqa|diff")
-        self.layer_tables = self.assignment(cfg.n_layer, tables, layers)
+        self.layer_tables = self.attending(cfg, tables, layers)
         n_tables = max(self.layer_tables.values()) + 1
         self.tables = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_dim) for _ in range(n_tables))
         self.tokens = _Tokens()
@@ -61,17 +64,33 @@ class ValueEmbed(nn.Module):
                 raise ValueError(f"residual.layers has {bad}, not layers of the model (0 .. {n_layer - 1})")
             return {i: t for t, i in enumerate(layers)}
         if tables > n_layer:
-            raise ValueError(f"residual.value_embed.tables={tables} is more than model.n_layer={n_layer}: each table serves the "
-                             f"first and the last `tables` layers")
+            raise ValueError(f"residual.value_embed.tables={tables} is more than model.n_layer={n_layer}: each table "
+                             f"serves the first and the last `tables` layers")
         out = {n_layer - tables + t: t for t in range(tables)}
         out.update({t: t for t in range(tables)})
         return out
 
     @classmethod
+    def attending(cls, cfg: GPTConfig, tables: int, layers: list[int] | None) -> dict[int, int]:
+        """The assignment without the layers that have no attention (no values to add to); refused when it names
+        such a layer (`layers`) or leaves a table unread."""
+        out = cls.assignment(cfg.n_layer, tables, layers)
+        types = layer_types(cfg)
+        if layers is not None and (bad := [i for i in layers if types[i] != ATTENTION]):
+            raise ValueError(f"residual.value_embed.layers={list(layers)} has {bad}, layers without attention in "
+                             f"mixer.pattern={cfg.mixer.get('pattern')}: name attention layers only")
+        kept = {i: t for i, t in out.items() if types[i] == ATTENTION}
+        if unread := sorted(set(out.values()) - set(kept.values())):
+            raise ValueError(f"residual.value_embed.tables={tables}: table {unread} would serve only layers without "
+                             f"attention ({sorted(i for i in out if i not in kept)} in mixer.pattern="
+                             f"{cfg.mixer.get('pattern')}); use fewer tables, or name attention layers in "
+                             f"residual.value_embed.layers")
+        return kept
+
+    @classmethod
     def n_params(cls, cfg: GPTConfig, *, tables: int = 3, layers: list[int] | None = None) -> int:
         n_tables = len(layers) if layers is not None else tables
-        return n_tables * cfg.vocab_size * cfg.kv_heads * cfg.head_dim + 2 * len(
-            cls.assignment(cfg.n_layer, tables, layers))
+        return n_tables * cfg.vocab_size * cfg.kv_heads * cfg.head_dim + 2 * len(cls.attending(cfg, tables, layers))
 
     def attach(self, model: nn.Module) -> None:
         for i, t in sorted(self.layer_tables.items()):

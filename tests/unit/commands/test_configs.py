@@ -82,6 +82,13 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert last.attention.xsa == "gated" and last.attention.key_offset and last.position.rotary_pct == 0.5
     assert list(last.residual) == ["scaled", "x0", "unet", "value_embed", "smear", "backout", "bigram_hash"]
     assert last.residual.smear.init == 0.0  # the record's λ: the standard model at step 0
+    assert last.init.zero_proj and last.init.mimetic_vo == 0.05  # records 5 and 64
+    assert (last.residual.unet.gate, last.residual.unet.pairs, last.residual.scaled.stream_init) == (
+        "sigmoid", [[1, 4]], 1.1)  # records 32 and 45
+    assert last.optim.groups == [{"match": "h.*.mlp.c_fc.weight", "lr_mult": 2.0}]  # record 42
+    assert last.ffn.skip_layers == [0] and last.mixer.pattern[3] == "none"  # records 30 and 17
+    assert last.attention.paired_heads == [0, 2, 4] and last.attention.window_schedule.end == 128  # records 58, 13
+    assert last.data.batch_schedule[-1] == [0.66, 24] and last.data.seq_schedule[0] == [0, 64]  # records 46, 72
     assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)
     assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
     speedrun = compose(["recipe=speedrun"])

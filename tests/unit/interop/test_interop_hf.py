@@ -297,6 +297,12 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
       "attention": {"name": "mha", "xsa": "gated"}}, "attention.xsa='gated'"),  # nor exclusive self-attention
     ({"position": {"name": "rope", "rotary_pct": 0.5}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
       "attention": {"name": "mha", "key_offset": True}}, "attention.key_offset=True"),  # nor shifted key dims
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mha", "paired_heads": True}}, "attention.paired_heads=True"),  # nor paired heads
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu", "skip_layers": [0]},
+      "n_layer": 2}, r"ffn.skip_layers=\[0\]"),  # every family's layer has its MLP
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "n_layer": 2,
+      "mixer": {"name": "attention", "pattern": ["none", "attention"]}}, "mixer.pattern="),  # and its attention
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"}, "placement": {"name": "double"},
       "logit_softcap": 11.5, "logit_softcap_offset": 5.0}, "model.logit_softcap_offset=5.0"),  # Gemma 2's: c·tanh(z/c)
 ])

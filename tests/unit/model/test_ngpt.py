@@ -320,6 +320,8 @@ def test_no_weight_decay_anywhere(by_role: bool) -> None:
     (["param=mup"], "norm=ngpt with param=mup"),
     (["head=mtp"], "norm=ngpt with head=mtp"),
     (["ffn=moe"], "norm=ngpt with ffn=moe"),
+    (["mixer.pattern=[none,attention]"], "norm=ngpt with mixer.pattern dropping a sublayer"),
+    (["ffn.skip_layers=[0]"], "norm=ngpt with ffn.skip_layers dropping a sublayer"),
     (["model.bias=true"], r"norm=ngpt with model.bias=true: .*use model.bias=false"),
     (["model.dropout=0.1"], "norm=ngpt with model.dropout=0.1"),
     (["model.embed_scale=sqrt_d"], "norm=ngpt with model.embed_scale=sqrt_d"),
