@@ -17,8 +17,11 @@ and chunking) are scored on its prefix token too:
 N the positions the next-token loss counts. A target without a prefix adds nothing but still counts in N, as in the
 record (its kernel skips the term; its loss is a sum over every position), so w acts at w times the share of targets
 that have a prefix. The record's w is 0.25 for the first third of its schedule, falls linearly to 0 by two thirds and
-stays 0 after; here `weight` is constant over the run (the model has no step; a schedule would be set by the training
-loop, as model.untie_at_step is). The record fuses both terms into one cross-entropy kernel on one set of logits; here
+stays 0 after: `fade=[a, b]` is that schedule (w × 1 until a·max_steps, then linearly to 0 at b·max_steps; the record's
+[0.333, 0.667]), set from the step by the training loop (`set_step`, a function of the step alone: a resume reads the
+uninterrupted run's factor) into a buffer, so a compiled forward sees no new constant; with a fade,
+`train/prefix_loss` logs the faded L_prefix (the factor times it), the part the objective carries before w. Without
+one (null, the default) w is constant. The record fuses both terms into one cross-entropy kernel on one set of logits; here
 the output head runs twice (its FLOPs count is the model's: the same logits).
 
 Training only (`model.train()`), as in the record: validation, eval.py, generation and export read the next-token
@@ -98,9 +101,15 @@ class PrefixToken(nn.Module):
     draws = False
     objective = "next_token"
 
-    def __init__(self, cfg: GPTConfig, *, weight: NonNegativeFloat = 0.25, prefixes: list[int] | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, *, weight: NonNegativeFloat = 0.25, prefixes: list[int] | None = None,
+                 fade: list[float] | None = None) -> None:
         super().__init__()
         self.weight = float(weight)
+        if fade is not None and (len(fade) != 2 or not 0 <= fade[0] < fade[1] <= 1):
+            raise ValueError(f"head.fade={list(fade)} must be [a, b] with 0 <= a < b <= 1: the weight falls linearly "
+                             f"from w at a·max_steps to 0 at b·max_steps (the record's [0.333, 0.667]), or null")
+        self.fade = None if fade is None else (float(fade[0]), float(fade[1]))
+        self.register_buffer("factor", torch.ones(()), persistent=False)  # the fade's, set by `set_step`
         self.weights = (self.weight,) if self.weight else ()  # its term's weight in the objective
         table = None
         if prefixes is not None:
@@ -113,6 +122,13 @@ class PrefixToken(nn.Module):
     @classmethod
     def n_params(cls, cfg: GPTConfig, **params: Any) -> int:
         return 0
+
+    def set_step(self, step: int, max_steps: int) -> None:
+        """The fade's factor at `step` of `max_steps`: 1 until a, linearly to 0 at b, 0 after (1 without a fade)."""
+        if self.fade is not None:
+            a, b = self.fade
+            x = step / max(1, max_steps)
+            self.factor.fill_(min(1.0, max(0.0, (b - x) / (b - a))))
 
     @classmethod
     def fit_vocabulary(cls, spec: dict[str, Any], tokenizer: Any, vocab_size: int, eod_id: int | None,
@@ -154,7 +170,8 @@ class PrefixToken(nn.Module):
             if self.table is None:
                 raise ValueError("head=prefix has no prefix table (head.prefixes=null): a run fills it from the data's "
                                  "tokenizer; from Python give head.prefixes=lmlab.model.prefix.prefix_table(...)")
-            self._term = Term(PREFIX_LOSS, prefix_loss(h, targets, self.table, lm_loss), self.weight)
+            value = prefix_loss(h, targets, self.table, lm_loss)
+            self._term = Term(PREFIX_LOSS, value if self.fade is None else value * self.factor, self.weight)
         return lm_loss(h, targets, z_loss=z_loss, parts=parts)
 
     def terms(self, *args: Any) -> list[Term]:

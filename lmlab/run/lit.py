@@ -246,10 +246,13 @@ class LitGPT(L.LightningModule):
             opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
 
     def _set_window_step(self) -> None:
-        """attention.window_schedule: each scheduled layer's window at this step of max_steps, before its forward; a
-        function of the step alone, so a resumed run reads at step s what the uninterrupted one read."""
+        """attention.window_schedule: each scheduled layer's window at this step of max_steps, before its forward (and
+        a head's own schedule: head=prefix's fade); a function of the step alone, so a resumed run reads at step s
+        what the uninterrupted one read."""
         for m in self._windowed:
             m.set_step(self.global_step, self.hparams.max_steps)
+        if (head_step := getattr(self.model.head, "set_step", None)) is not None:
+            head_step(self.global_step, self.hparams.max_steps)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).

@@ -143,3 +143,19 @@ def test_a_vocabulary_without_prefixes_or_a_table_is_refused_before_training() -
     assert model(idx).shape == (2, 12, V)  # logits, generation: no table needed
     with pytest.raises(ValueError, match=r"head=prefix has no prefix table \(head.prefixes=null\)"):
         model(idx, targets)
+
+
+def test_the_fade_is_the_records_schedule_of_the_weight() -> None:
+    """head.fade=[1/3, 2/3] (record 88): the objective's prefix part is w·L_prefix until a third of max_steps, then
+    falls linearly to 0 at two thirds and stays 0; the factor is a function of the step (a resume's is the same)."""
+    idx, targets = _batch()
+    plain = _model({"name": "prefix", "weight": 0.25, "prefixes": EXPECTED}).train()
+    faded = _model({"name": "prefix", "weight": 0.25, "prefixes": EXPECTED, "fade": [1 / 3, 2 / 3]}).train()
+    full_obj, ce, _ = plain(idx, targets, parts=True)
+    for step, factor in ((0, 1.0), (30, 1.0), (45, 0.5), (54, 0.2), (60, 0.0), (90, 0.0)):  # 2 - step/30
+        faded.head.set_step(step, 90)
+        objective, ce_f, _ = faded(idx, targets, parts=True)
+        torch.testing.assert_close(ce_f, ce)
+        torch.testing.assert_close(objective - ce_f, factor * (full_obj - ce), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"head.fade=\[0.6, 0.3\] must be \[a, b\] with 0 <= a < b <= 1"):
+        _model({"name": "prefix", "prefixes": EXPECTED, "fade": [0.6, 0.3]})
