@@ -21,8 +21,8 @@ stays 0 after: `fade=[a, b]` is that schedule (w × 1 until a·max_steps, then l
 [0.333, 0.667]), set from the step by the training loop (`set_step`, a function of the step alone: a resume reads the
 uninterrupted run's factor) into a buffer, so a compiled forward sees no new constant; with a fade,
 `train/prefix_loss` logs the faded L_prefix (the factor times it), the part the objective carries before w. Without
-one (null, the default) w is constant. The record fuses both terms into one cross-entropy kernel on one set of logits; here
-the output head runs twice (its FLOPs count is the model's: the same logits).
+one (null, the default) w is constant. The record fuses both terms into one cross-entropy kernel on one set of
+logits; here the output head runs twice (its FLOPs count is the model's: the same logits).
 
 Training only (`model.train()`), as in the record: validation, eval.py, generation and export read the next-token
 model, the same as head=next with the same weights. `train/prefix_loss` logs L_prefix before its weight. `weight=0`:
