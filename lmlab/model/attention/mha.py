@@ -234,7 +234,7 @@ class MHA(nn.Module):
         if self.qk_map is not None:  # before caching: the cache holds the keys as the logits read them
             q, k = self.qk_map(q, k)
         for value_mix in self.value_mixes if mix else ():  # before caching (residual=value_residual, value_embed)
-            v = value_mix(v)
+            v = value_mix(v, x)  # x: the attention's input, which a gated mix reads
         if cache is not None:
             k, v = cache.append(k, v)
         return self.scale_queries(q, offset, doc, pos.causal), k, v

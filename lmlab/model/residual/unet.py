@@ -6,6 +6,8 @@ second, the first layer feeds the last.
 `pairs` replaces the mirrored wiring by chosen skips [source, receiver] (source < receiver: layer source's output
 into layer receiver's input), e.g. the speedrun's record 45 kept one, [[4, 7]] of 12 layers. `gate=scalar` multiplies
 by the raw learned w (init `gate_init`); `gate=sigmoid` by σ(w), in (0, 1) (record 32: w from −1.5, σ ≈ 0.18).
+`gate_channels=k` > 0 multiplies that by an input-dependent 2σ(u_r·x0_{:k}), read from the first k channels of the
+embedding output x0 (record 55's skip gate, k = 12; u_r from zero: a factor of 1 at init).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
+
+from lmlab.registry import NonNegativeInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -48,8 +52,11 @@ def chosen(n_layer: int, pairs: list) -> dict[int, int]:
 
 class UNet(nn.Module):
     def __init__(self, cfg: GPTConfig, *, gate_init: float = 1.0, gate: Literal["scalar", "sigmoid"] = "scalar",
-                 pairs: list[list[int]] | None = None) -> None:
+                 pairs: list[list[int]] | None = None, gate_channels: NonNegativeInt = 0) -> None:
         super().__init__()
+        if gate_channels > cfg.d_model:
+            raise ValueError(f"residual.unet.gate_channels={gate_channels} is more than model.d_model={cfg.d_model}: "
+                             f"the gate reads the first k channels of the embedding output")
         if cfg.n_layer < 2:
             raise ValueError(f"residual=unet skips from the first half of the layers to the second: model.n_layer="
                              f"{cfg.n_layer} has no halves (>= 2 layers)")
@@ -58,7 +65,10 @@ class UNet(nn.Module):
         self.saved = set(self.sources.values())
         self.sigmoid = gate == "sigmoid"
         self.gates = nn.Parameter(torch.full((len(self.receivers),), float(gate_init)))
+        # u_r: (receivers, k), a matrix of no Linear (AdamW under optim=muon, as the record's skip gate)
+        self.inputs = nn.Parameter(torch.zeros(len(self.receivers), gate_channels)) if gate_channels else None
         self.skips: dict[int, torch.Tensor] = {}
+        self.x0: torch.Tensor | None = None
 
     def source(self, i: int) -> int | None:
         """The layer whose output layer i receives, or None."""
@@ -70,13 +80,17 @@ class UNet(nn.Module):
         return torch.sigmoid(w) if self.sigmoid else w
 
     def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
-        self.skips = {}
+        self.skips, self.x0 = {}, x0
 
     def before(self, i: int, x: torch.Tensor) -> torch.Tensor:
         src = self.source(i)
         if src is None:
             return x
-        return x + self.gate(i).to(x.dtype) * self.skips[src]
+        g = self.gate(i).to(x.dtype)
+        if self.inputs is not None:  # × 2σ(u_r·x0_{:k}) per token: (B, T, 1)
+            u = self.inputs[self.receivers.index(i)].to(x.dtype)
+            g = g * 2 * torch.sigmoid(self.x0[..., :u.numel()] @ u).unsqueeze(-1)
+        return x + g * self.skips[src]
 
     def after(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if i in self.saved:

@@ -39,7 +39,7 @@ class ValueMix(nn.Module):
         else:
             self.register_buffer("lam", lam, persistent=False)
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, v: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         if self.layer == 0:
             self.first.v = v
             return v

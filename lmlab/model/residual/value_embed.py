@@ -6,17 +6,23 @@ L − tables + i use table i (the first and the last `tables` layers; a layer in
 counted in `n_params`. Needs attention whose values are computed per token before they are cached (refused for
 attention=mla and block=gau). A layer of the layout without attention (mixer.pattern: `none`, a recurrent mixer) reads
 no table, as in the speedrun's record 35, whose first layer lost its attention and table 0 served layer L − 3 alone; a
-table left with no layer, or a layer named in `layers` without attention, is refused."""
+table left with no layer, or a layer named in `layers` without attention, is refused.
+
+`gate_channels=k` > 0 is the speedrun's gated form (record 55, "gates on value embeds"): v_l ← v_l + 2σ(W_l·x_{:k})·E,
+a gate per key/value head read from the first k channels of the attention's input x (the record's 12), W_l from zero
+(a gate of 1 at init), in place of the two scalars; W_l is a matrix of no Linear, so under optim=muon it steps with
+AdamW (the record moved its gates to Adam, record 56)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer import ATTENTION, layer_types
-from lmlab.registry import PositiveInt
+from lmlab.registry import NonNegativeInt, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -29,22 +35,31 @@ class _Tokens:
 
 
 class ValueEmbedMix(nn.Module):
-    def __init__(self, table: nn.Embedding, tokens: _Tokens) -> None:
+    def __init__(self, table: nn.Embedding, tokens: _Tokens, kv_heads: int, gate_channels: int = 0) -> None:
         super().__init__()
         self.table = [table]  # the owner's table, not registered twice
         self.tokens = tokens
-        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5])) if not gate_channels else None
+        self.gate = nn.Parameter(torch.zeros(kv_heads, gate_channels)) if gate_channels else None  # W: (nkv, k)
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:  # v (B, nkv, T, hs)
+    def forward(self, v: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:  # v (B, nkv, T, hs), x (B, T, d)
         B, nkv, T, hs = v.shape
         ve = self.table[0](self.tokens.idx).view(B, T, nkv, hs).transpose(1, 2).to(v.dtype)
+        if self.gate is not None:  # 2σ(W·x_{:k}) per head: (B, T, nkv) -> (B, nkv, T, 1)
+            g = 2 * torch.sigmoid(F.linear(x[..., :self.gate.size(1)], self.gate.to(x.dtype)))
+            return v + g.transpose(1, 2).unsqueeze(-1).to(v.dtype) * ve
         lam = self.lambdas.to(v.dtype)
         return lam[0] * v + lam[1] * ve
 
 
 class ValueEmbed(nn.Module):
-    def __init__(self, cfg: GPTConfig, *, tables: PositiveInt = 3, layers: list[int] | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, *, tables: PositiveInt = 3, layers: list[int] | None = None,
+                 gate_channels: NonNegativeInt = 0) -> None:
         super().__init__()
+        if gate_channels > cfg.d_model:
+            raise ValueError(f"residual.value_embed.gate_channels={gate_channels} is more than model.d_model="
+                             f"{cfg.d_model}: the gate reads the first k channels of the attention's input")
+        self.gate_channels, self.kv_heads = gate_channels, cfg.kv_heads
         if cfg.block.get("name", "transformer") != "transformer":
             raise ValueError(f"residual=value_embed adds to attention values: it needs block=transformer (got "
                              f"block={cfg.block['name']!r})")
@@ -88,13 +103,17 @@ class ValueEmbed(nn.Module):
         return kept
 
     @classmethod
-    def n_params(cls, cfg: GPTConfig, *, tables: int = 3, layers: list[int] | None = None) -> int:
+    def n_params(cls, cfg: GPTConfig, *, tables: int = 3, layers: list[int] | None = None,
+                 gate_channels: int = 0) -> int:
         n_tables = len(layers) if layers is not None else tables
-        return n_tables * cfg.vocab_size * cfg.kv_heads * cfg.head_dim + 2 * len(cls.attending(cfg, tables, layers))
+        per_layer = cfg.kv_heads * gate_channels if gate_channels else 2  # the gate's W, or λ and μ
+        return n_tables * cfg.vocab_size * cfg.kv_heads * cfg.head_dim + per_layer * len(cls.attending(cfg, tables,
+                                                                                                        layers))
 
     def attach(self, model: nn.Module) -> None:
         for i, t in sorted(self.layer_tables.items()):
-            model.h[i].attn.value_mixes.append(ValueEmbedMix(self.tables[t], self.tokens))
+            model.h[i].attn.value_mixes.append(ValueEmbedMix(self.tables[t], self.tokens, self.kv_heads,
+                                                             self.gate_channels))
 
     def start(self, x0: torch.Tensor, idx: torch.Tensor) -> None:
         self.tokens.idx = idx

@@ -125,14 +125,16 @@ def test_value_residual_fixed_keeps_resformers_equal_mix() -> None:
     assert not any("lam" in n for n, _ in model.named_parameters())
 
 
-def test_value_embeddings_are_added_to_the_values_of_their_layers() -> None:
-    """v_l ← λ_l·v_l + μ_l·E_t(idx) on the layers that read table t: layer i and layer L − tables + i share table i."""
+@pytest.mark.parametrize("gate_channels", [0, 3])
+def test_value_embeddings_are_added_to_the_values_of_their_layers(gate_channels: int) -> None:
+    """v_l ← λ_l·v_l + μ_l·E_t(idx) on the layers that read table t: layer i and layer L − tables + i share table i;
+    with gate_channels k (record 55) v_l ← v_l + 2σ(W_l·x_{:k})·E_t(idx), a gate per head from the attention's input."""
     from lmlab.model.residual.value_embed import ValueEmbed
 
     assert ValueEmbed.assignment(6, 2, None) == {0: 0, 1: 1, 4: 0, 5: 1}
     assert ValueEmbed.assignment(4, 3, None) == {0: 0, 1: 1, 2: 2, 3: 2}  # layer 1 is in both halves: table 1 once
     assert ValueEmbed.assignment(4, 3, [3, 0]) == {3: 0, 0: 1}
-    model = _model({"value_embed": {"tables": 2}}, n_layer=5, position={"name": "none"})
+    model = _model({"value_embed": {"tables": 2, "gate_channels": gate_channels}}, n_layer=5, position={"name": "none"})
     idx = _idx()
     ins, outs, x0 = _trace(model, idx)
     tables = model.residual.options["value_embed"].tables
@@ -147,6 +149,10 @@ def test_value_embeddings_are_added_to_the_values_of_their_layers() -> None:
             table = {0: 0, 1: 1, 3: 0, 4: 1}.get(i)
             if table is None:
                 assert not block.attn.value_mixes
+            elif gate_channels:
+                w = block.attn.value_mixes[0].gate  # (nh, k)
+                g = 2 * torch.sigmoid(block.ln_1(ins[i])[..., :gate_channels] @ w.T)  # (B, T, nh)
+                v = v + g.transpose(1, 2).unsqueeze(-1) * heads(tables[table](idx))
             else:
                 lam = block.attn.value_mixes[0].lambdas
                 v = lam[0] * v + lam[1] * heads(tables[table](idx))
@@ -203,6 +209,18 @@ def test_unet_chosen_pairs_with_sigmoid_gates_add_sigma_w_times_the_sources_outp
     assert GPT(validate(GPTConfig(vocab_size=V, n_layer=4, d_model=32, n_head=4, max_seq_len=16, residual={
         "unet": {"gate": "sigmoid", "gate_init": -1.5}}))).residual.options["unet"].gate(3).item() == \
         pytest.approx(1 / (1 + math.exp(1.5)))  # record 32: σ(−1.5) ≈ 0.18
+
+
+def test_unet_gate_channels_scale_each_skip_by_two_sigma_of_the_embedding_output() -> None:
+    """Record 55's skip gate: layer r's input gets σ(w)·2σ(u_r·x0_{:k})·(layer s's output), per token."""
+    model = _model({"unet": {"pairs": [[1, 3]], "gate": "sigmoid", "gate_channels": 5}})
+    ins, outs, x0 = _trace(model, _idx())
+    unet = model.residual.options["unet"]
+    g = torch.sigmoid(unet.gates[0]) * 2 * torch.sigmoid(x0[..., :5] @ unet.inputs[0]).unsqueeze(-1)
+    torch.testing.assert_close(ins[3], outs[2] + g.detach() * outs[1], rtol=1e-6, atol=1e-6)
+    fresh = GPT(validate(GPTConfig(vocab_size=V, n_layer=4, d_model=32, n_head=4, max_seq_len=16,
+                                   residual={"unet": {"gate_channels": 5}})))
+    assert not fresh.residual.options["unet"].inputs.any()  # from zero: a factor of 1 at init
 
 
 def test_scaled_stream_init_starts_every_lambda_there() -> None:
@@ -303,6 +321,8 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=unet", "residual.unet.pairs=[[0,3],[1,3]]"], r"residual.unet.pairs gives layer 3 two skips"),
     (["residual=unet", "residual.unet.gate=tanh"], r"residual.unet.gate"),
     (["residual=scaled", "residual.scaled.stream_init=1.1"], r"stream_init=1.1 .* residual.scaled.stream=true"),
+    (["residual=unet", "residual.unet.gate_channels=4096"], r"residual.unet.gate_channels=4096 is more than"),
+    (["residual=value_embed", "residual.value_embed.gate_channels=4096"], r"value_embed.gate_channels=4096 is more"),
     (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual\.value_residual\.init=2.0"),
     (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual\.scaled\.branch_init=-1"),
     (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
