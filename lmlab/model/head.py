@@ -49,6 +49,7 @@ from torch import nn
 
 from lmlab.model.block import BLOCKS
 from lmlab.model.encoder import Classify, MaskedLM
+from lmlab.model.next_token import NextToken
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
 from lmlab.model.prefix import PrefixToken
@@ -63,41 +64,6 @@ LMLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 MTP_LOSS = "mtp_loss_"  # the depths' side-channel terms (lmlab.model.side): <split>/mtp_loss_<k>, before weights
-
-
-class NextToken(nn.Module):
-    """The next token only: no extra modules, no extra losses."""
-
-    depth = 0
-    weights: tuple[float, ...] = ()
-    declared: dict[str, tuple[str, ...]] = {}
-    causal = True
-    reserved = 0
-    predicts_next = True
-    draws = False
-    objective = "next_token"  # what its loss is (summary.json's `objective`)
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-
-    @classmethod
-    def n_params(cls, cfg: GPTConfig, **params) -> int:
-        return 0
-
-    def prepare(self, idx: torch.Tensor, targets: torch.Tensor, keys: Sequence[Sequence[int]]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return idx, targets
-
-    def logits(self, h: torch.Tensor, idx: torch.Tensor, lm_logits: Callable[[torch.Tensor], torch.Tensor]
-               ) -> torch.Tensor:
-        return lm_logits(h)
-
-    def loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, lm_loss: Callable[..., Any],
-             z_loss: float = 0.0, parts: bool = False) -> Any:
-        return lm_loss(h, targets, z_loss=z_loss, parts=parts)
-
-    def terms(self, *args: Any) -> list[Term]:
-        return []
 
 
 class MTP(NextToken):

@@ -37,13 +37,13 @@ prefix_table(vocab, size)}`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from lmlab.model.encoder import IGNORE
+from lmlab.model.next_token import NextToken
 from lmlab.model.side import Term
 from lmlab.registry import NonNegativeFloat, option_defaults
 
@@ -91,19 +91,12 @@ def prefix_loss(h: torch.Tensor, targets: torch.Tensor, table: torch.Tensor, lm_
     return torch.where(n > 0, ce, 0.0) * n / counted.sum().clamp(min=1)
 
 
-class PrefixToken(nn.Module):
+class PrefixToken(NextToken):
     """The next token, and in training each target's prefix token from the same logits (module docstring)."""
-
-    depth = 0  # no extra positions predicted
-    causal = True
-    reserved = 0
-    predicts_next = True
-    draws = False
-    objective = "next_token"
 
     def __init__(self, cfg: GPTConfig, *, weight: NonNegativeFloat = 0.25, prefixes: list[int] | None = None,
                  fade: list[float] | None = None) -> None:
-        super().__init__()
+        super().__init__(cfg)
         self.weight = float(weight)
         if fade is not None and (len(fade) != 2 or not 0 <= fade[0] < fade[1] <= 1):
             raise ValueError(f"head.fade={list(fade)} must be [a, b] with 0 <= a < b <= 1: the weight falls linearly "
@@ -118,10 +111,6 @@ class PrefixToken(nn.Module):
         # Not in the state dict: the model record holds it (a head=next model loads these weights as they are).
         self.register_buffer("table", table, persistent=False)
         self._term: Term | None = None
-
-    @classmethod
-    def n_params(cls, cfg: GPTConfig, **params: Any) -> int:
-        return 0
 
     def set_step(self, step: int, max_steps: int) -> None:
         """The fade's factor at `step` of `max_steps`: 1 until a, linearly to 0 at b, 0 after (1 without a fade)."""
@@ -153,14 +142,6 @@ class PrefixToken(nn.Module):
     def declared(self) -> dict[str, tuple[str, ...]]:
         """The term it records (lmlab.model.side): L_prefix, in training, when it has a weight."""
         return {PREFIX_LOSS: ("train",)} if self.weight else {}
-
-    def prepare(self, idx: torch.Tensor, targets: torch.Tensor, keys: Sequence[Sequence[int]]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return idx, targets
-
-    def logits(self, h: torch.Tensor, idx: torch.Tensor, lm_logits: Callable[[torch.Tensor], torch.Tensor]
-               ) -> torch.Tensor:
-        return lm_logits(h)
 
     def loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, lm_loss: Callable[..., Any],
              z_loss: float = 0.0, parts: bool = False) -> Any:
