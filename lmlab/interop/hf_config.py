@@ -94,7 +94,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   *(() if gate else (("gate", None),)), ("sinks", False), ("forget_gate", False), ("mem_kv", 0),
-                  ("xsa", None), ("key_offset", False), ("paired_heads", False),
+                  ("xsa", None), ("key_offset", False), ("paired_heads", False), ("gate_channels", 0),
                   ("window_block", None), ("eval_window", None),  # transformers' windows: tokens, one for every use
                   *(() if windows else (("window", None), ("pattern", None))))
     for key, plain in plain_keys:

@@ -50,7 +50,7 @@ class CosineAttention(MHA):
                  window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
+                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
         if score != "softmax":
             raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
                              f"not apply; use score=softmax")
@@ -64,7 +64,7 @@ class CosineAttention(MHA):
                          window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps, forget_gate=forget_gate,
                          forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa, key_offset=key_offset,
-                         paired_heads=paired_heads)
+                         paired_heads=paired_heads, gate_channels=gate_channels)
         self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
 
     @classmethod

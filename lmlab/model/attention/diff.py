@@ -42,12 +42,12 @@ class DiffAttention(MHA):
                  window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
+                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
         super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
                          window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads)
+                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")

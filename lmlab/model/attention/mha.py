@@ -63,7 +63,8 @@ class MHA(nn.Module):
       the end-of-document token, `model.eod_id`, set from data.eod); the scores count the keys of the document;
     - gate: a sigmoid gate on the attention output before the output projection, from the sublayer's input
       (Qiu et al., 2025, "Gated Attention", Qwen3-Next): `elementwise` (one gate per head dimension) or `headwise`
-      (one per head); y ← y ⊙ σ(x W_g);
+      (one per head); y ← y ⊙ σ(x W_g); `gate_channels` k reads only x's first k channels (the speedrun's sparse
+      attention gate, record 28: 12);
     - sinks: a learned sink logit per head (gpt-oss; Xiao et al., 2024's attention sinks, learned): the softmax
       normalises over the keys and the sink, whose weight reads no value; softmax scores only, explicit;
     - forget_gate: a forget gate per head (Lin et al., 2025, "Forgetting Transformer", FoX), f_t = σ(w_h·x_t + b_h)
@@ -99,7 +100,7 @@ class MHA(nn.Module):
                  window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
+                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
         super().__init__()
         if forget_bias != 0.0 and not forget_gate:
             raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "
@@ -142,7 +143,12 @@ class MHA(nn.Module):
         self.dropout = cfg.dropout
         qk_dim, self.v_dim = self.project(cfg)
         self.scale = 1.0 / (math.sqrt(qk_dim) * temperature)
-        self.gate = None if gate is None else nn.Linear(cfg.d_model, gate_width(gate, self.n_head, self.v_dim),
+        if gate_channels and (gate is None or gate_channels > cfg.d_model):
+            raise ValueError(f"attention.gate_channels={gate_channels} is how many of the input's first channels the "
+                             f"gate reads: it needs attention.gate (elementwise|headwise; got {gate}) and at most "
+                             f"model.d_model={cfg.d_model} channels")
+        self.gate_channels = gate_channels or cfg.d_model  # the speedrun's sparse gate reads the first 12 (record 28)
+        self.gate = None if gate is None else nn.Linear(self.gate_channels, gate_width(gate, self.n_head, self.v_dim),
                                                         bias=cfg.bias)
         self.sink = nn.Parameter(torch.zeros(self.n_head)) if sinks else None  # logit 0: e^0 beside the keys' at init
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
@@ -204,7 +210,8 @@ class MHA(nn.Module):
         nh, hd, kv = cfg.n_head, cfg.head_dim, cfg.kv_heads
         qkv = (nh + 2 * kv) * hd
         n = cfg.d_model * qkv + nh * hd * cfg.d_model + cfg.bias * (qkv + cfg.d_model)
-        n += (cfg.d_model + cfg.bias) * gate_width(params.get("gate"), nh, hd) + nh * bool(params.get("sinks"))
+        n += ((params.get("gate_channels") or cfg.d_model) + cfg.bias) * gate_width(params.get("gate"), nh, hd)
+        n += nh * bool(params.get("sinks"))
         n += extra_params(cfg, params, kv * (hd + hd))
         return Geometry(heads=nh, head_dim=hd, cache_width=2 * kv * hd + nh * bool(params.get("forget_gate")),
                         attn_width=2 * nh * hd, n_params=n)
@@ -262,7 +269,7 @@ class MHA(nn.Module):
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
         if self.gate is not None:  # (B, T, nh·hs or nh) -> (B, nh, T, hs or 1)
-            y = y * torch.sigmoid(self.gate(x)).view(B, T, self.n_head, -1).transpose(1, 2)
+            y = y * torch.sigmoid(self.gate(x[..., :self.gate_channels])).view(B, T, self.n_head, -1).transpose(1, 2)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.v_dim))
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,

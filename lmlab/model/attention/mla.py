@@ -48,7 +48,7 @@ class MLA(MHA):
                  window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
+                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
         if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
             raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
                              f"{qk_norm_eps} does not apply; leave it null")
@@ -67,7 +67,7 @@ class MLA(MHA):
                          pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
                          window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads)
+                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
@@ -123,7 +123,8 @@ class MLA(MHA):
                                                   "v_head_dim", "q_lora_rank"))
         q = d * nh * (nope + rope) if rq is None else d * rq + b * rq + rq * nh * (nope + rope)
         n = q + (d + b) * (rank + rope) + rank * nh * (nope + v) + nh * v * d + b * d
-        n += (d + b) * gate_width(params.get("gate"), nh, v) + nh * bool(params.get("sinks"))
+        n += ((params.get("gate_channels") or d) + b) * gate_width(params.get("gate"), nh, v)
+        n += nh * bool(params.get("sinks"))
         n += extra_params(cfg, params, nh * (nope + rope + v))
         return Geometry(heads=nh, head_dim=rope, cache_width=rank + rope + nh * bool(params.get("forget_gate")),
                         attn_width=nh * (nope + rope + v), n_params=n)

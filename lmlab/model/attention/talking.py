@@ -44,7 +44,7 @@ class TalkingHeads(MHA):
                  window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False) -> None:
+                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
         """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
         the mixes of the heads' logits and weights)."""
         if sinks:
@@ -59,7 +59,7 @@ class TalkingHeads(MHA):
                          window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
                          window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
                          qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads)
+                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 

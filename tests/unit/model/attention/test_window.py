@@ -188,27 +188,29 @@ def test_a_llama_like_window_exports_as_ministral_and_a_gpt2_like_one_is_refused
         family(gpt2_like.cfg)
 
 
-@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
-def test_the_output_gate_is_its_formula_and_counted(gate) -> None:
-    """y ← y ⊙ σ(x W_g) before the output projection: per head dimension, or one per head broadcast over it; its
-    weights are in the size estimate."""
+@pytest.mark.parametrize("gate,channels", [("elementwise", 0), ("headwise", 0), ("headwise", 12)])
+def test_the_output_gate_is_its_formula_and_counted(gate, channels) -> None:
+    """y ← y ⊙ σ(x W_g) before the output projection: per head dimension, or one per head broadcast over it; with
+    gate_channels k from x's first k channels only (the speedrun's sparse gate, record 28); its weights are in the
+    size estimate."""
     from lmlab.model.resolve import n_params_estimate
 
-    model = _model(attention={"name": "mha", "gate": gate}, n_layer=2)
+    model = _model(attention={"name": "mha", "gate": gate, "gate_channels": channels}, n_layer=2)
     plain = _model(n_layer=2)
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if ".gate." not in k})
     attn, ref = model.h[0].attn, plain.h[0].attn
     x = torch.randn(2, 9, 32)
     B, T = 2, 9
     with torch.no_grad():
-        g = torch.sigmoid(attn.gate(x))  # (B, T, nh·hs) or (B, T, nh)
+        k_in = channels or 32
+        g = torch.sigmoid(x[..., :k_in] @ attn.gate.weight.T)  # (B, T, nh·hs) or (B, T, nh)
         q, k, v = ref.qkv(x, model.pos)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ref.scale)
         y = y * g.view(B, T, 4, -1).transpose(1, 2)
         expected = ref.c_proj(y.transpose(1, 2).reshape(B, T, 32))
         torch.testing.assert_close(attn(x, model.pos), expected, **TOL)
     width = {"elementwise": 32, "headwise": 4}[gate]
-    assert model.num_params() - plain.num_params() == 2 * 32 * width  # two layers, no biases
+    assert model.num_params() - plain.num_params() == 2 * k_in * width  # two layers, no biases
     assert abs(n_params_estimate(model.cfg) - model.num_params()) / model.num_params() < 0.01
 
 
