@@ -2,7 +2,8 @@
 speedrun's value embeddings): v_l ← λ_l·v_l + μ_l·E_t(idx) with table t of width n_kv_head·head_dim, λ and μ learned
 per layer (init 0.5 each, the speedrun's). `tables` tables are shared the speedrun's way, U-net-like: layer i and layer
 L − tables + i use table i (the first and the last `tables` layers; a layer in both reads the same table once);
-`layers` names the layers instead (table i for the i-th listed). Each table adds vocab·n_kv_head·head_dim weights,
+`layers` names the layers instead (table i for the i-th entry: a layer, or a list of layers that share it — the
+speedrun's record 15 mirrors them, [[0, 11], [1, 10], [2, 9]]). Each table adds vocab·n_kv_head·head_dim weights,
 counted in `n_params`. Needs attention whose values are computed per token before they are cached (refused for
 attention=mla and block=gau). A layer of the layout without attention (mixer.pattern: `none`, a recurrent mixer) reads
 no table, as in the speedrun's record 35, whose first layer lost its attention and table 0 served layer L − 3 alone; a
@@ -53,7 +54,7 @@ class ValueEmbedMix(nn.Module):
 
 
 class ValueEmbed(nn.Module):
-    def __init__(self, cfg: GPTConfig, *, tables: PositiveInt = 3, layers: list[int] | None = None,
+    def __init__(self, cfg: GPTConfig, *, tables: PositiveInt = 3, layers: list[int | list[int]] | None = None,
                  gate_channels: NonNegativeInt = 0) -> None:
         super().__init__()
         if gate_channels > cfg.d_model:
@@ -75,9 +76,13 @@ class ValueEmbed(nn.Module):
     def assignment(n_layer: int, tables: int, layers: list[int] | None) -> dict[int, int]:
         """layer -> the table it reads."""
         if layers is not None:
-            if bad := [i for i in layers if not 0 <= i < n_layer]:
-                raise ValueError(f"residual.layers has {bad}, not layers of the model (0 .. {n_layer - 1})")
-            return {i: t for t, i in enumerate(layers)}
+            entries = [[e] if isinstance(e, int) else list(e) for e in layers]
+            flat = [i for e in entries for i in e]
+            if bad := [i for i in flat if not 0 <= i < n_layer]:
+                raise ValueError(f"residual.value_embed.layers has {bad}, not layers of the model (0 .. {n_layer - 1})")
+            if twice := sorted({i for i in flat if flat.count(i) > 1}):
+                raise ValueError(f"residual.value_embed.layers names layer {twice} twice: a layer reads one table")
+            return {i: t for t, e in enumerate(entries) for i in e}
         if tables > n_layer:
             raise ValueError(f"residual.value_embed.tables={tables} is more than model.n_layer={n_layer}: each table "
                              f"serves the first and the last `tables` layers")
@@ -91,7 +96,7 @@ class ValueEmbed(nn.Module):
         such a layer (`layers`) or leaves a table unread."""
         out = cls.assignment(cfg.n_layer, tables, layers)
         types = layer_types(cfg)
-        if layers is not None and (bad := [i for i in layers if types[i] != ATTENTION]):
+        if layers is not None and (bad := [i for i in out if types[i] != ATTENTION]):
             raise ValueError(f"residual.value_embed.layers={list(layers)} has {bad}, layers without attention in "
                              f"mixer.pattern={cfg.mixer.get('pattern')}: name attention layers only")
         kept = {i: t for i, t in out.items() if types[i] == ATTENTION}

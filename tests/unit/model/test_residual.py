@@ -134,6 +134,7 @@ def test_value_embeddings_are_added_to_the_values_of_their_layers(gate_channels:
     assert ValueEmbed.assignment(6, 2, None) == {0: 0, 1: 1, 4: 0, 5: 1}
     assert ValueEmbed.assignment(4, 3, None) == {0: 0, 1: 1, 2: 2, 3: 2}  # layer 1 is in both halves: table 1 once
     assert ValueEmbed.assignment(4, 3, [3, 0]) == {3: 0, 0: 1}
+    assert ValueEmbed.assignment(12, 3, [[0, 11], [1, 10], [2, 9]]) == {0: 0, 11: 0, 1: 1, 10: 1, 2: 2, 9: 2}  # #15
     model = _model({"value_embed": {"tables": 2, "gate_channels": gate_channels}}, n_layer=5, position={"name": "none"})
     idx = _idx()
     ins, outs, x0 = _trace(model, idx)
@@ -328,6 +329,7 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
     (["residual=[hyper,unet]"], r"residual=hyper widens the stream to n copies: it does not stack with residual=unet"),
     (["residual=hyper", "placement=post"], r"residual=hyper adds each sublayer's branch to the copies: placement='pos"),
+    (["residual=value_embed", "residual.value_embed.layers=[[0,3],[3,2]]"], r"value_embed.layers names layer \[3\] twice"),
     (["residual=value_embed", "residual.value_embed.tables=5"], r"residual\.value_embed\.tables=5 is more than model.n_layer=4"),
     (["residual=value_embed", "attention=mla"], r"residual=value_embed with attention=mla"),
 ])
