@@ -9,6 +9,7 @@ TRAIN_Z_LOSS = "train/z_loss"  # mean (log Z)² of the output logits, under opti
 # An MoE's balancing losses before their coefficients, summed over its layers (lmlab.model.moe; the objective adds them)
 TRAIN_AUX = {"balance": "train/moe_balance_loss", "router_z": "train/router_z_loss"}
 TRAIN_PREFIX_LOSS = "train/prefix_loss"  # head=prefix's auxiliary loss, before its weight (lmlab.model.prefix)
+TRAIN_MTP_LOGITS_LOSS = "train/mtp_logits_loss"  # head=mtp_logits': Σ w_k·L_k at the step's weights
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_EMA_LOSS = "val/ema_loss"  # val/loss of the weight EMA (optim.ema > 0; lmlab.optim.ema), at every validation

@@ -1,8 +1,9 @@
 """What the model predicts (the `head` axis): `next` (the next token only, every earlier run), `mtp`, multi-token
-prediction, which trains extra modules to predict the tokens after it, `prefix` (lmlab.model.prefix: the next token and
-each target's longest prefix token from the same logits, the GPT-2 speedrun's auxiliary loss), and the encoder
-objectives of `lmlab.model.encoder`: `mlm` (a bidirectional masked language model) and `classify` (a sequence
-classifier).
+prediction, which trains extra modules to predict the tokens after it, `prefix` (lmlab.model.prefix: the next token
+and each target's longest prefix token from the same logits, the GPT-2 speedrun's auxiliary loss), `mtp_logits`
+(lmlab.model.mtp_logits: the same logits scored on the tokens after the next, the speedrun's parameter-free MTP), and
+the encoder objectives of `lmlab.model.encoder`: `mlm` (a bidirectional masked language model) and `classify` (a
+sequence classifier).
 
 Contract: `Head(cfg, *, <own params>)`, an nn.Module built once per model, with `depth` (the extra tokens predicted;
 0: none) and `terms(h, idx, targets, doc, embed, pos, lm_loss)`: its side-channel terms (lmlab.model.side; MTP's
@@ -49,6 +50,7 @@ from torch import nn
 
 from lmlab.model.block import BLOCKS
 from lmlab.model.encoder import Classify, MaskedLM
+from lmlab.model.mtp_logits import MTPLogits
 from lmlab.model.next_token import NextToken
 from lmlab.model.norm import NORMS
 from lmlab.model.placement import PLACEMENTS
@@ -121,7 +123,8 @@ class MTP(NextToken):
         return out
 
 
-HEADS = {"next": NextToken, "mtp": MTP, "prefix": PrefixToken, "mlm": MaskedLM, "classify": Classify}
+HEADS = {"next": NextToken, "mtp": MTP, "mtp_logits": MTPLogits, "prefix": PrefixToken, "mlm": MaskedLM,
+         "classify": Classify}
 
 
 def fit_head(spec: dict[str, Any], labels: Sequence[str] | None, data: str | None) -> tuple[dict[str, Any], int]:

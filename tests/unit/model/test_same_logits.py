@@ -1,6 +1,8 @@
-"""head=prefix (lmlab.model.prefix): the GPT-2 speedrun's prefix-token loss (record 88). The prefix table of hand-made
-vocabularies (plain, a GPT-2-style byte-level BPE tokenizer.json, a character tokenizer), the loss against the
-record's computation written out by hand, weight 0 as head=next's path, and the refusals before training."""
+"""The GPT-2 speedrun's heads that score the next token's logits on other targets too. head=prefix (lmlab.model.prefix,
+record 88's prefix-token loss): the prefix table of hand-made vocabularies (plain, a GPT-2-style byte-level BPE
+tokenizer.json, a character tokenizer), the loss against the record's computation written out by hand, weight 0 as
+head=next's path, the fade, and the refusals before training. head=mtp_logits (lmlab.model.mtp_logits, record 53's
+parameter-free MTP): the record's weighted sum over the next tokens and its fade, by hand."""
 
 from __future__ import annotations
 
@@ -159,3 +161,39 @@ def test_the_fade_is_the_records_schedule_of_the_weight() -> None:
         torch.testing.assert_close(objective - ce_f, factor * (full_obj - ce), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match=r"head.fade=\[0.6, 0.3\] must be \[a, b\] with 0 <= a < b <= 1"):
         _model({"name": "prefix", "prefixes": EXPECTED, "fade": [0.6, 0.3]})
+
+
+# ---- head=mtp_logits (record 53): the same logits on the tokens after the next ---------------------------------
+
+
+def test_mtp_logits_is_the_records_weighted_sum_over_the_next_k_tokens() -> None:
+    """objective = (1/N) Σ_i Σ_k w_k·CE(z_i, t_{i+k}), w_1 = 1, the entries past a sequence's end zero (the record's
+    loss, by hand from the logits); the record's fade: [1, .5, .25 → 0] → [1, .5 → 0] → [1] in thirds."""
+    from lmlab.model.mtp_logits import MTP_LOGITS_LOSS, faded
+
+    model = _model({"name": "mtp_logits", "weights": [0.5, 0.25], "fade": True}, **SPEEDRUN_CAP).train()
+    idx, targets = _batch()
+    B, T = targets.shape
+    for step, w in ((0, [0.5, 0.25]), (15, [0.5, 0.125]), (30, [0.5, 0.0]), (45, [0.25, 0.0]), (60, [0.0, 0.0])):
+        assert faded([0.5, 0.25], step, 90) == pytest.approx(w)
+        model.head.set_step(step, 90)
+        objective, ce, _ = model(idx, targets, parts=True)
+        with torch.no_grad():
+            logits = 23 * torch.sigmoid((model.ln_f(trunk(model, idx)) @ model.head_weight.T + 5) / 7.5)
+            lse = torch.logsumexp(logits, -1)  # (B, T)
+            total = torch.zeros(())
+            for k, wk in enumerate([1.0, *w], start=1):
+                later = torch.full((B, T), -1)
+                later[:, :T - k + 1] = targets[:, k - 1:]  # t_{i+k}
+                hit = later >= 0
+                picked = logits.gather(-1, later.clamp(min=0)[..., None])[..., 0]
+                total = total + wk * torch.where(hit, lse - picked, 0.0).sum()
+        torch.testing.assert_close(objective.detach(), total / (B * T), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.figures("train")[MTP_LOGITS_LOSS], (objective - ce).detach())
+    model.eval()
+    with torch.no_grad():  # evaluation: the next token only
+        torch.testing.assert_close(model(idx, targets), F.cross_entropy(
+            (23 * torch.sigmoid((model.ln_f(trunk(model, idx)) @ model.head_weight.T + 5) / 7.5)).flatten(0, 1),
+            targets.flatten()))
+    with pytest.raises(ValueError, match=r"head.weights=\[-0.5\] are w_2 .. w_K"):
+        _model({"name": "mtp_logits", "weights": [-0.5]})
