@@ -41,6 +41,9 @@ The Muon family, each a key of optim=muon (all off: torch.optim.Muon's step, as 
   piece, √min(m, n) (so that with `match_rms_adamw` the step is the paper's lr·0.2·√(mn)·Ô/‖Ô‖_F; `normuon_beta2`).
 
 Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
+`adam_every=k` steps the AdamW half every k-th step only, on the sum of the k steps' gradients (the speedrun's record
+39, k = 2: Muon every step, the Adam tensors every other); the gradients between its steps wait in the optimizer's
+state (`grad_sum`), so a checkpoint taken between two Adam steps resumes exactly.
 Under FSDP2 each rank holds row shards of W (DTensors), and NS needs the whole matrix: PieceMuon keeps the momentum
 sharded (it is elementwise), gathers the update (one all-gather per matrix), orthogonalises the whole matrix on every
 rank alike (deterministic, so the ranks agree without a broadcast) and applies its own rows of the step; the same
@@ -273,7 +276,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None,
                  adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, split: str = "none",
                  ns_coefficients: str = "quintic", normuon: bool = False, normuon_beta2: float = 0.95,
-                 normuon_eps: float = 1e-8) -> None:
+                 normuon_eps: float = 1e-8, adam_every: int = 1) -> None:
         """`adamw(groups, lr=, betas=, eps=, fused=)` builds the AdamW half (lmlab.optim passes its own: the fused
         kernel picked, cautious decay honoured). The family's keys (split, ns_coefficients, normuon) at their
         defaults leave the hidden matrices to torch.optim.Muon (and an MoE's to ExpertMuon); set, to PieceMuon."""
@@ -311,6 +314,8 @@ class MuonAdamW(torch.optim.Optimizer):
             children.append(adamw(adam_groups, lr=adam_lr, betas=betas, eps=eps, fused=fused))
             for g in children[-1].param_groups:
                 g["kind"] = "adamw"
+                if adam_every > 1:  # only then: other runs keep their groups' keys
+                    g.update(adam_every=adam_every, adam_calls=0)
         self._children = {g["kind"]: child for child in children for g in child.param_groups}
         super().__init__([g for child in children for g in child.param_groups], {})
         self._link()
@@ -353,5 +358,27 @@ class MuonAdamW(torch.optim.Optimizer):
                 frac = min(1.0, g["muon_step"] / w) if w else 1.0
                 g["momentum"] = g["momentum_start"] + frac * (g["momentum_target"] - g["momentum_start"])
                 g["muon_step"] += 1
-        cautious_step(self, lambda: [child.step() for child in self._children.values()])
+        adam_now = self._hold_adam_grads()
+        cautious_step(self, lambda: [child.step() for kind, child in self._children.items()
+                                     if kind != "adamw" or adam_now])
         return loss
+
+    def _hold_adam_grads(self) -> bool:
+        """optim.adam_every=k: whether the AdamW half steps now (every k-th call); between its steps each gradient is
+        added to the state's `grad_sum` and taken off the parameter, and on its step the sum is put back."""
+        groups = [g for g in self.param_groups if g["kind"] == "adamw" and g.get("adam_every", 1) > 1]
+        if not groups:
+            return True
+        now = False
+        for g in groups:
+            g["adam_calls"] += 1
+            now = g["adam_calls"] % g["adam_every"] == 0
+            for p in g["params"]:
+                state = self.state[p]
+                if p.grad is not None and not now:
+                    state["grad_sum"] = p.grad.clone() if "grad_sum" not in state else state["grad_sum"] + p.grad
+                    p.grad = None
+                elif now and "grad_sum" in state:
+                    held = state.pop("grad_sum")  # before AdamW reads its state (an empty one is initialised)
+                    p.grad = held if p.grad is None else p.grad + held
+        return now

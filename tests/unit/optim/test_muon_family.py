@@ -237,3 +237,43 @@ def test_a_checkpoint_stepped_with_another_split_is_refused_naming_the_key() -> 
     newer.step()
     with pytest.raises(ValueError, match=r"optim\.split=heads \(optim\.split=none now\)"):
         _muon(copy.deepcopy(model)).load_state_dict(copy.deepcopy(newer.state_dict()))
+
+
+def test_adam_every_two_steps_the_adamw_half_on_the_summed_gradients_and_resumes_between() -> None:
+    """optim.adam_every=2 (record 39): the Muon matrices step every time; the AdamW tensors every other step, by one
+    AdamW step on the two steps' summed gradients; the weights and state dict saved between the two (the held
+    gradients in it) continue in a fresh optimizer as the uninterrupted one does."""
+    model = _model()
+    start = copy.deepcopy(model.state_dict())
+    opt = _muon(model, adam_every=2)
+    adam = [p for g in opt.param_groups if g["kind"] == "adamw" for p in g["params"]]
+    muon = [p for g in opt.param_groups if g["kind"] != "adamw" for p in g["params"]]
+    summed = {}
+    for seed in (1, 2):
+        _grads(model, seed)
+        for p in adam:
+            summed[id(p)] = summed.get(id(p), 0) + p.grad
+        before = [p.detach().clone() for p in muon + adam]
+        opt.step()
+        moved = [not torch.equal(p, b) for p, b in zip(muon + adam, before)]
+        assert all(moved[:len(muon)])  # Muon: every step
+        assert any(moved[len(muon):]) == (seed == 2)  # AdamW: the second only
+        if seed == 1:
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    ref_model = _model()
+    ref_model.load_state_dict(start)
+    ref = _muon(ref_model)
+    ref_adam = [p for g in ref.param_groups if g["kind"] == "adamw" for p in g["params"]]
+    for p_ref, p in zip(ref_adam, adam):
+        p_ref.grad = summed[id(p)]
+    ref._children["adamw"].step()  # one AdamW step on the sum
+    for p_ref, p in zip(ref_adam, adam):
+        torch.testing.assert_close(p, p_ref)
+    resumed_model = _model()
+    resumed_model.load_state_dict(saved[0])
+    resumed = _muon(resumed_model, adam_every=2)
+    resumed.load_state_dict(saved[1])
+    _grads(resumed_model, 2)
+    resumed.step()
+    for a, b in zip(resumed_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
