@@ -168,18 +168,20 @@ def muon(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, adam_lr: PositiveF
          split: Literal["none", "parts", "heads", "head_pairs"] = "none",
          ns_coefficients: Literal["quintic", "polar_express"] = "quintic", normuon: bool = False,
          normuon_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95, normuon_eps: PositiveFloat = 1e-8,
-         adam_every: PositiveInt = 1) -> MuonAdamW:
+         adam_every: PositiveInt = 1, momentum_cooldown_steps: NonNegativeInt = 0) -> MuonAdamW:
     """Muon for the hidden matrices at `lr` (scaled by `adjust_lr_fn`), AdamW (betas, eps) for the rest at `adam_lr`
     (lmlab.optim.muon); weight decay on the hidden matrices and an untied head, as for AdamW. The family's keys:
     `split` (fused matrices orthogonalised by part, head or pair of heads), `ns_coefficients` (quintic or Polar
     Express), `normuon` (NorMuon's per-neuron second moment, `normuon_beta2`, `normuon_eps`); `adam_every` (the AdamW
-    half every k-th step, on the k steps' summed gradients: the speedrun's record 39)."""
+    half every k-th step, on the k steps' summed gradients: the speedrun's record 39), `momentum_cooldown_steps` (μ back
+    to momentum_start over the run's last steps: record 39's cool-down)."""
     _check_muon({"ns_steps": ns_steps, "ns_coefficients": ns_coefficients})
     return MuonAdamW(groups, lr=lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                      adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps, cautious_wd=cautious_wd,
                      momentum_warmup_steps=momentum_warmup_steps, momentum_start=momentum_start, fused=fused,
                      adamw=adamw, split=split, ns_coefficients=ns_coefficients, normuon=normuon,
-                     normuon_beta2=normuon_beta2, normuon_eps=normuon_eps, adam_every=adam_every)
+                     normuon_beta2=normuon_beta2, normuon_eps=normuon_eps, adam_every=adam_every,
+                     momentum_cooldown_steps=momentum_cooldown_steps)
 
 
 def _check_muon(params: dict) -> None:

@@ -40,7 +40,10 @@ The Muon family, each a key of optim=muon (all off: torch.optim.Muon's step, as 
   v ← β₂·v + (1 − β₂)·mean_j O_ij², Ô = O / (√v + ε), then Ô rescaled to the Frobenius norm of an orthogonal
   piece, √min(m, n) (so that with `match_rms_adamw` the step is the paper's lr·0.2·√(mn)·Ô/‖Ô‖_F; `normuon_beta2`).
 
-Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`.
+Momentum warm-up (modded-nanogpt): μ rises linearly from `momentum_start` to `momentum` over `momentum_warmup_steps`,
+and with `momentum_cooldown_steps` falls back linearly to `momentum_start` over the run's last steps (record 39's
+cool-down: μ = momentum − (s − (N − c))/c·(momentum − momentum_start) for s > N − c, N the run's max_steps, which the
+training loop hands over: `set_max_steps`).
 `adam_every=k` steps the AdamW half every k-th step only, on the sum of the k steps' gradients (the speedrun's record
 39, k = 2: Muon every step, the Adam tensors every other); the gradients between its steps wait in the optimizer's
 state (`grad_sum`), so a checkpoint taken between two Adam steps resumes exactly.
@@ -276,7 +279,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  momentum_warmup_steps: int, momentum_start: float, fused: bool | None = None,
                  adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, split: str = "none",
                  ns_coefficients: str = "quintic", normuon: bool = False, normuon_beta2: float = 0.95,
-                 normuon_eps: float = 1e-8, adam_every: int = 1) -> None:
+                 normuon_eps: float = 1e-8, adam_every: int = 1, momentum_cooldown_steps: int = 0) -> None:
         """`adamw(groups, lr=, betas=, eps=, fused=)` builds the AdamW half (lmlab.optim passes its own: the fused
         kernel picked, cautious decay honoured). The family's keys (split, ns_coefficients, normuon) at their
         defaults leave the hidden matrices to torch.optim.Muon (and an MoE's to ExpertMuon); set, to PieceMuon."""
@@ -310,6 +313,8 @@ class MuonAdamW(torch.optim.Optimizer):
             for g in children[-1].param_groups:
                 g.update(kind=kind, momentum_target=momentum, momentum_start=momentum_start,
                          momentum_warmup_steps=momentum_warmup_steps, muon_step=0)
+                if momentum_cooldown_steps:  # only then: other runs keep their groups' keys
+                    g.update(momentum_cooldown_steps=momentum_cooldown_steps, max_steps=None)
         if adam_groups:
             children.append(adamw(adam_groups, lr=adam_lr, betas=betas, eps=eps, fused=fused))
             for g in children[-1].param_groups:
@@ -354,14 +359,22 @@ class MuonAdamW(torch.optim.Optimizer):
         loss = torch.enable_grad()(closure)() if closure is not None else None
         for g in self.param_groups:
             if g["kind"] in MUON_KINDS:  # the momentum warm-up: μ_t from momentum_start to momentum over the steps
-                w = g["momentum_warmup_steps"]
-                frac = min(1.0, g["muon_step"] / w) if w else 1.0
+                w, c, s = g["momentum_warmup_steps"], g.get("momentum_cooldown_steps", 0), g["muon_step"]
+                frac = min(1.0, s / w) if w else 1.0
+                if c and g["max_steps"] is not None and s > g["max_steps"] - c:  # the cool-down: back toward start
+                    frac = 1.0 - (s - (g["max_steps"] - c)) / c
                 g["momentum"] = g["momentum_start"] + frac * (g["momentum_target"] - g["momentum_start"])
                 g["muon_step"] += 1
         adam_now = self._hold_adam_grads()
         cautious_step(self, lambda: [child.step() for kind, child in self._children.items()
                                      if kind != "adamw" or adam_now])
         return loss
+
+    def set_max_steps(self, max_steps: int) -> None:
+        """The run's length, which the momentum cool-down counts back from (called by the training loop)."""
+        for g in self.param_groups:
+            if "momentum_cooldown_steps" in g:
+                g["max_steps"] = int(max_steps)
 
     def _hold_adam_grads(self) -> bool:
         """optim.adam_every=k: whether the AdamW half steps now (every k-th call); between its steps each gradient is

@@ -49,6 +49,8 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
     for g in optimizer.param_groups:  # optim.groups' lr_mult, before the schedule reads the lr
         g["lr"] = g["lr"] * g.get("lr_mult", 1.0)
+    if (set_max_steps := getattr(optimizer, "set_max_steps", None)) is not None:  # Muon's momentum cool-down
+        set_max_steps(max_steps)
     if param is not None and param.per_role:  # an option may set its own per-group rule (Muon's spectral one)
         rule = getattr(OPTIMIZERS[opt_name], "mup_lr_mult", None)
         _, opt_params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))

@@ -277,3 +277,26 @@ def test_adam_every_two_steps_the_adamw_half_on_the_summed_gradients_and_resumes
     resumed.step()
     for a, b in zip(resumed_model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_the_momentum_cools_down_over_the_runs_last_steps() -> None:
+    """optim.momentum_cooldown_steps=c (record 39's cool-down): μ rises over the warm-up, holds, and falls back to
+    momentum_start linearly over the last c of N steps: the record's get_muon_momentum, step by step."""
+    model = _model()
+    opt = _muon(model, momentum=0.95, momentum_start=0.85, momentum_warmup_steps=3, momentum_cooldown_steps=4)
+    opt.set_max_steps(10)
+
+    def record(step: int) -> float:  # modded-nanogpt's get_muon_momentum with N = 10, warm-up 3, cool-down 4
+        cd_start = 10 - 4
+        if step < 3:
+            return 0.85 + step / 3 * 0.1
+        if step > cd_start:
+            return 0.95 - (step - cd_start) / 4 * 0.1
+        return 0.95
+
+    seen = []
+    for _ in range(10):
+        _grads(model)
+        opt.step()
+        seen.append(next(g["momentum"] for g in opt.param_groups if g["kind"] == "muon"))
+    assert seen == pytest.approx([record(s) for s in range(10)])
