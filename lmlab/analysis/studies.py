@@ -206,6 +206,12 @@ SPEEDRUN_RECORDS = {
     "21_drop_mlp": "#30: 2.731 → 2.717 min", "22_drop_attn": "#17: 3.80 → 3.57 min (one layer's attention)",
     "23_paired_heads": "#58: 1.878 → 1.820 min", "24_window_warmup": "#13: 5.03 → 4.66 min",
     "25_batch_schedule": "#46: 2.248 → 2.203 min", "26_seq_schedule": "#72: 1.516 → 1.496 min",
+    "27_split_parts": "#4: 24.9 → 22.3 min", "28_wsd": "#19: 3.4 → 3.142 min",
+    "29_sparse_gate": "#28: 2.817 → 2.812 min",
+    "30_polar_express": "#38: 2.483 → 2.476 min", "31_adam_every": "#39: 2.476 → 2.447 min",
+    "32_normuon": "#41: 2.358 → 2.345 min", "33_cautious_wd": "#43: 2.313 → 2.284 min",
+    "34_mtp_logits": "#53: 2.037 → 1.988 min", "35_ve_gates": "#55: 1.940 → 1.918 min",
+    "36_ve_untied": "#63: 1.655 → 1.650 min", "37_head_pairs": "#80: 1.411 → 1.406 min",
 }
 
 

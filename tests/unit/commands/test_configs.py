@@ -89,6 +89,11 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert last.ffn.skip_layers == [0] and last.mixer.pattern[3] == "none"  # records 30 and 17
     assert last.attention.paired_heads == [0, 2, 4] and last.attention.window_schedule.end == 128  # records 58, 13
     assert last.data.batch_schedule[-1] == [0.66, 24] and last.data.seq_schedule[0] == [0, 64]  # records 46, 72
+    assert (last.optim.split, last.optim.ns_coefficients, last.optim.adam_every, last.optim.normuon,
+            last.optim.cautious_wd) == ("head_pairs", "polar_express", 2, True, True)  # records 4/80, 38, 39, 41, 43
+    assert last.schedule.name == "wsd" and last.attention.gate_channels == 12  # records 19, 28
+    assert last.head.name == "mtp_logits" and last.residual.value_embed.layers == [0, 1, 4, 5]  # records 53, 63
+    assert last.residual.value_embed.gate_channels == last.residual.unet.gate_channels == 12  # record 55
     assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)
     assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
     speedrun = compose(["recipe=speedrun"])
