@@ -21,6 +21,7 @@ from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.head import HEADS
+from lmlab.model.init import INITS
 from lmlab.model.mixer import ATTENTION, MIXERS, layer_types
 from lmlab.model.position import POSITIONS
 from lmlab.model.residual import RESIDUALS, residual_params, residual_specs
@@ -46,6 +47,10 @@ def resolve(cfg: GPTConfig) -> GPTConfig:
     mixer_name, _ = option_params("mixer", MIXERS, cfg.mixer)
     cfg.mixer = {**option_defaults(MIXERS[mixer_name]), **cfg.mixer}
     cfg.ffn = {**dict.fromkeys(FFN_LAYERS), **cfg.ffn}  # ffn.skip_layers: null (every layer its FFN) when not saved
+    init_name, _ = option_params("init", INITS, cfg.init)  # the shared init keys (zero_proj, mimetic_vo, ...)
+    cfg.init = {**option_defaults(INITS[init_name]), **cfg.init}
+    head_name, _ = option_params("head", HEADS, cfg.head)  # head=prefix's fade, ...
+    cfg.head = {**option_defaults(HEADS[head_name]), **cfg.head}
     if cfg.logit_softcap is None and (cfg.logit_softcap_width is not None or cfg.logit_softcap_offset):
         shown = (f"model.logit_softcap_width={cfg.logit_softcap_width}" if cfg.logit_softcap_width is not None
                  else f"model.logit_softcap_offset={cfg.logit_softcap_offset}")
