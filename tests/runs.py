@@ -82,9 +82,11 @@ class CtrlC(Callback):
             raise KeyboardInterrupt
 
 
-def straight_and_resumed(corpus: Path, tmp_path: Path, *extra: str, at: int = 17) -> tuple[Path, Path]:
+def straight_and_resumed(corpus: Path, tmp_path: Path, *extra: str, at: int = 17,
+                         watch: tuple[Callback, Callback] | None = None) -> tuple[Path, Path]:
     """The tiny run with `extra` overrides trained straight through, and again with Ctrl-C before step `at` and a
-    resume=true: the two run directories (the pair a resume must make equal)."""
+    resume=true: the two run directories (the pair a resume must make equal). `watch`: a callback for the straight
+    run and one for both attempts of the resumed run."""
     import pytest
 
     from lmlab import compose
@@ -92,10 +94,11 @@ def straight_and_resumed(corpus: Path, tmp_path: Path, *extra: str, at: int = 17
 
     cache = tmp_path / "cache"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(compose(tiny(corpus, cache, *extra)), straight)
+    first, second = ([w] for w in watch) if watch else ([], [])
+    train(compose(tiny(corpus, cache, *extra)), straight, callbacks=first)
     with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[CtrlC(at=at)])
-    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed)
+        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[*second, CtrlC(at=at)])
+    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed, callbacks=second)
     return straight, resumed
 
 

@@ -233,7 +233,7 @@ class LitGPT(L.LightningModule):
         return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
 
     def on_validation_start(self) -> None:
-        self._set_window_step()  # validation reads the schedule's window at this step, or attention.eval_window
+        self._set_step()  # validation reads the schedule's window at this step, or attention.eval_window
         if (opt := self._modal_optimizer()) is not None:
             opt.eval()  # after the callbacks' on_validation_start, before any batch
 
@@ -243,11 +243,11 @@ class LitGPT(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.update_skipped = False
-        self._set_window_step()
+        self._set_step()
         if (opt := self._modal_optimizer()) is not None:
             opt.train()  # a no-op in train mode; after a resume from a checkpoint written at validation, y again
 
-    def _set_window_step(self) -> None:
+    def _set_step(self) -> None:
         """attention.window_schedule: each scheduled layer's window at this step of max_steps, before its forward (and
         a head's own schedule: head=prefix's fade); a function of the step alone, so a resumed run reads at step s
         what the uninterrupted one read."""

@@ -26,18 +26,13 @@ class Shapes(Callback):
 
 def test_a_resume_at_a_stage_change_trains_the_uninterrupted_runs_steps(corpus, tmp_path) -> None:
     from lmlab import compose
-    from lmlab.run.training import train
-    from tests.runs import CtrlC, metric_rows, tiny
+    from tests.runs import metric_rows, straight_and_resumed, tiny
 
     extra = ("data.batch_schedule=[[0,4],[0.5,8]]", "data.seq_schedule=[[0,16],[0.5,32]]", "data.batch_lr_power=0.5",
              "schedule=constant", "schedule.warmup_steps=0", "trainer.max_steps=6", "trainer.val_check_interval=3")
-    cache, straight, resumed = tmp_path / "cache", tmp_path / "straight", tmp_path / "resumed"
     a, b = {}, {}
-    train(compose(tiny(corpus, cache, *extra)), straight, callbacks=[Shapes(a)])
-    with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[Shapes(b), CtrlC(at=3)])
-    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed, callbacks=[Shapes(b)])
-    lr = compose(tiny(corpus, cache, *extra)).optim.lr
+    straight, resumed = straight_and_resumed(corpus, tmp_path, *extra, at=3, watch=(Shapes(a), Shapes(b)))
+    lr = compose(tiny(corpus, tmp_path / "cache", *extra)).optim.lr
     # steps 0-2: 4 blocks of 32 read as 8 sequences of 16; steps 3-5: 8 blocks whole, the lr × (8/4)^0.5
     assert [a[s][0] for s in range(6)] == [(8, 16)] * 3 + [(8, 32)] * 3
     assert [a[s][2] for s in range(6)] == pytest.approx([lr] * 3 + [lr * 2 ** 0.5] * 3)

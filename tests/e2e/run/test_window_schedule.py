@@ -22,18 +22,12 @@ class Windows(Callback):
 
 
 def test_a_resume_at_a_window_stage_reads_the_uninterrupted_runs_windows(corpus, tmp_path) -> None:
-    from lmlab import compose
-    from lmlab.run.training import train
-    from tests.runs import CtrlC, metric_rows, tiny
+    from tests.runs import metric_rows, straight_and_resumed
 
     extra = ("attention.window=16", "attention.pattern=[local,8]", "attention.window_schedule=[[0,8],[0.5,16]]",
              "trainer.max_steps=6", "trainer.val_check_interval=3", "schedule.warmup_steps=2")
-    cache, straight, resumed = tmp_path / "cache", tmp_path / "straight", tmp_path / "resumed"
     a, b = {}, {}
-    train(compose(tiny(corpus, cache, *extra)), straight, callbacks=[Windows(a)])
-    with pytest.raises(SystemExit):
-        train(compose(tiny(corpus, cache, *extra)), resumed, callbacks=[Windows(b), CtrlC(at=3)])
-    train(compose(tiny(corpus, cache, *extra, "resume=true")), resumed, callbacks=[Windows(b)])
+    straight, resumed = straight_and_resumed(corpus, tmp_path, *extra, at=3, watch=(Windows(a), Windows(b)))
     stage = {("train", s): [8, 4] if s < 3 else [16, 8] for s in range(6)}  # the long layer, the short one half
     assert a == b == {**stage, ("val", 3): [16, 8], ("val", 6): [16, 8]}  # validation: the step's window
     rows_a, rows_b = metric_rows(straight), metric_rows(resumed)
