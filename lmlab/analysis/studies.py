@@ -212,6 +212,9 @@ SPEEDRUN_RECORDS = {
     "32_normuon": "#41: 2.358 → 2.345 min", "33_cautious_wd": "#43: 2.313 → 2.284 min",
     "34_mtp_logits": "#53: 2.037 → 1.988 min", "35_ve_gates": "#55: 1.940 → 1.918 min",
     "36_ve_untied": "#63: 1.655 → 1.650 min", "37_head_pairs": "#80: 1.411 → 1.406 min",
+    "38_block_window": "#16: 3.95 → 3.80 min", "39_ve_layout": "#70: 1.528 → 1.521 min",
+    "40_normuon_beta2": "#78: 1.435 → 1.426 min", "41_tied": "#87: 1.266 → 1.256 min (and #51's retie)",
+    "42_cooldown45": "#26: 2.896 → 2.863 min (the cool-down alone)", "43_ve_shared": "#15: 4.41 → 3.95 min",
 }
 
 

@@ -73,6 +73,10 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
         check_config(cfg)
         rows.append(cfg)
     first, last = rows[0], rows[-1]
+
+    def row(name: str):
+        return rows[STEPS.index(name)]
+
     assert (first.position.name, first.norm.name, first.optim.name, first.model.bias) == ("learned", "layer", "adamw",
                                                                                          True)
     assert (last.position.name, last.norm.name, last.optim.name, last.activation.name) == ("rope", "rms", "muon",
@@ -92,10 +96,18 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert (last.optim.split, last.optim.ns_coefficients, last.optim.adam_every, last.optim.normuon,
             last.optim.cautious_wd) == ("head_pairs", "polar_express", 2, True, True)  # records 4/80, 38, 39, 41, 43
     assert last.schedule.name == "wsd" and last.attention.gate_channels == 12  # records 19, 28
-    assert last.head.name == "mtp_logits" and last.residual.value_embed.layers == [0, 1, 4, 5]  # records 53, 63
+    assert last.head.name == "mtp_logits" and row("36_ve_untied").residual.value_embed.layers == [0, 1, 4, 5]  # 53, 63
     assert last.residual.value_embed.gate_channels == last.residual.unet.gate_channels == 12  # record 55
-    assert last.model.tie_embeddings and last.model.untie_at_step == round(0.6667 * last.trainer.max_steps)
+    untie = row("40_normuon_beta2").model
+    assert untie.tie_embeddings and untie.untie_at_step == round(0.6667 * last.trainer.max_steps)  # record 53
+    assert last.model.tie_embeddings and last.model.untie_at_step is None  # records 51 and 87: tied throughout
+    assert (last.attention.window_block, last.attention.window_schedule.round) == (16, "nearest")  # record 16
+    assert row("39_ve_layout").residual.value_embed.layers == [1, 2, 4, 5]  # record 70
+    assert last.residual.value_embed.layers == [[1, 5], [2, 4]]  # record 15's mirrored sharing
+    assert (last.optim.normuon_beta2, last.schedule.decay_frac) == (0.9, 0.45)  # records 78, 26
     assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
+    same = [b for a, b in zip(STEPS, STEPS[1:]) if rows[STEPS.index(a)] == row(b)]
+    assert same == [], f"rows that change nothing: {same}"
     speedrun = compose(["recipe=speedrun"])
     row = rows[STEPS.index("08_softcap15")]
     for key in ("position.name", "norm.name", "norm.affine", "activation.name", "optim.name", "attention.qk_norm",
