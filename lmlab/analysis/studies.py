@@ -215,6 +215,13 @@ SPEEDRUN_RECORDS = {
     "38_block_window": "#16: 3.95 → 3.80 min", "39_ve_layout": "#70: 1.528 → 1.521 min",
     "40_normuon_beta2": "#78: 1.435 → 1.426 min", "41_tied": "#87: 1.266 → 1.256 min (and #51's retie)",
     "42_cooldown45": "#26: 2.896 → 2.863 min (the cool-down alone)", "43_ve_shared": "#15: 4.41 → 3.95 min",
+    "44_long_short": "#20: 3.142 → 2.992 min", "45_window_stages": "#29: 2.812 → 2.731 min (the windows' stages)",
+    "46_eval_final": "#33: 2.592 → 2.565 min", "47_eval_long": "#35: 2.547 → 2.527 min (validation windows)",
+    "48_muon_lr_mults": "#48: 2.193 → 2.170 min", "49_cautious_adam": "#50: 2.146 → 2.128 min",
+    "50_smooth_scalars": "#52: 2.075 → 2.037 min (no pause at transitions)",
+    "51_gates_adam": "#56: 1.918 → 1.894 min", "52_adam_betas": "#57: 1.894 → 1.878 min",
+    "53_bigram_signs": "#83: 1.353 → 1.328 min", "54_bare_attention": "#74: 1.485 → 1.468 min",
+    "55_smaller_batch": "#21: 2.992 → 2.933 min", "56_doc_mask": "#12: 7.2 → 5.03 min (the document mask alone)",
 }
 
 

@@ -8,7 +8,8 @@ Keys (conf/attention_base/shared.yaml), beside attention.window and attention.pa
   (mask.BlockWindow). Every window (window, pattern, the schedule's, eval_window) is a multiple of g.
 - window_schedule: the windows in training, a function of the step s out of N = trainer.max_steps alone (a resumed
   run reads at step s what the uninterrupted one read), in one of two forms:
-  - stages [[f_0, w_0], [f_1, w_1], ...] with 0 = f_0 < f_1 < ... <= 1: w_i from step ⌈f_i·N⌉ on.
+  - stages [[f_0, w_0], [f_1, w_1], ...] with 0 = f_0 < f_1 < ... <= 1: w_i from step ⌈f_i·N⌉ on. Also spelled
+    {stages: [...]}, the mapping a config can lay over a linear warm-up an earlier one set (its keys nulled).
     Record 29 (2025-09-03_FA3): (3, 7, 11) blocks of 128 in thirds of the run for the long layers, ws // 2 blocks
     for the short ones (its stage index ⌊3s/(N + 1)⌋: fractions k(N + 1)/3N); record 72 (2026-02-10_ShortWindow):
     (short, long) = (1, 3), (3, 7), (2, 11), (6, 13) blocks from steps 0, 505, 1010, 1515 of 1555;
@@ -154,8 +155,10 @@ def layer_windows(window: int | None, pattern: list | None, layer: int, n_layer:
         return _size(key, v, max_len, g)
 
     stages = linear = None
+    if isinstance(window_schedule, Mapping) and window_schedule.get("stages") is not None:
+        window_schedule = _stages_of(window_schedule)
     if isinstance(window_schedule, Mapping):
-        linear = _linear(dict(window_schedule), max_len, g)
+        linear = _linear({k: v for k, v in dict(window_schedule).items() if k != "stages"}, max_len, g)
         end = linear.at(1, 1)
         if end != out.longest:
             raise ValueError(f"attention.window_schedule={_show(window_schedule)} ends at a window of {end} at "
@@ -181,6 +184,16 @@ def windowed(model: nn.Module) -> list[nn.Module]:
     """The modules of `model` whose window moves with the step or the mode (`LayerWindows.moves`): what the training
     loop hands its step to (`set_step`)."""
     return [m for m in model.modules() if isinstance(getattr(m, "windows", None), LayerWindows) and m.windows.moves]
+
+
+def _stages_of(spec: Mapping) -> Any:
+    """The stages of the mapping spelling {stages: [...]}, the one a config can put over a linear warm-up that an
+    earlier config set (Hydra merges a mapping onto a mapping, not a list): the linear keys there must be null."""
+    if extra := sorted(k for k, v in spec.items() if k != "stages" and v is not None):
+        raise ValueError(f"attention.window_schedule={_show(spec)} gives stages and a linear warm-up's {extra}: one or "
+                         f"the other (over a linear warm-up set before, null its keys: "
+                         f"{{stages: [...], start: null, end: null, multiple: null, round: null}})")
+    return spec["stages"]
 
 
 def _stages(schedule: Any, value: Any) -> tuple[tuple[float, Value], ...]:

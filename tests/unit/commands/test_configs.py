@@ -89,22 +89,39 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert last.init.zero_proj and last.init.mimetic_vo == 0.05  # records 5 and 64
     assert (last.residual.unet.gate, last.residual.unet.pairs, last.residual.scaled.stream_init) == (
         "sigmoid", [[1, 4]], 1.1)  # records 32 and 45
-    assert last.optim.groups == [{"match": "h.*.mlp.c_fc.weight", "lr_mult": 2.0}]  # record 42
+    assert last.optim.groups[0] == {"match": "h.*.mlp.c_fc.weight", "lr_mult": 2.0}  # record 42
     assert last.ffn.skip_layers == [0] and last.mixer.pattern[3] == "none"  # records 30 and 17
-    assert last.attention.paired_heads == [0, 2, 4] and last.attention.window_schedule.end == 128  # records 58, 13
-    assert last.data.batch_schedule[-1] == [0.66, 24] and last.data.seq_schedule[0] == [0, 64]  # records 46, 72
+    assert last.attention.paired_heads == [0, 2, 4]  # record 58
+    assert row("43_ve_shared").attention.window_schedule.end == 128  # record 13
+    assert row("54_bare_attention").data.batch_schedule[-1] == [0.66, 24]  # record 46
+    assert last.data.seq_schedule[0] == [0, 64]  # record 72
     assert (last.optim.split, last.optim.ns_coefficients, last.optim.adam_every, last.optim.normuon,
             last.optim.cautious_wd) == ("head_pairs", "polar_express", 2, True, True)  # records 4/80, 38, 39, 41, 43
     assert last.schedule.name == "wsd" and last.attention.gate_channels == 12  # records 19, 28
     assert last.head.name == "mtp_logits" and row("36_ve_untied").residual.value_embed.layers == [0, 1, 4, 5]  # 53, 63
     assert last.residual.value_embed.gate_channels == last.residual.unet.gate_channels == 12  # record 55
-    untie = row("40_normuon_beta2").model
-    assert untie.tie_embeddings and untie.untie_at_step == round(0.6667 * last.trainer.max_steps)  # record 53
+    untie, untie_steps = row("40_normuon_beta2").model, row("40_normuon_beta2").trainer.max_steps
+    assert untie.tie_embeddings and untie.untie_at_step == round(0.6667 * untie_steps)  # record 53
     assert last.model.tie_embeddings and last.model.untie_at_step is None  # records 51 and 87: tied throughout
-    assert (last.attention.window_block, last.attention.window_schedule.round) == (16, "nearest")  # record 16
+    assert (last.attention.window_block, row("43_ve_shared").attention.window_schedule.round) == (16, "nearest")  # 16
     assert row("39_ve_layout").residual.value_embed.layers == [1, 2, 4, 5]  # record 70
     assert last.residual.value_embed.layers == [[1, 5], [2, 4]]  # record 15's mirrored sharing
     assert (last.optim.normuon_beta2, last.schedule.decay_frac) == (0.9, 0.45)  # records 78, 26
+    assert row("44_long_short").attention.pattern == [128, 64, 64, 64, 64, 128]  # record 20: long first and last
+    assert (last.attention.temperature, last.optim.eps) == (0.737, 1e-10)  # record 20's scale 0.12 and eps
+    assert last.attention.window_schedule.stages == [[0, 32], [0.3333, 64], [0.6667, 96]]  # record 29
+    assert row("46_eval_final").attention.eval_window == [96, 48, 48, 48, 48, 128]  # record 33: the last layer's
+    assert last.attention.eval_window == [128, 48, 48, 48, 48, 128]  # record 35: every long layer's
+    groups = {g["match"] if isinstance(g["match"], str) else g["match"][0]: g for g in last.optim.groups}
+    assert groups["h.*.mlp.c_proj.weight"].lr_mult == 4.0 and groups["h.*.attn.c_attn.weight"].lr_mult == 2.0  # 48
+    assert groups["wte.weight"].weight_decay == 0.1 and groups["wte.weight"].betas == [0.5, 0.95]  # records 50, 57
+    assert groups["residual.options.smear.gate"].lr_mult == 0.01  # record 52
+    assert groups["residual.options.scaled.stream"].betas == [0.9, 0.99]  # record 52
+    assert groups["h.*.attn.gate.weight"].role == "other"  # record 56
+    assert (last.residual.bigram_hash.signs, last.residual.bigram_hash.dim) == (8192, 32)  # record 83
+    assert last.residual.scaled.unscaled_mixer == [0, 1, 2]  # record 74
+    assert last.trainer.max_steps == 508 and last.data.batch_schedule[0] == [0, 6]  # record 21
+    assert last.attention.doc_mask and last.data.eod == "<|endoftext|>"  # record 12
     assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
     same = [b for a, b in zip(STEPS, STEPS[1:]) if rows[STEPS.index(a)] == row(b)]
     assert same == [], f"rows that change nothing: {same}"

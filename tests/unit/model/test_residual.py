@@ -86,6 +86,24 @@ def test_scaled_is_its_formula(per_channel: bool, placement: str) -> None:
             torch.testing.assert_close(outs[i], x, rtol=1e-5, atol=1e-5)
 
 
+def test_scaled_unscaled_mixer_leaves_the_attention_branch_of_those_layers_bare() -> None:
+    """Record 74: in the listed layers x + A(N(x)) then + α·F(N(x)) for the FFN, the other layers as before; a layer
+    whose only sublayer is its attention keeps no scalars at all."""
+    model = _model({"scaled": {"unscaled_mixer": [0, 2]}})
+    ins, outs, x0 = _trace(model, _idx())
+    with torch.no_grad():
+        for i, block in enumerate(model.h):
+            x = x0 if i == 0 else outs[i - 1]
+            alpha = block.branch_scale.alpha
+            assert alpha.shape == ((1, 1) if i in (0, 2) else (2, 1))
+            a_attn, a_mlp = (1.0, alpha[0]) if i in (0, 2) else (alpha[0], alpha[1])
+            x = x + a_attn * block.attn(block.norm(1)(x), model.pos)
+            x = x + a_mlp * block.mlp(block.norm(2)(x))
+            torch.testing.assert_close(outs[i], x, rtol=1e-5, atol=1e-5)
+    alone = _model({"scaled": {"unscaled_mixer": [0]}}, ffn={"name": "mlp", "skip_layers": [0]})
+    assert not hasattr(alone.h[0], "branch_scale") and alone.h[1].branch_scale.alpha.shape == (2, 1)
+
+
 def test_value_residual_mixes_each_layers_values_with_the_first_layers() -> None:
     """Layer l's attention computed by hand from its own q, k and the values (1 − λ_l)·v_l + λ_l·v_1, v_1 the first
     layer's values of the same tokens."""
@@ -326,6 +344,10 @@ def test_every_option_reaches_its_weights_with_gradients() -> None:
     (["residual=value_embed", "residual.value_embed.gate_channels=4096"], r"value_embed.gate_channels=4096 is more"),
     (["residual=value_residual", "residual.value_residual.init=2.0"], r"residual\.value_residual\.init=2.0"),
     (["residual=scaled", "residual.scaled.branch_init=-1"], r"residual\.scaled\.branch_init=-1"),
+    (["residual=scaled", "residual.scaled.unscaled_mixer=[7]", "model.n_layer=4"],
+     r"residual.scaled.unscaled_mixer names layers \[7\], past model.n_layer=4"),
+    (["residual=scaled", "residual.scaled.unscaled_mixer=[1]", "mixer.pattern=[attention,none]"],
+     r"residual.scaled.unscaled_mixer names layer 1, which has no token mixer"),
     (["+residual.mhc={}"], r"residual='mhc' is not an option; choose one of"),
     (["residual=[hyper,unet]"], r"residual=hyper widens the stream to n copies: it does not stack with residual=unet"),
     (["residual=hyper", "placement=post"], r"residual=hyper adds each sublayer's branch to the copies: placement='pos"),

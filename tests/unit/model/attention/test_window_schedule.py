@@ -88,6 +88,18 @@ def test_stages_are_record_29s_thirds_on_long_and_short_layers() -> None:
         assert [w.at(s, N, True) for w in layers] == want, s
 
 
+def test_the_mapping_spelling_of_stages_is_the_list_and_replaces_a_linear_warm_up() -> None:
+    """{stages: [...]} with the linear keys null (what a config laid over a linear warm-up composes to) gives the
+    windows the list gives, step by step; with a linear key still set it is refused, naming both."""
+    stages = [[0, 32], [0.3333, 64], [0.6667, 96]]
+    spelled = {"stages": stages, "start": None, "end": None, "multiple": None, "round": None}
+    a, b = (layer_windows(96, None, 0, 1, 128, window_block=16, window_schedule=w) for w in (stages, spelled))
+    assert [a.at(s, 300, True) for s in range(301)] == [b.at(s, 300, True) for s in range(301)]
+    assert {int(b.at(s, 300, True)) for s in (0, 100, 200, 299)} == {32, 64, 96}
+    with pytest.raises(ValueError, match=r"gives stages and a linear warm-up's \['start'\]: one or the other"):
+        layer_windows(96, None, 0, 1, 128, window_block=16, window_schedule={**spelled, "start": 16})
+
+
 def test_stages_per_pattern_entry_are_record_72s_windows() -> None:
     """2026-02-10_ShortWindow: (short, long) blocks (1, 3), (3, 7), (5, 11), (6, 13) over thirds of 1515 scheduled
     steps and 40 more; short forced to 2 in stage 3 (steps 1010 .. 1514). A list per stage: each entry's window."""
