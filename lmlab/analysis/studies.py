@@ -222,6 +222,7 @@ SPEEDRUN_RECORDS = {
     "51_gates_adam": "#56: 1.918 → 1.894 min", "52_adam_betas": "#57: 1.894 → 1.878 min",
     "53_bigram_signs": "#83: 1.353 → 1.328 min", "54_bare_attention": "#74: 1.485 → 1.468 min",
     "55_smaller_batch": "#21: 2.992 → 2.933 min", "56_doc_mask": "#12: 7.2 → 5.03 min (the document mask alone)",
+    "57_window_yarn": "#31: 2.717 → 2.656 min",
 }
 
 

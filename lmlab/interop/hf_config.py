@@ -91,6 +91,8 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("model.logit_softcap_offset", cfg.logit_softcap_offset, fam, "model.logit_softcap_offset=0")
     if cfg.position.get("per_document"):
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
+    if cfg.position.get("window_yarn"):  # frequencies that follow the training's windows: not a rope_parameters form
+        raise _refuse("position.window_yarn", True, fam, "position.window_yarn=false")
     plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
                   *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
                   *(() if gate else (("gate", None),)), ("sinks", False), ("forget_gate", False), ("mem_kv", 0),

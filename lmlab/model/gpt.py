@@ -55,6 +55,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
+        if (follow := getattr(self.pos, "follow", None)) is not None:  # RoPE's window_yarn: the attention windows
+            follow([getattr(getattr(b, "attn", None), "windows", None) for b in self.h])
         self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)
         self.residual.attach(self)
         self.param = build("param", PARAMS, cfg.param, cfg)  # how scales follow the width (sp: as built)

@@ -284,6 +284,26 @@ def rope_frequencies(
     return ROPE_SCALINGS[name](dim, base, max_seq_len, max_seq_len if seq_len is None else seq_len, **params)
 
 
+def window_yarn(inv_freq: Tensor, windows: list[int], *, alpha: float = 1.0, beta: float = 32.0, slope: float = 0.2
+                ) -> tuple[Tensor, float]:
+    """YaRN applied in training at each growth of the attention window (the GPT-2 speedrun's record 31,
+    2025-09-10_Yarn, `apply_yarn`): for each change W -> W' in `windows` (the longest layers' window over the run, in
+    tokens), each pair's rotations over the old window r = W·θ_j/2π set γ = clamp((r − α)/(β − α), 0, 1) and
+    θ_j ← θ_j·(W/W' + γ·(1 − W/W')) — pairs turning ≤ α times over W interpolated by W/W', ≥ β times kept, a ramp
+    between — cumulatively, from the θ the last change left — and the attention logits' scale by
+    Π (slope·ln(W'/W) + 1) (returned: it multiplies the whole logit, rotated dims or not). Windows that repeat change
+    nothing."""
+    theta, logit_scale = inv_freq.clone(), 1.0
+    for old, new in zip(windows, windows[1:], strict=False):
+        if new == old:
+            continue
+        ratio = old / new
+        gamma = ((old * theta / (2 * math.pi) - alpha) / (beta - alpha)).clamp(0, 1)
+        theta = theta * (ratio + gamma * (1 - ratio))
+        logit_scale *= slope * math.log(new / old) + 1
+    return theta, logit_scale
+
+
 ROPE_SCALINGS = {
     "none": none,
     "linear": linear,

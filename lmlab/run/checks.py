@@ -5,6 +5,7 @@ torch's import), not after the whole training stack is imported."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,15 +90,16 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     gcfg = validate(arch)
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
-    check_pieces(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg))
+    meta = functools.cache(lambda: _meta_model(gcfg))  # built once, read by each check below that needs it
+    check_pieces(OmegaConf.to_container(cfg.optim), meta)
     opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(OmegaConf.to_container(cfg.optim)))[0]
     check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False),
-                 lambda: _meta_model(gcfg))
+                 meta)
     if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
         optim = OmegaConf.to_container(cfg.optim)
         averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)
         check_run(optim, strategy_name(cfg), bool(averages))
-    check_qk_clip(OmegaConf.to_container(cfg.optim), lambda: _meta_model(gcfg), gcfg.attention["name"],
+    check_qk_clip(OmegaConf.to_container(cfg.optim), meta, gcfg.attention["name"],
                   strategy_name(cfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],

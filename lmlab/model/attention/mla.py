@@ -56,6 +56,10 @@ class MLA(MHA):
             raise ValueError("attention=mla builds its keys from a latent, their rotated part shared by every head: "
                              "attention.key_offset=true (the speedrun's shift of a head's unrotated key dims) has no "
                              "form here; use attention=mha|gqa|mqa, or key_offset=false")
+        if cfg.position.get("window_yarn"):  # its rotated part is a slice of each query: a scale there is partial
+            raise ValueError("attention=mla rotates only a slice of each query (q_rope): position.window_yarn=true, "
+                             "which scales the whole attention logit through the rotation, has no form here; use "
+                             "attention=mha|gqa|mqa, or position.window_yarn=false")
         if qk_norm:
             raise ValueError("attention=mla normalises its latents (RMSNorm on c_kv and c_q): attention.qk_norm=true "
                              "does not apply; use qk_norm=false")

@@ -7,8 +7,9 @@ from typing import Annotated, Any, Literal
 
 import torch
 
+from lmlab.model.attention.window import stage_start
 from lmlab.model.position.base import Position
-from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies
+from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies, window_yarn
 from lmlab.registry import PositiveFloat, Range, option_params
 
 
@@ -23,6 +24,10 @@ class RoPE(Position):
     `nope_layers` (0-based) are left unrotated: NoPE layers among RoPE ones (iRoPE).
     The frequencies come from the `rope_scaling` option: static ones are computed once, dynamic ones
     (`fn.dynamic = True`) per forward from the current length. cos/sin tables are cached per length.
+    `window_yarn` (the GPT-2 speedrun's record 31): YaRN applied in training at each stage of
+    attention.window_schedule, the frequencies and the logits' scale a function of the windows the run has passed
+    through (rope_scaling.window_yarn), and of attention.eval_window when not training: at step s, the stages begun by
+    s (then the eval window); with no step (after training: evaluation, generation), every stage's.
     """
 
     extrapolates = False
@@ -31,7 +36,8 @@ class RoPE(Position):
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, theta: PositiveFloat = 10000.0,
                  rotary_pct: Annotated[float, Range(gt=0, le=1)] = 1.0, per_document: bool = False,
-                 nope_layers: list[int] | None = None, layout: Literal["half", "pairs"] = "half") -> None:
+                 nope_layers: list[int] | None = None, layout: Literal["half", "pairs"] = "half",
+                 window_yarn: bool = False) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)
         self.head_dim, self.theta, self.rotary_pct, self.layout = head_dim, theta, rotary_pct, layout
         self.per_document = per_document
@@ -45,6 +51,53 @@ class RoPE(Position):
         self.rot_dim = 2 * inv_freq.numel()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.window_yarn = window_yarn
+        if window_yarn and self.scaling["name"] != "none":
+            raise ValueError(f"position.window_yarn=true rescales the frequencies at each window stage in training; "
+                             f"rope_scaling={self.scaling['name']} rescales them past the trained length: one or the "
+                             f"other (rope_scaling=none)")
+        self.windows: Any = None  # the longest layers' LayerWindows, under window_yarn (follow)
+        self.window_step: tuple[int, int] | None = None
+        self._yarn: tuple | None = None  # the windows the frequencies were last set for
+        self._base = inv_freq.clone()  # the frequencies at the first stage's window
+        self.logit_scale = 1.0  # window_yarn's scale of the attention logits (on q: every dim, rotated or not)
+
+    def follow(self, windows: list[Any]) -> None:
+        """Under window_yarn: the windows of the model's attention layers (lmlab.model.attention.window.LayerWindows,
+        one per attention layer), of which the scheduled ones' stages set the frequencies."""
+        if not self.window_yarn:
+            return
+        staged = [w for w in windows if w is not None and w.stages is not None]
+        if not staged:
+            raise ValueError("position.window_yarn=true applies YaRN at each stage of attention.window_schedule, which "
+                             "gives no stages: set attention.window_schedule=[[0, W0], [f1, W1], ...] (a window per "
+                             "stage), or position.window_yarn=false")
+        self.windows = staged[0]
+        self._update()
+
+    def set_step(self, step: int | None, max_steps: int | None = None) -> None:
+        """The training step (of max_steps) the window stages are read at; None: after training."""
+        self.window_step = None if step is None else (step, max_steps)
+        self._update()
+
+    def train(self, mode: bool = True) -> RoPE:
+        super().train(mode)
+        if self.windows is not None:
+            self._update()  # attention.eval_window's stage when not training
+        return self
+
+    def _update(self) -> None:
+        w = self.windows
+        step = self.window_step
+        stages = [v for f, v in w.stages if step is None or stage_start(f, step[1]) <= step[0]]
+        seq = tuple(_longest(v) for v in stages) + ((_longest(w.eval),) if not self.training and w.eval is not None
+                                                    else ())
+        if seq == self._yarn:
+            return
+        inv_freq, self.logit_scale = window_yarn(self._base, list(seq))
+        with torch.no_grad():
+            self.inv_freq.copy_(inv_freq.to(self.inv_freq))
+        self._yarn, self._cache = seq, {}
 
     def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
         return rope_frequencies(self.head_dim, self.theta, self.scaling, max_seq_len=self.max_seq_len, seq_len=seq_len,
@@ -103,6 +156,8 @@ class RoPE(Position):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None,
                layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.logit_scale != 1.0:  # window_yarn: the record's softmax scale, on the whole logit
+            q = q * self.logit_scale
         if layer in self.nope_layers:  # a NoPE layer among rotary ones (Llama 4's iRoPE, every 4th layer)
             return q, k
         cos, _, signed_sin = self._tables(offset + q.size(-2), q.device, q.dtype)  # (offset + T, d)
@@ -113,6 +168,11 @@ class RoPE(Position):
             cos, signed_sin = cos[at][:, None], signed_sin[at][:, None]
         rotate = _rotate_pairs if self.layout == "pairs" else _rotate
         return rotate(q, cos, signed_sin, self.rot_dim), rotate(k, cos, signed_sin, self.rot_dim)
+
+
+def _longest(value: Any) -> int:
+    """The longest window of a window value (a number: the longest layers'; a list: its largest entry)."""
+    return value if isinstance(value, int) else max(v for v in value if v is not None)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int) -> torch.Tensor:

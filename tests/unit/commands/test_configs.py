@@ -106,9 +106,9 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert (last.attention.window_block, row("43_ve_shared").attention.window_schedule.round) == (16, "nearest")  # 16
     assert row("39_ve_layout").residual.value_embed.layers == [1, 2, 4, 5]  # record 70
     assert last.residual.value_embed.layers == [[1, 5], [2, 4]]  # record 15's mirrored sharing
-    assert (last.optim.normuon_beta2, last.schedule.decay_frac) == (0.9, 0.45)  # records 78, 26
+    assert (last.optim.normuon_beta2, row("56_doc_mask").schedule.decay_frac) == (0.9, 0.45)  # records 78, 26
     assert row("44_long_short").attention.pattern == [128, 64, 64, 64, 64, 128]  # record 20: long first and last
-    assert (last.attention.temperature, last.optim.eps) == (0.737, 1e-10)  # record 20's scale 0.12 and eps
+    assert (row("56_doc_mask").attention.temperature, last.optim.eps) == (0.737, 1e-10)  # record 20's 0.12 and eps
     assert last.attention.window_schedule.stages == [[0, 32], [0.3333, 64], [0.6667, 96]]  # record 29
     assert row("46_eval_final").attention.eval_window == [96, 48, 48, 48, 48, 128]  # record 33: the last layer's
     assert last.attention.eval_window == [128, 48, 48, 48, 48, 128]  # record 35: every long layer's
@@ -122,6 +122,7 @@ def test_the_speedrun_ladders_rows_are_cumulative() -> None:
     assert last.residual.scaled.unscaled_mixer == [0, 1, 2]  # record 74
     assert last.trainer.max_steps == 508 and last.data.batch_schedule[0] == [0, 6]  # record 21
     assert last.attention.doc_mask and last.data.eod == "<|endoftext|>"  # record 12
+    assert last.position.window_yarn and last.schedule.decay_frac == 0.5  # record 31
     assert [r.optim.name for r in rows].index("muon") == STEPS.index("02_muon")  # each row adds one record
     same = [b for a, b in zip(STEPS, STEPS[1:]) if rows[STEPS.index(a)] == row(b)]
     assert same == [], f"rows that change nothing: {same}"
