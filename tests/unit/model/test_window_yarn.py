@@ -74,7 +74,8 @@ def test_a_fresh_model_at_step_s_equals_one_that_stepped_there() -> None:
             fresh = _model()
             fresh.train()
             fresh.pos.set_step(step, N)
-            assert torch.equal(fresh.pos.inv_freq, walked.pos.inv_freq) and fresh.pos.logit_scale == walked.pos.logit_scale
+            assert torch.equal(fresh.pos.inv_freq, walked.pos.inv_freq)
+            assert fresh.pos.logit_scale == walked.pos.logit_scale
     assert model_frequencies_after_training_are_every_stages(_model())
 
 
