@@ -28,7 +28,8 @@ def test_the_table_names_existing_rows_and_every_row_its_record() -> None:
     for row, text in ROWS.items():
         if row == "00_gpt2":
             continue
-        number = int(re.search(r"^# Row \d+, (?:the speedrun's )?record (\d+)", text, re.M).group(1))  # the row's own record
+        # the row's own record, from its comment
+        number = int(re.search(r"^# Row \d+, (?:the speedrun's )?record (\d+)", text, re.M).group(1))
         kind, cell = records[number]
         assert kind == "ML" and f"speedrun_step={row}" in cell, (row, number)
 
