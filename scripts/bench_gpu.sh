@@ -72,7 +72,8 @@ else
     LOOP=(--loop-repeats 3)
 fi
 # the train.py runs: GPT-2 124M on the default corpus through its 50k BPE, as the README's scale-out section runs it
-TRAIN=(model=gpt2_124m data=bpe50k "${TRAIN_SIZE[@]}")
+# (logger=csv: a GPU machine lent offline has no wandb, and its dependencies cannot be installed there)
+TRAIN=(model=gpt2_124m data=bpe50k logger=csv "${TRAIN_SIZE[@]}")
 
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
 left() { echo $(( DEADLINE - SECONDS )); }

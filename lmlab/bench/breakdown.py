@@ -54,15 +54,20 @@ def classify_kernel(name: str, op: str | None) -> str:
 def device_seconds(events: Iterable[Any]) -> dict[str, float]:
     """Seconds of device time per class from profiler events (`prof.events()`), each kernel once: a device event
     (device_type not CPU) is classed by the CPU op whose id its `linked_correlation_id` names (ops are the CPU events
-    without a link of their own; the runtime's launch calls have one)."""
+    without a link of their own; the runtime's launch calls have one). A torch whose events carry no such link (2.11,
+    the image of the H200 lent on 2026-12-04) classes each kernel by its own name alone."""
     from torch.autograd import DeviceType
 
     events = list(events)
-    ops = {e.id: e.name for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+
+    def link(e: Any) -> int:
+        return getattr(e, "linked_correlation_id", 0) or 0
+
+    ops = {e.id: e.name for e in events if e.device_type == DeviceType.CPU and not link(e)}
     spent = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
     for e in events:
         if e.device_type != DeviceType.CPU and not e.is_async:
-            op = ops.get(e.linked_correlation_id)
+            op = ops.get(link(e)) if link(e) else None
             spent[classify_kernel(e.name, op)] += (e.time_range.end - e.time_range.start) / 1e6
     return spent
 

@@ -132,6 +132,14 @@ def sum_over_shards(trainer, squares: torch.Tensor) -> torch.Tensor:
     return squares
 
 
+def in_weights_dtype(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype `module`'s weights compute in: the recorded input of a sublayer read again outside the
+    forward, where FSDP2's mixed precision (bf16 weights once gathered) no longer casts it (an H200 run of
+    trainer=fsdp2 compile=true stopped at the first attention figures on `mat1 and mat2 must have the same dtype`)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), x.dtype)
+    return x if x.dtype == dtype or not x.is_floating_point() else x.to(dtype)
+
+
 class StabilityMonitor(Callback):
     """Every `every_n_steps`, besides the gradient, parameter and update norms:
 
@@ -360,10 +368,10 @@ class StabilityMonitor(Callback):
         for i in sorted(self._attn_in):
             x, doc = self._attn_in[i]
             with gathered(model.h[i], model):  # FSDP2: the block's and the root's (positions) full weights
-                stats = attention_sublayer(model.h[i]).probs(x, model.pos, doc) if x.size(0) else None
-            if stats is not None:
                 attn = attention_sublayer(model.h[i])
-                p, max_logit = stats  # (B, nh, T, T), (B, nh)
+                stats = attn.probs(in_weights_dtype(attn, x), model.pos, doc) if x.size(0) else None
+            if stats is not None:
+                p, max_logit = (t.float() for t in stats)  # (B, nh, T, T), (B, nh); fp32 whatever the weights'
                 sink = (1 - p.sum(-1)).clamp_min(0) if getattr(attn, "sink", None) is not None else None  # (B, nh, T)
                 sinks.append(torch.zeros(()) if sink is None else sink.sum().float())
                 firsts.append(p[..., 1:, 0].sum().float())  # the weight later queries put on the first token

@@ -47,6 +47,21 @@ def test_the_gpu_breakdown_counts_each_kernel_once_by_its_op_or_its_name() -> No
     assert classify_kernel("elementwise_kernel", None) == "other"
 
 
+def test_without_links_each_kernel_is_classed_by_its_name() -> None:
+    """torch 2.11's profiler events have no linked_correlation_id (the H200 image of 2026-12-04, where the breakdown
+    failed on it): each kernel once, by its own name."""
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+
+    def bare(id: int, name: str, device: DeviceType, us: float = 0.0) -> SimpleNamespace:
+        return SimpleNamespace(id=id, name=name, device_type=device, is_async=False,
+                               time_range=SimpleNamespace(start=0.0, end=us))
+
+    events = [bare(1, "aten::mm", cpu), bare(100, "nvjet_tst_128x256_64x4", gpu, 400),
+              bare(101, "pytorch_flash::flash_fwd_kernel", gpu, 300), bare(102, "vectorized_elementwise_kernel", gpu, 30)]
+    assert {k: round(v * 1e6) for k, v in device_seconds(events).items()} == {"matmul": 400, "attention": 300,
+                                                                            "optimizer": 0, "other": 30}
+
+
 def test_train_figures_are_the_steady_half_of_what_the_run_logged(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     with path.open("w", newline="") as f:

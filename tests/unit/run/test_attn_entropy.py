@@ -34,3 +34,22 @@ def test_entropy_falls_as_the_temperature_sharpens_and_relu2_has_none() -> None:
     sharp = attention_entropy(_model(attention={"name": "mha", "temperature": 0.25}), windows)
     assert 0 < sharp < plain < math.log(12)
     assert attention_entropy(_model(attention={"name": "mha", "score": "relu2"}), windows) is None
+
+
+def test_the_monitor_reads_a_recorded_fp32_input_through_bf16_weights() -> None:
+    """FSDP2's mixed precision gathers bf16 weights while the monitor's recorded attention input is fp32 (found on an
+    H200: trainer=fsdp2 compile=true stopped at the first attention figures): the input is read in the weights'
+    dtype, and the maps are the fp32 model's to bf16's precision."""
+    from lmlab.run.monitor import in_weights_dtype
+
+    model = _model()
+    attn, x = model.h[0].attn, torch.randn(2, 12, 16)
+    p32, max32 = attn.probs(x, model.pos, None)
+    attn.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        attn.probs(x, model.pos, None)
+    p16, max16 = attn.probs(in_weights_dtype(attn, x), model.pos, None)
+    assert p16.dtype == torch.bfloat16
+    torch.testing.assert_close(p16.float(), p32, atol=2e-2, rtol=0)
+    torch.testing.assert_close(max16.float(), max32, atol=5e-2, rtol=5e-2)
+    assert in_weights_dtype(attn, x.long()).dtype == torch.long  # token ids pass as they are
