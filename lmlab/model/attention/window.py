@@ -99,6 +99,14 @@ class LayerWindows:
             return self.of([w for f, w in self.stages if stage_start(f, max_steps) <= step][-1])
         return self.of_size(self.built)
 
+    def passed(self, step: int | None, max_steps: int | None, training: bool) -> tuple[int, ...]:
+        """The longest layers' windows the stages have gone through by `step` (every stage with no step), then
+        eval_window's when not training: the windows position.window_yarn follows (record 31)."""
+        values = [v for f, v in self.stages or () if step is None or stage_start(f, max_steps) <= step]
+        if not training and self.eval is not None:
+            values.append(self.eval)
+        return tuple(v if isinstance(v, int) else max(w for w in v if w is not None) for v in values)
+
     def of(self, value: Value) -> int | None:
         """This layer's window under a window value: its pattern entry's, or a number scaled from the longest
         layers' (global layers stay global)."""

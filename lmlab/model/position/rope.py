@@ -7,7 +7,6 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from lmlab.model.attention.window import stage_start
 from lmlab.model.position.base import Position
 from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies, window_yarn
 from lmlab.registry import PositiveFloat, Range, option_params
@@ -87,11 +86,7 @@ class RoPE(Position):
         return self
 
     def _update(self) -> None:
-        w = self.windows
-        step = self.window_step
-        stages = [v for f, v in w.stages if step is None or stage_start(f, step[1]) <= step[0]]
-        seq = tuple(_longest(v) for v in stages) + ((_longest(w.eval),) if not self.training and w.eval is not None
-                                                    else ())
+        seq = self.windows.passed(*(self.window_step or (None, None)), self.training)
         if seq == self._yarn:
             return
         inv_freq, self.logit_scale = window_yarn(self._base, list(seq))
@@ -168,11 +163,6 @@ class RoPE(Position):
             cos, signed_sin = cos[at][:, None], signed_sin[at][:, None]
         rotate = _rotate_pairs if self.layout == "pairs" else _rotate
         return rotate(q, cos, signed_sin, self.rot_dim), rotate(k, cos, signed_sin, self.rot_dim)
-
-
-def _longest(value: Any) -> int:
-    """The longest window of a window value (a number: the longest layers'; a list: its largest entry)."""
-    return value if isinstance(value, int) else max(v for v in value if v is not None)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, d: int) -> torch.Tensor:
