@@ -30,14 +30,18 @@ train: install
 WORKERS ?= auto
 XDIST = $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
+# Bytecode is written (where the machine sets PYTHONDONTWRITEBYTECODE, every process the tests start compiled lmlab's
+# modules again: half a second of each train.py, and the suite starts hundreds)
+TEST_ENV = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=
+
 # units: no training run, no process started (about two minutes here, on two workers)
 test: dev
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) $(ARGS)
+	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) $(ARGS)
 
 # everything: units, e2e (runs, processes, sweeps) and slow; what CI runs (the 40 slowest tests listed at the end:
 # where the suite's time goes)
 test-all: dev
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) -m "" --durations=40 $(ARGS)
+	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) -m "" --durations=40 $(ARGS)
 
 bench: dev
 	$(PYTHON) -m lmlab.bench $(ARGS)

@@ -58,13 +58,15 @@ TWO_RANKS = {"ddp": ("trainer.strategy=ddp",), "fsdp2": ("trainer=fsdp2", "train
 
 
 def one_and_two_ranks(args: list[str], tmp_path: Path, strategy: str = "ddp") -> tuple[Path, Path]:
-    """train.py `args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), then 2 CPU
-    ranks x batch 4 (tmp_path/two) under `strategy` (ddp, or fsdp2 in fp32), both on the CPU; both must complete.
-    `args` sets no data.batch_size."""
+    """`args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), trained in this process
+    (the reference: no second interpreter to start), then train.py on 2 CPU ranks x batch 4 (tmp_path/two) under
+    `strategy` (ddp, or fsdp2 in fp32); both must complete. `args` sets no data.batch_size."""
+    from lmlab import compose
+    from lmlab.run.training import train
+
     one, two = tmp_path / "one", tmp_path / "two"
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", "trainer.accelerator=cpu", f"hydra.run.dir={one}",
-              cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    summary = train(compose([*args, "data.batch_size=8", "trainer.accelerator=cpu"]), one)
+    assert summary["status"] == "completed", summary
     res = cli(str(ROOT / "train.py"), *args, "data.batch_size=4", *TWO_RANKS[strategy], "trainer.accelerator=cpu",
               "trainer.devices=2", f"hydra.run.dir={two}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

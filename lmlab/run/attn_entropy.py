@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmlab.run.monitor import attention_sublayer, distribution
+from lmlab.model.attention import attention_sublayer, distribution
 
 
 @torch.no_grad()

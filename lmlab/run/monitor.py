@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmlab import names
+from lmlab.model.attention import attention_sublayer, distribution
 from lmlab.record.tracking import log_at
 
 
@@ -95,21 +96,6 @@ def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     if own := list(model.head.parameters()):  # head=mtp's modules (head=classify's layer): a group beside the head
         groups[getattr(model.head, "params_group", "mtp")] = own
     return groups
-
-
-def attention_sublayer(block: nn.Module) -> nn.Module | None:
-    """The block's first sublayer with attention weights to show (`probs`), or None."""
-    for attr in block.sublayer_names:
-        module = getattr(block, attr)
-        if hasattr(module, "probs"):
-            return module
-    return None
-
-
-def distribution(attn: nn.Module) -> bool:
-    """Whether each row of the sublayer's weights (`probs`, a sink's share appended) is a distribution: the
-    sublayer says so (`sums_to_one`), else its score does."""
-    return getattr(attn, "sums_to_one", attn.score.sums_to_one)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

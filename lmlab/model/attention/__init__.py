@@ -15,6 +15,8 @@ KV cache when generating).
 
 from __future__ import annotations
 
+from torch import nn
+
 from lmlab.model.attention.diff import DiffAttention
 from lmlab.model.attention.mha import GQA, MHA, MQA, Geometry, gate_width
 from lmlab.model.attention.mla import MLA, MLA_SIZES, mla_sizes
@@ -22,5 +24,21 @@ from lmlab.registry import gather
 
 ATTENTIONS: dict[str, type[MHA]] = gather(__name__, __path__, "OPTIONS")
 
-__all__ = ["ATTENTIONS", "DiffAttention", "GQA", "Geometry", "MHA", "MLA", "MLA_SIZES", "MQA", "gate_width",
-           "mla_sizes"]
+
+def attention_sublayer(block: nn.Module) -> nn.Module | None:
+    """The block's first sublayer with attention weights to show (`probs`), or None (the monitor's attention figures
+    and eval's attention entropy read it)."""
+    for attr in block.sublayer_names:
+        module = getattr(block, attr)
+        if hasattr(module, "probs"):
+            return module
+    return None
+
+
+def distribution(attn: nn.Module) -> bool:
+    """Whether each row of the sublayer's weights (`probs`, a sink's share appended) is a distribution: the
+    sublayer says so (`sums_to_one`), else its score does."""
+    return getattr(attn, "sums_to_one", attn.score.sums_to_one)
+
+__all__ = ["ATTENTIONS", "DiffAttention", "GQA", "Geometry", "MHA", "MLA", "MLA_SIZES", "MQA", "attention_sublayer",
+           "distribution", "gate_width", "mla_sizes"]

@@ -18,6 +18,7 @@ from lmlab import compose
 from lmlab.analysis.evaluate import evaluate
 from lmlab.record.consolidate import consolidate
 from lmlab.record.rundir import load_checkpoint
+from lmlab.run.training import train
 from tests.e2e.run.test_interrupt import figures
 from tests.hostile import hostile
 from tests.runs import ROOT, cli, metric, tiny
@@ -71,8 +72,7 @@ def runs(corpus: Path, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("fsdp2")
     args = common(corpus, base / "cache")
     one, two = base / "one", base / "two"
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=base)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train(compose([*args, "data.batch_size=8"]), one)["status"] == "completed"  # the reference, in this process
     res = drive([*args, "data.batch_size=4", *FSDP2], two, base)
     assert res.returncode == 0, res.stderr[-3000:]
     return {"one": one, "two": two, "base": base, "args": args}
@@ -253,8 +253,6 @@ def test_a_resume_on_fewer_ranks_is_refused_unless_the_global_batch_is_kept(runs
 
 
 def test_a_sharded_run_resumed_by_another_trainer_is_refused_naming_the_fix(runs, tmp_path) -> None:
-    from lmlab.run.training import train
-
     run = tmp_path / "run"
     shutil.copytree(runs["two"], run)
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
@@ -269,8 +267,7 @@ def test_a_hybrid_stack_on_fsdp2_ranks_equals_one_process(runs) -> None:
     layer's state norm among them) those of one process on the same global batch."""
     base, args = runs["base"], [*runs["args"], "mixer=gdn", "mixer.pattern=[gdn,attention]", "position=rope"]
     one, two = base / "hybrid_one", base / "hybrid_two"
-    res = cli(str(ROOT / "train.py"), *args, "data.batch_size=8", f"hydra.run.dir={one}", cwd=base)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train(compose([*args, "data.batch_size=8"]), one)["status"] == "completed"
     res = drive([*args, "data.batch_size=4", *FSDP2], two, base)
     assert res.returncode == 0, res.stderr[-3000:]
     for name in ("train/loss", "grad/norm", "grad/norm/layer_00/mix", "grad/norm/layer_01/attn", "val/loss",

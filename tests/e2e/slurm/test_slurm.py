@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from lmlab import compose
+from lmlab.run.training import train
 from tests.e2e.run.test_interrupt import figures
-from tests.runs import ROOT, cli, tiny
+from tests.runs import tiny
 from tests.slurm_cluster import (
     interrupt_midway,
     run_sweep,
@@ -45,10 +47,9 @@ def job_lines(output: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(corpus: Path, tmp_path_factory) -> Path:
     """The LONG run, uninterrupted and without SLURM: the curve every interrupted job must end with."""
-    d = tmp_path_factory.mktemp("reference")
-    result = cli(str(ROOT / "train.py"), *tiny(corpus, d / "cache", "trainer.accelerator=cpu", *LONG),
-                 f"hydra.run.dir={d / 'run'}", cwd=d, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    d = tmp_path_factory.mktemp("reference")  # trained in this process: no interpreter to start for a reference
+    summary = train(compose(tiny(corpus, d / "cache", "trainer.accelerator=cpu", *LONG)), d / "run")
+    assert summary["status"] == "completed", summary
     return d / "run"
 
 

@@ -100,7 +100,8 @@ def test_the_speedrun_layouts_count_each_layer_as_built() -> None:
 
 
 def test_the_monitor_groups_follow_the_sublayers() -> None:
-    from lmlab.run.monitor import attention_sublayer, layer_groups
+    from lmlab.model.attention import attention_sublayer
+    from lmlab.run.monitor import layer_groups
 
     model = _model(**NO_ATTN_0)
     groups = layer_groups(model)
