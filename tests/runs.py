@@ -10,6 +10,9 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from lmlab import compose
+from lmlab.run.training import train
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the king queen lord lady sword crown night day love death speak hear thou thee shall will not".split()
 
@@ -61,9 +64,6 @@ def one_and_two_ranks(args: list[str], tmp_path: Path, strategy: str = "ddp") ->
     """`args` twice on the same global batch: one process x batch 8 (run dir tmp_path/one), trained in this process
     (the reference: no second interpreter to start), then train.py on 2 CPU ranks x batch 4 (tmp_path/two) under
     `strategy` (ddp, or fsdp2 in fp32); both must complete. `args` sets no data.batch_size."""
-    from lmlab import compose
-    from lmlab.run.training import train
-
     one, two = tmp_path / "one", tmp_path / "two"
     summary = train(compose([*args, "data.batch_size=8", "trainer.accelerator=cpu"]), one)
     assert summary["status"] == "completed", summary
