@@ -9,7 +9,7 @@
 #   bash scripts/bench_gpu.sh OUT                       # the whole plan, about 10-12 minutes on one H100/H200
 #   DEADLINE=570 bash scripts/bench_gpu.sh OUT --stages "env eager compiled train-eager"  # or: a first call (~5 min)
 #   DEADLINE=570 bash scripts/bench_gpu.sh OUT --stages "train-compiled fsdp2 attention moe"  # and a second (~7 min)
-#   bash scripts/bench_gpu.sh /tmp/bench-dry --dry-run  # the same stages at tiny sizes on the CPU (~4 minutes)
+#   bash scripts/bench_gpu.sh /tmp/bench-dry --dry-run  # the same stages at tiny sizes on the CPU (~2 minutes)
 #
 # Stages, in order (the default plan), with their time limits on the GPU (expected times in docs/bench.md):
 #   env             versions, device, commit                                               -> env.json
@@ -49,7 +49,10 @@ RUNS=${RUNS:-/tmp/lmlab-gpu-runs}
 FAILED=()
 
 if (( DRY )); then  # every stage's command line, config keys and JSON, at sizes a CPU runs in seconds
-    export OMP_NUM_THREADS=1
+    # compiled stages trace and differentiate the same graphs but run them on eager kernels: on a CPU Inductor would
+    # build C++, not the GPU's Triton (Inductor on the CPU is tested against eager in tests/e2e/model/test_moe.py
+    # and tests/unit/run/test_fsdp2.py)
+    export OMP_NUM_THREADS=1 TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
     DEVICE=cpu PEAK=1 DEADLINE=${DEADLINE:-1800} RUNS=$OUT/runs
     BENCH_SIZE=(model.n_layer=2 model.d_model=64 model.n_head=2 model.max_seq_len=64 model.vocab_size=512)
     BENCH=(--batch 2 --repeats 1 --steps 1 --eval-steps 1 --warmup 1 --mm-size 256 --threads 1)

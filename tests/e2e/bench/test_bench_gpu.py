@@ -17,7 +17,7 @@ from tests.runs import ROOT
 
 @pytest.mark.slow
 def test_the_dry_run_writes_every_stage_json(tmp_path: Path) -> None:
-    """bash scripts/bench_gpu.sh OUT --dry-run: every stage of the GPU plan at tiny sizes on the CPU (about 4 minutes
+    """bash scripts/bench_gpu.sh OUT --dry-run: every stage of the GPU plan at tiny sizes on the CPU (about 2 minutes
     on one core), each JSON file written with the keys docs/bench.md names, the summary without a problem."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}

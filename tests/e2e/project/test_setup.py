@@ -1,7 +1,7 @@
 """The README's set-up, exactly as written, on a clean clone in a fresh venv: `make train` installs what running needs
-and trains; `make test` installs what testing needs and passes without SLURM's `srun` on PATH and without torch's
-AVX-512 kernels (ATEN_CPU_CAPABILITY=avx2: the AVX2 EPYCs `make test` once failed on); this session's units are
-the other side of both."""
+and trains; `make test` installs what testing needs and its units pass without SLURM's `srun` on PATH and without
+torch's AVX-512 kernels (ATEN_CPU_CAPABILITY=avx2: the AVX2 EPYCs `make test` once failed on), all but those that
+compute nothing with torch's kernels (`kernel_free`); this session's units are the other side of both."""
 
 from __future__ import annotations
 
@@ -30,6 +30,25 @@ def _without_srun(folder: Path, tmp_path: Path) -> Path:
         if entry.name != "srun":
             (shadow / entry.name).symlink_to(entry)
     return shadow
+
+
+# Units that compute nothing with torch's kernels and read nothing of srun (Hydra composition, the registry, README
+# and layout text, run records, the GPU bench's JSON) run once, in this session: AVX2 would change none of their
+# results. Every other unit runs again under AVX2, a new folder too (it is not on this list).
+KERNEL_FREE = ("record", "bench", "commands", "project")
+BUT = ("commands/test_validation.py", "project/test_golden.py")  # Lightning's srun hint; the pinned golden losses
+
+
+def kernel_free() -> list[str]:
+    """The unit folders and files the clean clone's `make test` under AVX2 leaves out, from the checkout's root."""
+    units = ROOT / "tests" / "unit"
+    assert all((units / kept).is_file() for kept in BUT), BUT  # renamed: name it here again, or it runs only once
+    out = []
+    for folder in KERNEL_FREE:
+        files = sorted((units / folder).glob("test_*.py"))
+        keep = [f for f in files if f.relative_to(units).as_posix() in BUT]
+        out += [f.relative_to(ROOT).as_posix() for f in files if f not in keep] if keep else [f"tests/unit/{folder}"]
+    return out
 
 
 def test_the_readme_set_up_passes_on_a_clean_clone_in_a_fresh_venv(tmp_path: Path) -> None:
@@ -62,7 +81,9 @@ def test_the_readme_set_up_passes_on_a_clean_clone_in_a_fresh_venv(tmp_path: Pat
         path = ":".join(str(_without_srun(Path(p), tmp_path)) if (Path(p) / "srun").exists() else p
                         for p in path.split(":"))
         assert shutil.which("srun", path=path) is None and shutil.which("bash", path=path)
-    res = _sh(". .venv/bin/activate && make test", clone, {**env, "PATH": path, "ATEN_CPU_CAPABILITY": "avx2"}, 1500)
+    ignore = " ".join(f"--ignore={p}" for p in kernel_free())
+    res = _sh(f'. .venv/bin/activate && make test ARGS="{ignore}"', clone,
+              {**env, "PATH": path, "ATEN_CPU_CAPABILITY": "avx2"}, 1500)
     failures = [line for line in res.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     assert res.returncode == 0, (failures, (res.stdout + res.stderr)[-3000:])
     assert " passed" in res.stdout and " failed" not in res.stdout
