@@ -78,6 +78,16 @@ def runs(corpus: Path, tmp_path_factory) -> dict[str, Path]:
     return {"one": one, "two": two, "base": base, "args": args}
 
 
+@pytest.fixture(scope="module")
+def interrupted(runs) -> Path:
+    """The 2-rank run (batch 4 per rank) stopped by SIGTERM to rank 0 when step 2 starts (exit 3): its sharded
+    checkpoint holds step 3. Each test continues its own copy."""
+    run = runs["base"] / "interrupted"
+    res = drive([*runs["args"], "data.batch_size=4", *FSDP2], run, runs["base"], at=2)
+    assert res.returncode == 3, res.stderr[-3000:]
+    return run
+
+
 def test_fsdp2_figures_equal_one_process_on_the_same_global_batch(runs) -> None:
     """Losses, global and per-layer gradient norms, parameter norms, update ratios, activations, attention maps and
     the probe's output change: each rank holds half of every parameter and gradient, the logged figures are the
@@ -167,18 +177,17 @@ def test_a_hostile_sharded_checkpoint_is_refused_by_every_entry_point(runs, tmp_
 
 
 @pytest.mark.slow
-def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
+def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs, interrupted) -> None:
     """SIGTERM at step 2 of 6 (through lmlab's interrupt machinery: both ranks stop after the step, the sharded
     checkpoint is saved), then train.py resume=auto: every figure of every row equals the uninterrupted run's. The
     same checkpoint consolidated in place continues in one process like the one-process run."""
     base, args = runs["base"], [*runs["args"], "data.batch_size=4", *FSDP2]
-    run = base / "interrupted"
-    res = drive(args, run, base, at=2)
-    summary = json.loads((run / "summary.json").read_text())
-    assert res.returncode == 3 and summary["status"] == "interrupted" and summary["steps"] == 3, res.stderr[-3000:]
-    assert (run / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
-    copy = base / "consolidated"
-    shutil.copytree(run, copy)
+    summary = json.loads((interrupted / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 3, summary
+    assert (interrupted / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+    run, copy = base / "sigterm_resumed", base / "consolidated"
+    shutil.copytree(interrupted, run)
+    shutil.copytree(interrupted, copy)
     res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={run}", cwd=base)
     assert res.returncode == 0, res.stderr[-3000:]
     assert figures(run) == figures(runs["two"])
@@ -194,15 +203,13 @@ def test_fsdp2_interrupted_by_sigterm_resumes_to_the_same_metrics(runs) -> None:
             assert b[step] == pytest.approx(a[step], rel=1e-5), (name, step)
 
 
-def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs) -> None:
+def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs, interrupted) -> None:
     """The README's "consolidate in place, then continue with any trainer" with trainer=fsdp2 (it ended in torch's
     RuntimeError: the one file's optimizer state re-keyed by the module's parameter order, not the optimizer's).
     Interrupted at step 3 of 6, made one file in place, continued on 2 FSDP2 ranks: the uninterrupted run's figures,
     and the run's checkpoint is sharded again."""
     base, args = runs["base"], [*runs["args"], "data.batch_size=4", *FSDP2]
-    run = base / "consolidated_then_fsdp2"
-    res = drive(args, run, base, at=2)
-    assert res.returncode == 3, res.stderr[-3000:]
+    run = shutil.copytree(interrupted, base / "consolidated_then_fsdp2")
     ckpt = run / "checkpoints" / "last.ckpt"
     res = cli("-m", "lmlab.record.consolidate", str(run), str(ckpt), cwd=ROOT)
     assert res.returncode == 0 and ckpt.is_file(), res.stderr[-3000:]
@@ -216,16 +223,14 @@ def test_a_checkpoint_consolidated_in_place_continues_on_fsdp2_ranks(runs) -> No
     assert (ckpt / "meta.pt").is_file() and json.loads((run / "summary.json").read_text())["steps"] == 6
 
 
-def test_a_resume_on_fewer_ranks_is_refused_unless_the_global_batch_is_kept(runs, tmp_path) -> None:
+def test_a_resume_on_fewer_ranks_is_refused_unless_the_global_batch_is_kept(runs, interrupted, tmp_path) -> None:
     """FSDP2 2 -> 1 rank and the consolidated checkpoint -> one process, at the same per-rank batch (half the global
     batch): refused with exit 2, one line naming trainer.devices, both values and the commands, nothing written.
     On 1 FSDP2 rank at data.batch_size=8 the run goes on (DCP reshards 2 -> 1) on the 2-rank run's curve, and
     summary.json says what changed."""
     base, args = runs["base"], [*runs["args"], "data.batch_size=4"]
     one_rank = [a for a in FSDP2 if not a.startswith("trainer.devices")] + ["trainer.devices=1"]
-    run = base / "fewer_ranks"
-    res = drive([*args, *FSDP2], run, base, at=2)
-    assert res.returncode == 3, res.stderr[-3000:]
+    run = shutil.copytree(interrupted, base / "fewer_ranks")
     consolidated = tmp_path / "consolidated"
     shutil.copytree(runs["two"], consolidated)
     consolidate(consolidated, consolidated / "checkpoints" / "last.ckpt")
