@@ -15,7 +15,7 @@ from lmlab.model.attention.key_offset import check_key_offset, shift_keys
 from lmlab.model.attention.paired_heads import paired_attend, paired_layer, paired_weights, rotate_paired
 from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
                                         per_query, scale_queries)
-from lmlab.model.attention.window import layer_windows
+from lmlab.model.attention.window import FollowsStep, layer_windows
 from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
 from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, build
 
@@ -37,7 +37,7 @@ class Geometry:
     n_params: int  # weights (gains aside)
 
 
-class MHA(nn.Module):
+class MHA(FollowsStep, nn.Module):
     """Multi-head attention (Vaswani et al., 2017), one key/value head per query head.
 
     Fast path: one fused QKV matmul and `F.scaled_dot_product_attention(is_causal=True)`; a materialised
@@ -128,7 +128,6 @@ class MHA(nn.Module):
         self.windows = layer_windows(window, pattern, layer, cfg.n_layer, cfg.max_seq_len,
                                      window_schedule=window_schedule, window_block=window_block,
                                      eval_window=eval_window)
-        self.window_step: tuple[int, int] | None = None  # (step, max_steps) the schedule reads; None: after training
         self.window = self.windows.at(None, None, True)  # the window in force (None: the whole context)
         self.softcap = softcap
         self.score = build("attention.score", SCORES, {"name": score}, cfg.train_len)
@@ -171,19 +170,8 @@ class MHA(nn.Module):
         if self.paired:
             self.no_qk_clip = "attention.paired_heads: a logit of a pair is one head's query against the other's key"
 
-    def set_step(self, step: int | None, max_steps: int | None = None) -> None:
-        """The training step the window schedule reads, of max_steps (the training loop's, before each step and each
-        validation); None: after training (the model's own windows). The window is a function of it and the mode."""
-        self.window_step = None if step is None else (step, max_steps)
-        self._update_window()
-
-    def train(self, mode: bool = True) -> MHA:
-        super().train(mode)
-        self._update_window()  # attention.eval_window when not training
-        return self
-
-    def _update_window(self) -> None:
-        window = self.windows.at(*(self.window_step or (None, None)), self.training)
+    def _follow_step(self) -> None:
+        window = self.windows.at(*self.step_at, self.training)
         if (window, type(window)) != (self.window, type(self.window)):
             self.window = window  # only on a change (a compiled forward guards on it); BlockWindows are interned
 

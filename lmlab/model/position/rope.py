@@ -7,12 +7,13 @@ from typing import Annotated, Any, Literal
 
 import torch
 
+from lmlab.model.attention.window import FollowsStep
 from lmlab.model.position.base import Position
 from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies, window_yarn
 from lmlab.registry import PositiveFloat, Range, option_params
 
 
-class RoPE(Position):
+class RoPE(FollowsStep, Position):
     """Rotary position embedding (Su et al., 2021).
 
     Rotates the first `rotary_pct` of each head's dims by angles t·θ_j, so q·k depends only on the offset;
@@ -56,7 +57,6 @@ class RoPE(Position):
                              f"rope_scaling={self.scaling['name']} rescales them past the trained length: one or the "
                              f"other (rope_scaling=none)")
         self.windows: Any = None  # the longest layers' LayerWindows, under window_yarn (follow)
-        self.window_step: tuple[int, int] | None = None
         self._yarn: tuple | None = None  # the windows the frequencies were last set for
         self._base = inv_freq.clone()  # the frequencies at the first stage's window
         self.logit_scale = 1.0  # window_yarn's scale of the attention logits (on q: every dim, rotated or not)
@@ -72,21 +72,12 @@ class RoPE(Position):
                              "gives no stages: set attention.window_schedule=[[0, W0], [f1, W1], ...] (a window per "
                              "stage), or position.window_yarn=false")
         self.windows = staged[0]
-        self._update()
+        self._follow_step()
 
-    def set_step(self, step: int | None, max_steps: int | None = None) -> None:
-        """The training step (of max_steps) the window stages are read at; None: after training."""
-        self.window_step = None if step is None else (step, max_steps)
-        self._update()
-
-    def train(self, mode: bool = True) -> RoPE:
-        super().train(mode)
-        if self.windows is not None:
-            self._update()  # attention.eval_window's stage when not training
-        return self
-
-    def _update(self) -> None:
-        seq = self.windows.passed(*(self.window_step or (None, None)), self.training)
+    def _follow_step(self) -> None:
+        if self.windows is None:  # not under window_yarn: the frequencies do not move
+            return
+        seq = self.windows.passed(*self.step_at, self.training)
         if seq == self._yarn:
             return
         inv_freq, self.logit_scale = window_yarn(self._base, list(seq))
