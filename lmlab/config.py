@@ -81,7 +81,7 @@ class GPTConfig:
     attn_heads: int | None = None  # the attention geometry the position scheme is built for: the block's heads
     attn_head_dim: int | None = None  # ... and their size (one head of key size s for GAU)
     cache_width: int | None = None  # numbers a layer's KV cache holds per token
-    attn_width: int | None = None  # a layer's query/key width plus its value width: the scores' FLOPs (lmlab.run.perf)
+    attn_width: int | None = None  # a layer's query/key width plus its value width: its scores' FLOPs (model.flops)
     unused: list[str] | None = None  # the groups the block does not read (block=gau: attention, ffn): not validated
 
     def __post_init__(self) -> None:

@@ -125,18 +125,18 @@ def mark_best_lr(rows: Sequence[dict[str, Any]], values: Sequence[float], others
 def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     """The run's parameters (`n_params`, from its summary), its FFNs' (`ffn_params`, all layers), so a sweep over
     `ffn` shows the variants' match, and its train FLOPs per token (`flops_per_token`: the summary's, else
-    lmlab.run.perf's count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device;
+    lmlab.model.flops' count on the rebuilt model). The FFNs are counted on the run's model rebuilt on the meta device;
     None
     when it cannot be rebuilt or the rebuilt total differs (a run sized by an older rule). `n_active_params`: the
     weights one token uses (an MoE's chosen experts), the summary's or the rebuilt model's. `n_matmul`: N of the 6·N
-    count (lmlab.run.perf.matmul_params), the budget's record or the rebuilt model's: the N of a ladder's L(N, D)
+    count (lmlab.model.flops.matmul_params), the budget's record or the rebuilt model's: the N of a ladder's L(N, D)
     fit."""
     import torch
 
     from lmlab.config import GPTConfig
+    from lmlab.model.flops import flops_per_token, matmul_params
     from lmlab.model.gpt import GPT
     from lmlab.model.memory import check_model_fits
-    from lmlab.run.perf import flops_per_token, matmul_params
 
     total, ffn, active = summary.get("n_params"), None, summary.get("n_params")
     n_matmul = matmul_weights(summary)

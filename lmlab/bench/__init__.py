@@ -17,6 +17,6 @@ from __future__ import annotations
 
 from lmlab.bench.cli import main, run
 from lmlab.bench.peers import CONFIGS, PEER_ARCH, describe, hf_peer
-from lmlab.run.perf import matmul_params
+from lmlab.model.flops import matmul_params
 
 __all__ = ["CONFIGS", "PEER_ARCH", "describe", "hf_peer", "main", "matmul_params", "run"]

@@ -22,7 +22,7 @@ from lmlab.bench.loop import lightning_loop_cost
 from lmlab.bench.peers import CONFIGS, describe, hf_peer
 from lmlab.bench.report import check_targets, render
 from lmlab.bench.timing import Contestant, matmul_gflops, peak_step_bytes, spread, timed
-from lmlab.run.perf import FLOPS_FORMULA, flops_per_token, matmul_params
+from lmlab.model.flops import FLOPS_FORMULA, flops_per_token, matmul_params
 
 
 def contestants_for(args: argparse.Namespace, cfg, gcfg, peer_kind: str, device: torch.device

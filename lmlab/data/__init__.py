@@ -1,6 +1,7 @@
 """Data pipeline: corpus (`corpus.py`) -> tokenizer (`tokenizer.py`) -> `TextDataModule` (`datamodule.py`).
 
-`TextDataModule` is imported on first use, so tokenizer-only users (eval, tools) don't pay for importing Lightning.
+`TextDataModule` is imported on first use, so tokenizer-only users (the shard workers, tools) don't pay for torch's data
+loaders; no data module imports Lightning (lmlab.run.lit_data is their face there).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = [
 def build_datamodule(data: dict[str, Any], *, seq_len: int, seed: int) -> Any:
     """The data module for the composed `data` group (a plain dict): a task's own (`lmlab.data.tasks.TASKS`), or
     `TextDataModule` over a corpus."""
-    from lmlab.data import tasks  # Lightning: not for the shard workers and tokenizer-only users importing lmlab.data
+    from lmlab.data import tasks  # torch: not for the shard workers and tokenizer-only users importing lmlab.data
 
     return tasks.build(data, seq_len=seq_len, seed=seed)
 

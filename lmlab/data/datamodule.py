@@ -35,10 +35,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lmlab.data import shards, stages
@@ -238,11 +237,12 @@ def scheduled_loader(data: Any, dataset: Any, step: int, accumulate: int, world:
                       pin_memory=torch.cuda.is_available())
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule:
     """`data` is the composed `data` config group as a plain dict; `seq_len` is `model.max_seq_len`."""
 
+    trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
+
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
-        super().__init__()
         spec = {**_DEFAULTS, **dict(data)}
         self.tokenizer_kind = str(spec.pop("tokenizer"))
         self.bpe_vocab_size = int(spec.pop("vocab_size"))

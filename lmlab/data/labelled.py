@@ -28,17 +28,19 @@ import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lmlab.data.datamodule import StepSampler, TrainBlocks
-from lmlab.data.synthetic import TaskFigures, check_split, variants
+from lmlab.data.synthetic import check_split, variants
 from lmlab.data.tokenizer import TOKENIZERS, build_tokenizer, check_tokenizer, load_tokenizer, save_tokenizer
 from lmlab.record.tables import write_table
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 NAME = "labelled"
 FIGURES_FILE = "classify.json"
@@ -94,17 +96,17 @@ class _Examples(TrainBlocks):
         return torch.from_numpy(self.blocks[j]), torch.tensor(self.y[j])
 
 
-class LabelledDataModule(pl.LightningDataModule):
+class LabelledDataModule:
     """The labelled set with the surface the training loop reads from a data module (lmlab.run.training; the task
     protocol of lmlab.data.tasks): `labels` (head=classify's), vocab_size, the loaders, unigram_entropy (here the
     labels' entropy, the loss of always answering their frequencies), the tokenizer, its figures."""
 
+    trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
     evaluable = False  # eval.py's loss per length is a corpus's figure; a classifier's are in classify.json
     figures_file = FIGURES_FILE
     logged: dict[str, str] = {}  # val/accuracy is the head's own figure (lmlab.model.encoder), logged by the loop
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
-        super().__init__()
         spec = {**_DEFAULTS, **{k: v for k, v in dict(data).items() if k != "name"}}
         if unknown := sorted(set(spec) - set(_DEFAULTS)):
             raise ValueError(f"data={NAME} does not take {unknown}; it takes {sorted(_DEFAULTS)}")
@@ -194,6 +196,8 @@ class LabelledDataModule(pl.LightningDataModule):
         save_tokenizer(self.tokenizer, path)
 
     def callbacks(self, run_dir: str | Path) -> list[Any]:
+        from lmlab.data.callbacks import TaskFigures  # Lightning's: training imports it, eval.py does not
+
         return [TaskFigures(self, Path(run_dir) / FIGURES_FILE)]
 
     @torch.no_grad()

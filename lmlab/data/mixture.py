@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lmlab import names
@@ -102,28 +101,6 @@ class SourceBlocks(Dataset):
         """Batches of `batch_size` blocks that never mix sources (a source's last one may be smaller)."""
         return [list(range(a, min(a + batch_size, b))) for a, b in zip(self.offsets, self.offsets[1:])
                 for a in range(a, b, batch_size)]
-
-
-class SourceLosses(Callback):
-    """val/loss/<source>: each validation batch's loss (LitGPT.validation_step returns it) logged under its source,
-    averaged over the source's blocks as val/loss is over all of them; the last validation's values are kept for
-    summary.json (`MixtureDataModule.last`)."""
-
-    def __init__(self, data: MixtureDataModule) -> None:
-        self.data = data
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if outputs is None or len(batch) < 3:
-            return
-        source = self.data.sources[int(batch[2][0])].name
-        pl_module.log(names.val_loss(source), outputs, sync_dist=True, batch_size=batch[0].size(0))
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        metrics = trainer.callback_metrics
-        self.data.last = {s.name: float(metrics[names.val_loss(s.name)]) for s in self.data.sources
-                          if names.val_loss(s.name) in metrics}
 
 
 def mixture_sample(corpora: list[Any], limit: int | None, val_fraction: float, path: Path, anywhere: bool) -> Sample:
@@ -301,6 +278,8 @@ class MixtureDataModule(TextDataModule):
     # --- the task protocol (lmlab.data.tasks): the per-source losses, in summary.json and compare ---
 
     def callbacks(self, run_dir: str | Path) -> list[Any]:
+        from lmlab.data.callbacks import SourceLosses  # Lightning's: training imports it, eval.py does not
+
         return [SourceLosses(self)]
 
     def figures(self) -> dict[str, Any]:

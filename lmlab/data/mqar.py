@@ -55,7 +55,7 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lmlab.data.datamodule import StepSampler

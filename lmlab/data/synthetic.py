@@ -10,25 +10,26 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
-class SyntheticTask(pl.LightningDataModule):
+
+class SyntheticTask:
     """The surface the training loop reads from a data module (lmlab.run.training) that a synthetic task fills the
     same way: its word tokenizer (`vocab_size` words, `unk` for unknown ones) and its sha256, no preparation, the
     fixed validation windows (`val_inputs`) in order, and the `callbacks` that measure it."""
 
+    trainer: Any = None  # the Lightning trainer while one runs the task (lmlab.run.lit_data): none in eval.py
     evaluable = False  # eval.py's loss per length is a corpus's figure: a synthetic task's are in its figures_file
     figures_file: str  # <run>/<figures_file>: the task's measurements at the last validation (JSON)
     logged: Mapping[str, str]  # metric name -> the measurement's key, logged at every validation
 
     def __init__(self, *, vocab_size: int, unk: str, batch_size: int) -> None:
-        super().__init__()
         from tokenizers import Tokenizer, models, pre_tokenizers
 
         self.vocab_size, self.batch_size = int(vocab_size), int(batch_size)
@@ -59,34 +60,15 @@ class SyntheticTask(pl.LightningDataModule):
 
         atomic_write(path, self.tokenizer.to_str())
 
-    def callbacks(self, run_dir: str | Path) -> list[Callback]:
+    def callbacks(self, run_dir: str | Path) -> list[Any]:
+        from lmlab.data.callbacks import TaskFigures  # Lightning's: training imports it, eval.py does not
+
         return [TaskFigures(self, Path(run_dir) / self.figures_file)]
 
 
 def check_split(split: str) -> None:
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r}; choose 'train' or 'val'")
-
-
-class TaskFigures(Callback):
-    """At every validation (not the sanity check): the task's measurement of the model, kept as `task.last` (what
-    summary.json records), logged under `task.logged` and written to `path` (rank 0)."""
-
-    def __init__(self, task: SyntheticTask, path: Path) -> None:
-        self.task, self.path = task, path
-
-    @torch.no_grad()
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        result = self.task.measure(trainer, pl_module)
-        self.task.last = result
-        for name, key in self.task.logged.items():
-            pl_module.log(name, torch.tensor(result[key]))
-        if trainer.is_global_zero:
-            from lmlab.record.rundir import atomic_write
-
-            atomic_write(self.path, json.dumps(result, indent=1))
 
 
 def read_figures(run_dir: str | Path, name: str) -> dict[str, Any] | None:

@@ -5,7 +5,9 @@ module (`data=position_probe`: `lmlab.data.probe`; `data=mqar`: `lmlab.data.mqar
 SyntheticTask` (its word tokenizer, its figures measured, logged and written at every validation). The training
 loop, the summary, eval and compare ask every data module the same things, and a corpus answers with nothing:
 
-- `callbacks(run_dir)`: the task's own callbacks (its metrics, its files in the run directory);
+- `trainer`: None, or the Lightning trainer running it (its step and ranks place the batches): a data module itself
+  knows nothing of Lightning (lmlab.run.lit_data is its face there), so eval.py and compare read data without it;
+- `callbacks(run_dir)`: the task's own callbacks (lmlab.data.callbacks: its metrics, its files in the run directory);
 - `figures()`: what `summary.json` records of it;
 - `evaluable`: whether `eval.py run=`'s loss per length applies to its runs (a task's `figures_file`: where its own are);
 - a task only: `compare_section(sweep_dir, runs, overrides, keys)`, its own tables and plots in `eval.py compare=`

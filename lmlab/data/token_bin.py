@@ -34,7 +34,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -203,13 +202,13 @@ def stand_in_tokenizer(vocab_size: int):
     return tok
 
 
-class TokenBinDataModule(pl.LightningDataModule):
+class TokenBinDataModule:
     """The data module of `data=token_bin` (the task protocol of lmlab.data.tasks: no callbacks or figures)."""
 
+    trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
     evaluable = True
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
-        super().__init__()
         if unknown := sorted(set(data) - _KEYS):
             hint = " (its documents' separator is an id: data.doc_sep, data.doc_sep_role)" if "eod" in unknown else ""
             raise ValueError(f"data=token_bin does not take {['data.' + k for k in unknown]}{hint}; it takes "

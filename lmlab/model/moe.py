@@ -28,7 +28,7 @@ where torch can run it on this device and dtype, else a loop over the experts ov
 over tokens), weighted and added back to their tokens with one index_add. The experts' weights are stacked in
 `nn.Linear`s of E row blocks (`fused`, so fan-based inits treat each expert's matrices separately): c_fc (E·h, d) or
 (E·2h, d) ([gate; up] per expert, as transformers' Mixtral stores gate_up_proj), c_proj (E·d, h). `active_share`
-= k/E on them tells the FLOP count (lmlab.run.perf) how much of them a token uses.
+= k/E on them tells the FLOP count (lmlab.model.flops) how much of them a token uses.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Experts(nn.Linear):
         super().__init__(in_features, n_experts * out_features, bias=bias)
         self.n_experts, self.out_per_expert = n_experts, out_features
         self.fused = blocks * n_experts  # each expert's matrices (GLU: gate, up), for fan-based inits
-        self.active_share = active_share  # the share of these weights one token multiplies (lmlab.run.perf)
+        self.active_share = active_share  # the share of these weights one token multiplies (lmlab.model.flops)
 
     def stack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = self.weight.view(self.n_experts, self.out_per_expert, self.in_features)

@@ -93,7 +93,7 @@ class RunSummary(TypedDict, total=False):
     n_params: int
     n_active_params: int  # the weights one token uses (an MoE's top_k experts of n_experts; n_params for a dense model)
     budget: dict[str, Any] | None  # the run's budget.* (lmlab.run.budget): flops, tokens, tokens_per_param or wall
-    flops_per_token: float  # train FLOPs per token (lmlab.run.perf's count), what a budget was turned into steps by
+    flops_per_token: float  # train FLOPs per token (lmlab.model.flops' count), what a budget was turned into steps by
     budget_spent: dict[str, Any]  # what the run spent of it: tokens, flops (and the wall time)
     stages: list[dict[str, Any]]  # data.batch_schedule / seq_schedule only (lmlab.data.stages.table): from_step,
     #   batch_size, seq_len, tokens_per_step, flops_per_token of each stage

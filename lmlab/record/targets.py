@@ -7,7 +7,7 @@ at its first validation; one that never gets there has None.
 
 The curve is summary.json's `val_curve`: (optimizer steps done, val loss) at every validation. Tokens at that step
 are the run's tokens per step × the step, FLOPs are tokens × the run's train FLOPs per token
-(`lmlab.run.perf.flops_per_token`) — under a batch or length schedule both summed over its `stages` — and time is the
+(`lmlab.model.flops.flops_per_token`) — under a batch or length schedule both summed over its `stages` — and time is the
 run's wall time over all its attempts × the fraction of its steps (training time is close to linear in steps;
 validation is included as it was spent). A run of an older lmlab has no `val_curve`: its metrics.csv is read instead,
 whose val rows are Lightning's logging steps (one behind the optimizer steps for a validation during fit), with

@@ -5,8 +5,9 @@ At equal steps a variant with more FLOPs per token gets more compute and wins fo
 variant of a sweep trains for its own number of steps, and the schedule (warmup, decay) is stretched to that length
 because every schedule reads `trainer.max_steps`, which the budget sets in the run's effective config
 (lmlab.run.plan). The rules, with T the tokens of one optimizer step (batch_size × max_seq_len ×
-accumulate_grad_batches × devices × num_nodes) and F the model's train FLOPs per token (lmlab.run.perf.flops_per_token:
-6·N plus the attention scores at the real window, active parameters for a sparse FFN):
+accumulate_grad_batches × devices × num_nodes) and F the model's train FLOPs per token
+(lmlab.model.flops.flops_per_token: 6·N plus the attention scores at the real window, active parameters for a sparse
+FFN):
 
     flops:            steps = floor(budget / (F · T))
     tokens:           steps = floor(budget / T)
@@ -93,7 +94,7 @@ def stages_of(cfg: DictConfig) -> dict[str, Any] | None:
 def stage_table(cfg: DictConfig, model, max_steps: int | None = None) -> list[dict[str, Any]]:
     """lmlab.data.stages.table for the run `cfg` and its model (its FLOPs per token at each stage's length)."""
     from lmlab.data import stages
-    from lmlab.run.perf import flops_per_token
+    from lmlab.model.flops import flops_per_token
 
     staged = stages_of(cfg) or {}
     per_batch = tokens_per_step(cfg) // (int(cfg.data.batch_size) * int(cfg.model.max_seq_len))  # ranks × accumulation
@@ -147,8 +148,8 @@ def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
         return {"kind": kind, "value": value, "steps": None}
     import torch
 
+    from lmlab.model.flops import flops_per_token, matmul_params
     from lmlab.model.gpt import GPT
-    from lmlab.run.perf import flops_per_token, matmul_params
 
     with torch.device("meta"):
         model = GPT(model_cfg)

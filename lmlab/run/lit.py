@@ -371,7 +371,7 @@ class LitGPT(L.LightningModule):
         world, nodes = int(t.world_size), int(t.num_nodes)
         return {"world_size": world, "num_nodes": nodes, "devices": world // nodes,
                 "strategy": type(t.strategy).__name__, "accumulate_grad_batches": int(t.accumulate_grad_batches),
-                "batch_size": getattr(t.datamodule, "batch_size", None)}
+                "batch_size": getattr(getattr(t.datamodule, "data", None), "batch_size", None)}  # lmlab.run.lit_data
 
     def _val_due(self, progress: dict) -> bool:
         """Whether Lightning's batch-based validation check fires after the last finished batch (its rule)."""

@@ -81,10 +81,12 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
+    from lmlab.model.flops import flops_per_token
     from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, StopAtOnce, requeue_on_slurm
     from lmlab.run.lit import LitGPT
+    from lmlab.run.lit_data import lightning_data
     from lmlab.run.monitor import StabilityMonitor
-    from lmlab.run.perf import Throughput, flops_per_token
+    from lmlab.run.perf import Throughput
     from lmlab.run.progress import progress_bar
     from lmlab.record.rundir import atomic_checkpoint_io
     from lmlab.record.summary import STATUSES, record, recorded, summarize
@@ -163,13 +165,13 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     start, status, error, at_once = time.time(), "completed", None, None
     tokens_at_start = lit.tokens_seen
     try:
-        trainer.fit(lit, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
+        trainer.fit(lit, datamodule=lightning_data(data), ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
         stop.record()
         if lit.divergence.status is not None:
             status = lit.divergence.status
         if status != "diverged" and (
                 not lit.val_history or lit.val_history[-1][0] != trainer.global_step):
-            trainer.validate(lit, datamodule=data, verbose=False)  # a val loss at the final step
+            trainer.validate(lit, datamodule=lightning_data(data), verbose=False)  # a val loss at the final step
         trainer.save_checkpoint(run.last)  # a collective call: every rank, rank 0 writes
     except RunInterrupted:  # a signal: the checkpoint is saved at the step boundary
         stop.record()

@@ -154,7 +154,7 @@ def test_eval_joins_its_training_runs_group(corpus: Path, tmp_path: Path) -> Non
 
 
 def test_live_throughput_at_every_logging_step(corpus: Path, tmp_path: Path) -> None:
-    from lmlab.run.perf import FLOPS_FORMULA, flops_per_token
+    from lmlab.model.flops import FLOPS_FORMULA, flops_per_token
 
     args = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "trainer.log_every"))]
     run = tmp_path / "run"

@@ -19,6 +19,7 @@ from lmlab.data import corpus as corpus_module
 from lmlab.data.corpus import load_hf, text_files
 from lmlab.data.datamodule import StepSampler, TrainBlocks
 from lmlab.data.tokenizer import save_tokenizer, train_char
+from lmlab.run.lit_data import lightning_data
 from tests.runs import ROOT
 
 TRICKY = "Hello,\n  wörld!\t\r\n😀 a\n\n  \n<unk> end "
@@ -279,7 +280,7 @@ def test_lightning_resume_reads_the_uninterrupted_batches(tmp_path: Path) -> Non
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        trainer.fit(model, datamodule=lightning_data(dm), ckpt_path=ckpt)
         return model, trainer
 
     full, _ = fit(6)

@@ -147,6 +147,7 @@ def test_per_source_val_loss_is_the_mean_loss_over_its_val_blocks_by_hand(tmp_pa
     from lmlab.config import arch_config
     from lmlab.model.gpt import validate
     from lmlab.run.lit import LitGPT
+    from lmlab.run.lit_data import lightning_data
 
     dm = mixture(tmp_path, {"prose": {"paths": [str(styles["prose"])], "weight": 3},
                             "code": {"paths": [str(styles["code"])], "weight": 1}})
@@ -157,7 +158,7 @@ def test_per_source_val_loss_is_the_mean_loss_over_its_val_blocks_by_hand(tmp_pa
                  schedule=OmegaConf.to_container(cfg.schedule, resolve=True), max_steps=1)
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=dm.callbacks(tmp_path))
-    trainer.validate(lit, datamodule=dm, verbose=False)
+    trainer.validate(lit, datamodule=lightning_data(dm), verbose=False)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
     lit.model.eval()

@@ -122,7 +122,7 @@ def test_the_size_estimate_counts_the_mtp_modules() -> None:
 
 
 def test_flops_count_the_extra_depths() -> None:
-    from lmlab.run.perf import flops_per_token
+    from lmlab.model.flops import flops_per_token
 
     base, mtp = _model(), _model({"name": "mtp", "depth": 1})
     extra = flops_per_token(mtp, 16)["train"] - flops_per_token(base, 16)["train"]

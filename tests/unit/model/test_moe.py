@@ -17,12 +17,12 @@ from lmlab.config import GPTConfig
 from lmlab.model import moe as moe_mod
 from lmlab.model.activation import Activation
 from lmlab.model.ffn import FFNS, MLP
+from lmlab.model.flops import matmul_params
 from lmlab.model.gpt import GPT
 from lmlab.model.moe import MoE, balance_loss, bias_update, capacity, figures, route
 from lmlab.model.resolve import n_params_estimate, resolve
 from lmlab.model.side import objective_part
 from lmlab.registry import build
-from lmlab.run.perf import matmul_params
 
 D, H = 16, 12
 KINDS = sorted(name for name, cls in FFNS.items() if not getattr(cls, "routed", False))

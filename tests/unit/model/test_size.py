@@ -91,7 +91,7 @@ def test_the_bounds_compare_the_estimate_with_free_memory(tiny_cfg, monkeypatch)
 def test_the_flop_count_follows_the_blocks_own_attention_width(tiny_cfg) -> None:
     """A transformer layer's scores cost the usual 12·L·T·d per trained token; a GAU's one head of key size s weighs
     values of width e = 2·d, so its attention term is 6·L·T·(s + e), not the transformer's n_head·head_dim."""
-    from lmlab.run.perf import flops_per_token, matmul_params
+    from lmlab.model.flops import flops_per_token, matmul_params
 
     for cfg, width in ((tiny_cfg(), 2 * 32), (tiny_cfg(block={"name": "gau", "s": 8}), 8 + 2 * 32)):
         model = GPT(cfg)

@@ -10,9 +10,9 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
+from lmlab.model.flops import flops_per_token, matmul_params
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.resolve import n_params_estimate, resolve
-from lmlab.run.perf import flops_per_token, matmul_params
 from tests.unit.model.options import assert_cached_equals_full, assert_refused
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)  # rms, pre, rope, mha, mlp (hidden 128)

@@ -14,9 +14,9 @@ from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.attention.mask import allowed, banded_sdpa, key_counts, layer_window
 from lmlab.model.attention.score import SCORES, attend, explicit_weights
+from lmlab.model.flops import flops_per_token
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
-from lmlab.run.perf import flops_per_token
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -13,11 +13,11 @@ import torch
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.block import Transformer
+from lmlab.model.flops import flops_per_token
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.mixer import ATTENTION, MIXERS, THE_MIXER, layer_types
 from lmlab.model.mixer.linear import FEATURES, LinearAttention
 from lmlab.model.resolve import n_params_estimate, resolve
-from lmlab.run.perf import flops_per_token
 
 RECURRENT = sorted(set(MIXERS) - {ATTENTION})
 BASE = dict(vocab_size=64, n_layer=4, d_model=32, n_head=4, max_seq_len=64, position={"name": "rope"})

@@ -1,0 +1,48 @@
+"""A GPT's FLOPs per token, shared by training's MFU (lmlab.run.perf), budgets, comparisons and the bench.
+
+The model FLOPs count the matmuls only (Kaplan et al., 2020: 6·N per trained token), plus the attention scores and
+their weighted sum, which have no weights.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lmlab.model.mixer import MIXERS
+from lmlab.registry import option_params
+
+FLOPS_FORMULA = ("train 6*N + 6*L*T*w FLOPs/token, eval 2*N + 2*L*T*w (N = matmul weights a token uses, tied head "
+                 "once, an MoE's top_k experts of n_experts; "
+                 "w = the block's attention width: 2*d for a transformer layer, s + e for a GAU; head=mtp: its "
+                 "blocks, and the output head once more per depth)")
+
+def matmul_params(model: nn.Module) -> int:
+    """N in 6·N: weights that take part in a matmul (Linear layers, the tied head once); lookups don't count. Of an
+    MoE's stacked experts only the share one token multiplies (`active_share` = top_k / n_experts): active FLOPs."""
+    return round(sum({id(m.weight): m.weight.numel() * getattr(m, "active_share", 1.0) for m in model.modules()
+                      if isinstance(m, nn.Linear)}.values()))
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
+    """Model FLOPs per token of a GPT at `seq_len`, for a train step (forward + backward) and an eval forward
+    (FLOPS_FORMULA): the scores QKᵀ and the weighted sum A·V cost 2·T per unit of the block's own `attn_width`
+    forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
+    queries read a window of W keys (attention.window) costs W in place of T. A recurrent mixer's layer (mixer=gdn,
+    mamba2, linear: sublayer `mix`) costs its own recurrence's FLOPs per token (its geometry's), whatever the length;
+    a layer without a token mixer (mixer.pattern's `none`) costs no scores."""
+    cfg = model.cfg
+    blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
+    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks
+             if not hasattr(block, "mix") and _mixes_tokens(block)]
+    n, attn = matmul_params(model), sum(spans) * cfg.attn_width
+    if mixers := sum(hasattr(block, "mix") for block in blocks):
+        name, params = option_params("mixer", MIXERS, cfg.mixer)
+        per = MIXERS[name].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"}).flops_per_token
+        attn += mixers * per / 2  # the `2 · attn` forward convention below: a mixer's forward FLOPs are `per`
+    n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
+    return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
+
+
+def _mixes_tokens(block: nn.Module) -> bool:
+    """Whether some sublayer of the block reads the other tokens (attention, a GAU, a recurrent mixer)."""
+    return any(getattr(getattr(block, name), "mixes_tokens", False) for name in block.sublayer_names)
