@@ -13,13 +13,15 @@ DEV_DEPS = $(RUN_DEPS) pytest xdist transformers hydra_plugins.hydra_submitit_la
 
 .PHONY: install dev train test test-all bench
 
-# what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py)
+# what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py). --no-compile:
+# Python compiles the modules a run imports when it first imports them, not every file of every package at install
+# (pip's default: some 40 s here, mostly of torch's and transformers' modules no run imports)
 install:
-	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q -e .
+	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q --no-compile -e .
 
 # what the tests need too: transformers, the SLURM and Optuna launchers, lm-eval, pytest
 dev:
-	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q -e '.[dev]'
+	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q --no-compile -e '.[dev]'
 
 train: install
 	$(PYTHON) train.py $(ARGS)

@@ -17,6 +17,7 @@ import json
 import platform
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,11 @@ def env_info(dry_run: bool = False) -> dict[str, Any]:
                            "python": platform.python_version(), "torch": torch.__version__,
                            "cuda": torch.version.cuda, "cpu": platform.processor() or platform.machine(),
                            "cpu_threads": torch.get_num_threads(), "dry_run": dry_run}
-    for pkg in ("lightning", "transformers", "hydra", "triton"):
+    for pkg, dist in (("lightning", "lightning"), ("transformers", "transformers"), ("hydra", "hydra-core"),
+                      ("triton", "triton")):  # the installed distribution's version: nothing imported (seconds)
         try:
-            out[pkg] = __import__(pkg).__version__
-        except ImportError:
+            out[pkg] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
             out[pkg] = None
     cuda = torch.cuda.is_available() and not dry_run
     out["device"] = "cuda" if cuda else "cpu"
