@@ -112,9 +112,12 @@ def _is(spec: Any, cls: type) -> bool:
 
 def wandb_spec(loggers: Any) -> dict[str, Any] | None:
     """The W&B logger's entry of a `logger` config (any `_target_` that is Lightning's WandbLogger or a subclass)."""
+    specs = [dict(spec) for spec in (loggers or {}).values() if spec is not None and spec.get("_target_")]
+    if not specs:  # logger=csv or none: nothing to ask Lightning (eval.py reads such a run without importing it)
+        return None
     from lightning.pytorch.loggers import WandbLogger
 
-    return next((dict(spec) for spec in (loggers or {}).values() if _is(spec, WandbLogger)), None)
+    return next((spec for spec in specs if _is(spec, WandbLogger)), None)
 
 
 def _init(**kwargs: Any):

@@ -17,31 +17,30 @@ from typing import Any
 TRUSTED_MODULES = ("lightning.pytorch.", "lightning.fabric.", "lmlab.")
 REFUSED_KEYS = ("_partial_", "_args_")  # a partial is a callable, not an object; positional args hide what they set
 
-
-def _nested_kinds() -> tuple[type, ...]:
-    """What a Trainer (or a logger) takes as an object built from its config."""
-    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-    from lightning.pytorch import Callback
-    from lightning.pytorch.accelerators import Accelerator
-    from lightning.pytorch.loggers import Logger
-    from lightning.pytorch.plugins import Precision
-    from lightning.pytorch.profilers import Profiler
-    from lightning.pytorch.strategies import Strategy
-
-    return Strategy, Precision, CheckpointIO, ClusterEnvironment, Callback, Logger, Accelerator, Profiler
-
-
-def _names(kinds: Sequence[type]) -> str:
-    return ", ".join(k.__name__ for k in kinds)
+# The kinds of object a Trainer and its loggers are built as, by name: the root a Trainer or a Logger; inside it what
+# a Trainer (or a logger) takes as an object built from its config.
+KINDS = {"Trainer": "lightning.pytorch.Trainer", "Logger": "lightning.pytorch.loggers.Logger",
+         "Strategy": "lightning.pytorch.strategies.Strategy", "Precision": "lightning.pytorch.plugins.Precision",
+         "CheckpointIO": "lightning.fabric.plugins.CheckpointIO", "Callback": "lightning.pytorch.Callback",
+         "ClusterEnvironment": "lightning.fabric.plugins.ClusterEnvironment",
+         "Accelerator": "lightning.pytorch.accelerators.Accelerator",
+         "Profiler": "lightning.pytorch.profilers.Profiler"}
+NESTED = ("Strategy", "Precision", "CheckpointIO", "ClusterEnvironment", "Callback", "Logger", "Accelerator",
+          "Profiler")
+# The targets lmlab's own configs name (lmlab/conf), with their kind, so that a run's config is checked without
+# importing Lightning (eval.py, generate.py: seconds of each start); any other target is imported and its class
+# checked. tests/unit/record/test_saved_state.py imports each of these and checks its kind.
+SHIPPED = {"lightning.pytorch.Trainer": "Trainer", "lightning.pytorch.loggers.WandbLogger": "Logger",
+           "lmlab.record.tensorboard.TensorBoardLogger": "Logger", "lmlab.run.distributed.FSDP2Strategy": "Strategy"}
 
 
 def check_targets(node: Any, key: str, root: type) -> None:
     """Raise ValueError naming the key for a `_target_` in `node` (the config at `key`) that lmlab would not build:
     `root` is the kind the node itself must build (lightning's Trainer, Logger)."""
-    _check(node, key, (root,), None)
+    _check(node, key, (root.__name__,), None)
 
 
-def _check(node: Any, key: str, kinds: tuple[type, ...], nested: tuple[type, ...] | None) -> None:
+def _check(node: Any, key: str, kinds: tuple[str, ...], nested: tuple[str, ...] | None) -> None:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if isinstance(node, DictConfig | ListConfig):
@@ -58,18 +57,20 @@ def _check(node: Any, key: str, kinds: tuple[type, ...], nested: tuple[type, ...
             if special in node:
                 raise ValueError(f"{key}.{special}: lmlab builds objects from a config, with keyword arguments only "
                                  f"(refused: {', '.join(REFUSED_KEYS)})")
-        kinds = nested = nested or _nested_kinds()
+        kinds = nested = nested or NESTED
     elif nested is None:  # a plain mapping at the root: whatever it holds is what the root would take
-        kinds = nested = _nested_kinds()
+        kinds = nested = NESTED
     for k, v in node.items():
         if k != "_target_":
             _check(v, f"{key}.{k}", kinds, nested)
 
 
-def _check_class(target: Any, key: str, kinds: tuple[type, ...]) -> None:
-    accepted = f"a class of {' or '.join(m.rstrip('.') for m in TRUSTED_MODULES)} that is a {_names(kinds)}"
+def _check_class(target: Any, key: str, kinds: tuple[str, ...]) -> None:
+    accepted = f"a class of {' or '.join(m.rstrip('.') for m in TRUSTED_MODULES)} that is a {', '.join(kinds)}"
     if not isinstance(target, str) or not target.startswith(TRUSTED_MODULES):
         raise ValueError(f"{key}={target!r} is not something lmlab builds: {accepted}")  # nothing imported
+    if SHIPPED.get(target) in kinds:  # one of lmlab's own, of a kind this place takes: nothing imported
+        return
     from hydra._internal.utils import _locate  # get_class's lookup, without its error log
 
     try:
@@ -78,7 +79,7 @@ def _check_class(target: Any, key: str, kinds: tuple[type, ...]) -> None:
         lines = [s.strip() for s in str(err).splitlines() if s.strip()] or ["not found"]
         found = next((s for s in lines if "Error(" in s), lines[-1])  # Hydra's message: the line naming the miss
         raise ValueError(f"{key}={target!r} is not something lmlab builds ({found}): {accepted}") from None
-    if not isinstance(cls, type) or not issubclass(cls, kinds):
+    if not isinstance(cls, type) or not issubclass(cls, tuple(_locate(KINDS[kind]) for kind in kinds)):
         what = cls.__name__ if isinstance(cls, type) else f"not a class but a {type(cls).__name__}"
         raise ValueError(f"{key}={target!r} is not something lmlab builds ({what}): {accepted}")
 
@@ -86,15 +87,12 @@ def _check_class(target: Any, key: str, kinds: tuple[type, ...]) -> None:
 def check_config_targets(config: Any) -> None:
     """`check_targets` on a config's trainer (a Trainer) and each of its loggers (a Logger): every place lmlab
     builds from a config, so a composed config and one read back from a run are checked by the same rule."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import Logger
-
     if config.get("trainer") is not None:
-        check_targets(config["trainer"], "trainer", Trainer)
+        _check(config["trainer"], "trainer", ("Trainer",), None)
     loggers = config.get("logger")
     for name, spec in (loggers.items() if isinstance(loggers, Mapping) else ()):
         if spec is not None:
-            check_targets(spec, f"logger.{name}", Logger)
+            _check(spec, f"logger.{name}", ("Logger",), None)
 
 
 def build(node: Any, key: str, root: type, **kwargs: Any) -> Any:

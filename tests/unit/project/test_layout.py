@@ -139,8 +139,10 @@ def test_reading_runs_imports_no_lightning() -> None:
     each start): only training meets it, through lmlab.run.lit_data and a task's lmlab.data.callbacks."""
     readers = ("lmlab.commands.eval", "lmlab.analysis.evaluate", "lmlab.analysis.compare", "lmlab.generate",
                "lmlab.interop.hf", "lmlab.bench.cli", "lmlab.data.tasks")
-    code = (f"import sys; import {', '.join(readers)}; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'torchmetrics'}))")
+    code = (f"import sys; import {', '.join(readers)}; from lmlab.record.tracking import wandb_spec; "
+            "wandb_spec({}); wandb_spec({'tensorboard': None}); "  # a run's loggers that are not W&B (logger=csv)
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', "
+            "'torchmetrics'}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr[-2000:]
     data = {path.name for path in (PACKAGE / "data").glob("*.py") if "lightning.pytorch" in path.read_text()}
