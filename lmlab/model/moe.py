@@ -114,7 +114,6 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-@torch.compiler.disable  # eager under torch.compile: dynamo traces neither grouped_mm on CPU nor the loop
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (M, in), rows sorted by expert (`counts` (E) rows each, `offs` their int32 ends); w (E, out, in) ->
     (M, out): each expert's rows times its own matrix transposed. F.grouped_mm wants rows of a multiple of 16 bytes
@@ -128,6 +127,14 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs:
             outs.append(x[start:start + n] @ w[e].t())
         start += n
     return torch.cat(outs) if outs else x.new_zeros(0, w.size(1))
+
+
+@functools.cache
+def eager_grouped_linear() -> Callable[..., torch.Tensor]:
+    """grouped_linear, run eagerly under torch.compile (dynamo traces neither grouped_mm on CPU nor the loop). Wrapped
+    when the first MoE is built, not at import: torch.compiler.disable imports dynamo, a second of every start that
+    eval.py and generate.py, building no MoE, do not pay."""
+    return torch.compiler.disable(grouped_linear)
 
 
 class Experts(nn.Linear):
@@ -179,6 +186,7 @@ class MoE(nn.Module):
         self.capacity_factor, self.balance_coef, self.z_coef = capacity_factor, balance_loss, router_z_loss
         self.bias_update_rate, self.routed_scale = bias_update_rate, routed_scale
         self.glu = issubclass(kind, GLU)  # three matrices per expert: [gate; up] and down
+        self.grouped = eager_grouped_linear()
         self.hidden = hidden
         self.act = Activation({"name": kind.gate} if getattr(kind, "gate", None) else activation)
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -260,7 +268,7 @@ class MoE(nn.Module):
         w_fc, b_fc = self.c_fc.stack()
         w_proj, b_proj = self.c_proj.stack()
         with torch.autocast(device, enabled=False):
-            h = grouped_linear(xs.to(dtype), w_fc.to(dtype), counts, offs)  # (M, h) or (M, 2h)
+            h = self.grouped(xs.to(dtype), w_fc.to(dtype), counts, offs)  # (M, h) or (M, 2h)
             if b_fc is not None:
                 h = h + b_fc.to(dtype)[experts]
             if self.glu:
@@ -268,7 +276,7 @@ class MoE(nn.Module):
                 h = self.act(gate) * up
             else:
                 h = self.act(h)
-            y = grouped_linear(h, w_proj.to(dtype), counts, offs)  # (M, d)
+            y = self.grouped(h, w_proj.to(dtype), counts, offs)  # (M, d)
             if b_proj is not None:
                 y = y + b_proj.to(dtype)[experts]
         return y
