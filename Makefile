@@ -16,12 +16,17 @@ DEV_DEPS = $(RUN_DEPS) pytest xdist transformers hydra_plugins.hydra_submitit_la
 # what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py). --no-compile:
 # Python compiles the modules a run imports when it first imports them, not every file of every package at install
 # (pip's default: some 40 s here, mostly of torch's and transformers' modules no run imports)
+# (another clone's editable install, the packages there: this checkout is installed in its place, --no-deps)
 install:
-	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q --no-compile -e .
+	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || \
+		($(HAS) $(RUN_DEPS) 2>/dev/null && $(PYTHON) -m pip install -q --no-compile --no-deps -e .) || \
+		$(PYTHON) -m pip install -q --no-compile -e .
 
 # what the tests need too: transformers, the SLURM and Optuna launchers, lm-eval, pytest
 dev:
-	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || $(PYTHON) -m pip install -q --no-compile -e '.[dev]'
+	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || \
+		($(HAS) $(DEV_DEPS) 2>/dev/null && $(PYTHON) -m pip install -q --no-compile --no-deps -e .) || \
+		$(PYTHON) -m pip install -q --no-compile -e '.[dev]'
 
 train: install
 	$(PYTHON) train.py $(ARGS)
@@ -41,7 +46,10 @@ test: dev
 	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) $(ARGS)
 
 # everything: units, e2e (runs, processes, sweeps) and slow; what CI runs (the 40 slowest tests listed at the end:
-# where the suite's time goes)
+# where the suite's time goes). One worker more than cores unless WORKERS is given: the end-to-end tests wait on
+# their processes, SLURM and sockets (a twentieth of the machine idle with a worker per core; 22 minutes became 20)
+test-all: WORKERS := $(if $(filter file,$(origin WORKERS)),$(shell $(PYTHON) -c \
+	"import os; print(len(os.sched_getaffinity(0)) + 1)"),$(WORKERS))
 test-all: dev
 	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) -m "" --durations=40 $(ARGS)
 
