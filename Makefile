@@ -13,20 +13,21 @@ DEV_DEPS = $(RUN_DEPS) pytest xdist transformers hydra_plugins.hydra_submitit_la
 
 .PHONY: install dev train test test-all bench
 
-# what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py). --no-compile:
+# $(call INSTALL,packages,pip target): nothing when this checkout and the packages are there; this checkout alone
+# (--no-deps) in place of another clone's editable install; else the pip target with its dependencies. --no-compile:
 # Python compiles the modules a run imports when it first imports them, not every file of every package at install
 # (pip's default: some 40 s here, mostly of torch's and transformers' modules no run imports)
-# (another clone's editable install, the packages there: this checkout is installed in its place, --no-deps)
+INSTALL = @($(THIS_LMLAB) && $(HAS) $(1)) 2>/dev/null || \
+	($(HAS) $(1) 2>/dev/null && $(PYTHON) -m pip install -q --no-compile --no-deps -e .) || \
+	$(PYTHON) -m pip install -q --no-compile -e '$(2)'
+
+# what running needs: lmlab and its dependencies (the `lmlab` command, train.py, eval.py, generate.py)
 install:
-	@($(THIS_LMLAB) && $(HAS) $(RUN_DEPS)) 2>/dev/null || \
-		($(HAS) $(RUN_DEPS) 2>/dev/null && $(PYTHON) -m pip install -q --no-compile --no-deps -e .) || \
-		$(PYTHON) -m pip install -q --no-compile -e .
+	$(call INSTALL,$(RUN_DEPS),.)
 
 # what the tests need too: transformers, the SLURM and Optuna launchers, lm-eval, pytest
 dev:
-	@($(THIS_LMLAB) && $(HAS) $(DEV_DEPS)) 2>/dev/null || \
-		($(HAS) $(DEV_DEPS) 2>/dev/null && $(PYTHON) -m pip install -q --no-compile --no-deps -e .) || \
-		$(PYTHON) -m pip install -q --no-compile -e '.[dev]'
+	$(call INSTALL,$(DEV_DEPS),.[dev])
 
 train: install
 	$(PYTHON) train.py $(ARGS)

@@ -25,8 +25,7 @@ KINDS = {"Trainer": "lightning.pytorch.Trainer", "Logger": "lightning.pytorch.lo
          "ClusterEnvironment": "lightning.fabric.plugins.ClusterEnvironment",
          "Accelerator": "lightning.pytorch.accelerators.Accelerator",
          "Profiler": "lightning.pytorch.profilers.Profiler"}
-NESTED = ("Strategy", "Precision", "CheckpointIO", "ClusterEnvironment", "Callback", "Logger", "Accelerator",
-          "Profiler")
+NESTED = tuple(kind for kind in KINDS if kind != "Trainer")
 # The targets lmlab's own configs name (lmlab/conf), with their kind, so that a run's config is checked without
 # importing Lightning (eval.py, generate.py: seconds of each start); any other target is imported and its class
 # checked. tests/unit/record/test_saved_state.py imports each of these and checks its kind.
