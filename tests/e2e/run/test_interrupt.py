@@ -73,6 +73,18 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def _wait_for_step(path: Path, proc: subprocess.Popen, step: int, timeout: float = 120) -> None:
+    """Until metrics.csv has a whole row for `step` or later."""
+    deadline = time.time() + timeout
+    while True:
+        lines = path.read_text().split("\n")[1:-1] if path.exists() else []  # whole rows: each ends in a newline
+        if any(int(line.split(",", 1)[0]) >= step for line in lines):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"{path} never reached step {step}"
+        time.sleep(0.02)
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler for `signum` (the kernel's SigCgt mask): lmlab's is installed."""
     try:
@@ -107,9 +119,10 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
                 assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.02)
             target = _children(proc.pid)[0]
-        # training has begun (set-up time is no clock on a loaded machine: a signal before the first step ends the
-        # run at once, with nothing to resume; and the second Ctrl-C stops at once, inside training)
-        _wait_for(run / "metrics.csv", proc)
+        # training has taken a step (set-up time is no clock on a loaded machine: a signal before the first step ends
+        # the run at once, with nothing to resume; and the second Ctrl-C stops at once, inside training). Not the file
+        # alone: it appears with step 0's figures, and a loaded machine's first step outlasted the sleep below
+        _wait_for_step(run / "metrics.csv", proc, 2)
         time.sleep(random.uniform(0.1, 0.8) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
         os.kill(target, signum)
         if twice:
