@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import Callback
 
 from lmlab import compose
+from lmlab.record.metrics_csv import read_rows
 from lmlab.run.training import train
 from tests.runs import ROOT, cli, tiny
 
@@ -65,24 +67,18 @@ def test_a_signal_at_a_random_step_then_resume_gives_the_same_metrics(straight, 
     assert [a["status"] for a in summary["attempts"]] == ["interrupted", "completed"]
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:  # noqa: D103
+def _wait_for(ready: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    """Until `ready()`, while train.py runs."""
     deadline = time.time() + timeout
-    while not path.exists():
+    while not ready():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, f"{path} never appeared"
+        assert time.time() < deadline, f"{what} never came"
         time.sleep(0.02)
 
 
-def _wait_for_step(path: Path, proc: subprocess.Popen, step: int, timeout: float = 120) -> None:
-    """Until metrics.csv has a whole row for `step` or later."""
-    deadline = time.time() + timeout
-    while True:
-        lines = path.read_text().split("\n")[1:-1] if path.exists() else []  # whole rows: each ends in a newline
-        if any(int(line.split(",", 1)[0]) >= step for line in lines):
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, f"{path} never reached step {step}"
-        time.sleep(0.02)
+def _has_step(metrics: Path, step: int) -> bool:
+    """metrics.csv has a whole row for `step` or later (read_rows leaves out a row still being written)."""
+    return metrics.exists() and any(row["step"] >= step for row in read_rows(metrics))
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -111,18 +107,16 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(run / ".hydra" / "config.yaml", proc)  # written once every check has passed, before fit
+        _wait_for((run / ".hydra" / "config.yaml").exists, proc, "config.yaml")  # written once every check has passed
         target = proc.pid
         if to_child:
-            deadline = time.time() + 120
-            while not (_children(proc.pid) and _catches(_children(proc.pid)[0], signum)):  # rank 1 is in train()
-                assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
-                time.sleep(0.02)
+            _wait_for(lambda: bool(_children(proc.pid)) and _catches(_children(proc.pid)[0], signum), proc,
+                      "rank 1's signal handler")  # rank 1 is in train()
             target = _children(proc.pid)[0]
         # training has taken a step (set-up time is no clock on a loaded machine: a signal before the first step ends
         # the run at once, with nothing to resume; and the second Ctrl-C stops at once, inside training). Not the file
         # alone: it appears with step 0's figures, and a loaded machine's first step outlasted the sleep below
-        _wait_for_step(run / "metrics.csv", proc, 2)
+        _wait_for(lambda: _has_step(run / "metrics.csv", 2), proc, "a row for step 2 in metrics.csv")
         time.sleep(random.uniform(0.1, 0.8) if to_child else random.uniform(0.5, 1.5))  # somewhere in training
         os.kill(target, signum)
         if twice:
