@@ -94,9 +94,25 @@ def _catches(pid: int, signum: int) -> bool:
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        out += [int(c) for c in text]
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended while we looked
+            continue
     return out
+
+
+def _rank_1(pid: int, signum: int) -> int | None:
+    """train.py's rank-1 process once lmlab's handler for `signum` is in it: the child Lightning started with
+    LOCAL_RANK=1. Not merely a child that catches the signal: a fork of train.py before its exec (ldconfig, git: run by
+    ctypes and tracking.code_version) may too, for a moment a loaded machine stretches, and is gone a moment later."""
+    for child in _children(pid):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if b"LOCAL_RANK=1" in environ and _catches(child, signum):
+            return child
+    return None
 
 
 def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child: bool = False, twice: bool = False
@@ -110,9 +126,8 @@ def _interrupt_cli(args: list[str], run: Path, cwd: Path, signum: int, to_child:
         _wait_for((run / ".hydra" / "config.yaml").exists, proc, "config.yaml")  # written once every check has passed
         target = proc.pid
         if to_child:
-            _wait_for(lambda: bool(_children(proc.pid)) and _catches(_children(proc.pid)[0], signum), proc,
-                      "rank 1's signal handler")  # rank 1 is in train()
-            target = _children(proc.pid)[0]
+            _wait_for(lambda: _rank_1(proc.pid, signum) is not None, proc, "rank 1's signal handler")  # in train()
+            target = _rank_1(proc.pid, signum)
         # training has taken a step (set-up time is no clock on a loaded machine: a signal before the first step ends
         # the run at once, with nothing to resume; and the second Ctrl-C stops at once, inside training). Not the file
         # alone: it appears with step 0's figures, and a loaded machine's first step outlasted the sleep below
