@@ -23,6 +23,10 @@ _capability = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = (f"{_DEFAULT_CACHE}-{_OURS}{_capability}" if _chosen == _DEFAULT_CACHE
                                          else str(Path(_chosen) / f"{_OURS}{_capability}"))
 
+# No test reaches W&B's servers, whatever credentials the machine has; subprocesses (train.py) inherit it. Set before
+# tests.runs is imported: the environment it starts with is its warm interpreter's (tests/warm.py)
+os.environ["WANDB_MODE"] = "offline"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -31,10 +35,6 @@ from lmlab.model.resolve import resolve
 from tests.runs import write_corpus
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
-
-# No test reaches W&B's servers, whatever credentials the machine has; subprocesses (train.py) inherit it.
-os.environ["WANDB_MODE"] = "offline"
-
 
 E2E = Path(__file__).resolve().parent / "e2e"
 

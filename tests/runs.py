@@ -51,9 +51,30 @@ def metric_rows(run: Path) -> dict[int, dict[str, str]]:
     return rows
 
 
-def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, timeout: float = 600, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python args...` in `cwd`, one CPU thread, its output captured. An lmlab command of this checkout runs in a
+    fork of this worker's warm interpreter (tests/warm.py: the same process state, its imports already made) unless
+    `fresh` (a README command, as a user types it) or LMLAB_TEST_WARM=0; anything else in a new interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not fresh and (warm := _warm()) is not None:
+        res = warm.run(list(args), str(cwd), env, timeout)
+        if res is not None:
+            return res
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# The environment this worker started with (tests/conftest.py's settings included): the warm interpreter's, so a
+# command under any other (a test's monkeypatch.setenv) runs in a new interpreter, which reads it at import
+_START_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+_WARM: list = []  # this process's warm interpreter, once started (None: LMLAB_TEST_WARM=0)
+
+
+def _warm():
+    if not _WARM:
+        from tests.warm import Warm
+
+        _WARM.append(Warm(_START_ENV) if os.environ.get("LMLAB_TEST_WARM", "1") != "0" else None)
+    return _WARM[0]
 
 
 

@@ -70,9 +70,10 @@ def test_the_compute_matched_comparison_runs_as_written(corpus: Path, tmp_path: 
     args = [a.replace("multirun/equal_flops", str(sweep_dir)) for a in train_cmd[2:]]
     args = [re.sub(r"budget\.flops=\S+", "budget.flops=2e9", a) for a in args]  # tens of steps at d 32
     small = [a for a in tiny(corpus, tmp_path / "cache") if not a.startswith(("trainer.max_steps", "model.n_layer"))]
-    res = cli("train.py", *args, *small, cwd=ROOT)
+    res = cli("train.py", *args, *small, cwd=ROOT, fresh=True)  # as the README types it
     assert res.returncode == 0, res.stderr[-3000:]
-    res = cli("eval.py", *(a.replace("multirun/equal_flops", str(sweep_dir)) for a in eval_cmd[2:]), cwd=ROOT)
+    res = cli("eval.py", *(a.replace("multirun/equal_flops", str(sweep_dir)) for a in eval_cmd[2:]), cwd=ROOT,
+              fresh=True)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(sweep_dir / "compare.csv")
     assert sorted(rows) == [2, 4] and all(r["status"] == "completed" for r in rows.values())
