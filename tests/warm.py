@@ -7,8 +7,9 @@ The command is still a process of its own: its pid, its working directory, its e
 `__main__`, its stdout and stderr, its exit code (an uncaught exception prints its traceback and exits 1, SystemExit
 exits with its code, as `python script` does), its atexit handlers and its children (DDP's rank 1 is a new
 interpreter, started by Lightning). Only the imports are shared, so a command runs warm only where they are the ones
-it would make: an lmlab script of this checkout or `-m lmlab...`, under the environment the server imported with
-(`tests.runs.cli` falls back to a new interpreter otherwise, and always with `fresh=True` or LMLAB_TEST_WARM=0).
+it would make: an lmlab script of this checkout or `-m lmlab <command>` (each runs under Hydra), under the
+environment the server imported with (`tests.runs.cli` falls back to a new interpreter otherwise, and always with
+`fresh=True` or LMLAB_TEST_WARM=0).
 tests/e2e/project/test_warm.py runs commands both ways and compares what they write.
 
 Run as a script, this file is the server: one JSON request a line on stdin, the child's pid and then its exit code a
@@ -21,7 +22,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("train.py", "eval.py", "generate.py")
+SCRIPTS = ("train.py", "eval.py", "generate.py")  # and `python -m lmlab <command>`: the commands that run under Hydra
+HYDRA_COMMANDS = ("train", "eval", "compare", "generate")
 # Variables a command's environment may differ in from the server's and still run warm: none is read at import.
 # pytest sets the first per test; a run in the worker's own process sets the rest, and its subprocesses inherit them:
 # Lightning's seed (read when a run seeds), the hub's offline switches (every lmlab command sets them before anything
@@ -67,10 +69,19 @@ def serve() -> None:
     from lmlab import env
 
     env.offline()  # as eval.py does before its imports, and as every run sets it before it could reach the hub
+    import logging
+
     import lmlab.commands.eval  # noqa: F401
     import lmlab.commands.generate  # noqa: F401
     import lmlab.commands.train  # noqa: F401
+
+    # A command imports Lightning under Hydra, whose logging (hydra/job_logging) has given the root logger its
+    # handlers by then; Lightning then logs through them, where with none it adds its own handler on stderr. So here
+    stand_in = logging.NullHandler()
+    logging.getLogger().addHandler(stand_in)
     import lmlab.run.training  # noqa: F401  (Lightning, torch and what they import)
+
+    logging.getLogger().removeHandler(stand_in)
 
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the replies; fd 1 and 2 become each child's own
     null = os.open(os.devnull, os.O_WRONLY)
@@ -130,7 +141,7 @@ class Warm:
                 {k: v for k, v in self.env.items() if k not in RUNTIME_ONLY}:
             return False
         if argv[0] == "-m":
-            return len(argv) > 1 and (argv[1] == "lmlab" or argv[1].startswith("lmlab."))
+            return argv[1:3] in (["lmlab", command] for command in HYDRA_COMMANDS)
         script = os.path.realpath(os.path.join(cwd, argv[0]))
         return os.path.dirname(script) == os.path.realpath(ROOT) and os.path.basename(script) in SCRIPTS
 

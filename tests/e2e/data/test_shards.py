@@ -94,7 +94,7 @@ def test_a_signal_during_data_preparation_stops_at_once_and_the_next_run_goes_on
     import subprocess
     import sys
 
-    from tests.runs import ROOT, tiny
+    from tests.runs import ROOT, cli, tiny
 
     rng = random.Random(0)
     docs = tmp_path / "big"
@@ -118,8 +118,7 @@ def test_a_signal_during_data_preparation_stops_at_once_and_the_next_run_goes_on
     assert not (shard_dir / "index.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
     done = {p.name for p in shard_dir.glob("shard-*.json")}
     assert done and len(done) < 20
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = cli(str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not list(shard_dir.glob(".shard-*.tmp"))
     resumed = {p.name: p.read_bytes() for p in sorted(shard_dir.glob("shard-*"))}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ROOT, tiny
+from tests.runs import ROOT, cli, tiny
 
 
 def caught(pid: int) -> int:
@@ -49,9 +49,8 @@ def test_a_signal_before_torch_is_imported_stops_the_run_before_it_starts(signum
 def test_an_oversized_batch_is_refused_before_it_is_allocated(corpus: Path, tmp_path: Path) -> None:
     """data.batch_size=10^9 grew to many GB, deaf to signals, until the kernel killed it: refused in one line now,
     naming the key and the limit, before any data is read."""
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"),
-                          "data.batch_size=1000000000", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    res = cli(str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache"), "data.batch_size=1000000000",
+              f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     (line,) = res.stderr.strip().splitlines()
     assert "data.batch_size=1000000000 needs at least" in line and "the limit here is data.batch_size=" in line
