@@ -52,28 +52,32 @@ def metric_rows(run: Path) -> dict[int, dict[str, str]]:
 
 
 def cli(*args: str, cwd: Path, timeout: float = 600, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`python args...` in `cwd`, one CPU thread, its output captured. An lmlab command of this checkout runs in a
-    fork of this worker's warm interpreter (tests/warm.py: the same process state, its imports already made) unless
-    `fresh` (a README command, as a user types it) or LMLAB_TEST_WARM=0; anything else in a new interpreter."""
+    """`python args...` in `cwd`, one CPU thread, its output captured. An lmlab command of this checkout that runs under
+    Hydra runs in a fork of this worker's warm interpreter (tests/warm.py: the same process state, its imports already
+    made) unless `fresh` (a README command, as a user types it) or LMLAB_TEST_WARM=0; anything else in a new
+    interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if not fresh and (warm := _warm()) is not None:
-        res = warm.run(list(args), str(cwd), env, timeout)
-        if res is not None:
+    if not fresh and os.environ.get("LMLAB_TEST_WARM", "1") != "0":
+        from tests.warm import runs_warm
+
+        if runs_warm(list(args), str(cwd)) and (res := warm(env).run(list(args), str(cwd), env, timeout)) is not None:
             return res
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# The environment this worker started with (tests/conftest.py's settings included): the warm interpreter's, so a
-# command under any other (a test's monkeypatch.setenv) runs in a new interpreter, which reads it at import
-_START_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-_WARM: list = []  # this process's warm interpreter, once started (None: LMLAB_TEST_WARM=0)
+_WARM: list = []  # this worker's warm interpreter, once started
 
 
-def _warm():
+def warm(env: dict[str, str]):
+    """This worker's warm interpreter for a command under `env`: started under it, and started again under a command's
+    environment that differs from its own (a test or a run in this worker set a variable since, which an import may
+    read), but for the variables no import reads (tests.warm.RUNTIME_ONLY)."""
+    from tests.warm import Warm
+
+    if _WARM and not _WARM[0].imported_under(env):
+        _WARM.pop().close()
     if not _WARM:
-        from tests.warm import Warm
-
-        _WARM.append(Warm(_START_ENV) if os.environ.get("LMLAB_TEST_WARM", "1") != "0" else None)
+        _WARM.append(Warm(env))
     return _WARM[0]
 
 

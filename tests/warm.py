@@ -8,8 +8,8 @@ The command is still a process of its own: its pid, its working directory, its e
 exits with its code, as `python script` does), its atexit handlers and its children (DDP's rank 1 is a new
 interpreter, started by Lightning). Only the imports are shared, so a command runs warm only where they are the ones
 it would make: an lmlab script of this checkout or `-m lmlab <command>` (each runs under Hydra), under the
-environment the server imported with (`tests.runs.cli` falls back to a new interpreter otherwise, and always with
-`fresh=True` or LMLAB_TEST_WARM=0).
+environment the server imported with (`tests.runs.cli` starts the server again under a command's environment where it
+differs, and runs anything else, or anything with `fresh=True` or LMLAB_TEST_WARM=0, in a new interpreter).
 tests/e2e/project/test_warm.py runs commands both ways and compares what they write.
 
 Run as a script, this file is the server: one JSON request a line on stdin, the child's pid and then its exit code a
@@ -101,8 +101,17 @@ def serve() -> None:
         print(os.waitstatus_to_exitcode(status), file=reply)
 
 
+def runs_warm(argv: list[str], cwd: str) -> bool:
+    """Whether `python argv...` in `cwd` is a command the server imported for: a script of this checkout, or `python -m
+    lmlab <command>`, that runs under Hydra."""
+    if argv[0] == "-m":
+        return argv[1:3] in (["lmlab", command] for command in HYDRA_COMMANDS)
+    script = os.path.realpath(os.path.join(cwd, argv[0]))
+    return os.path.dirname(script) == os.path.realpath(ROOT) and os.path.basename(script) in SCRIPTS
+
+
 class Warm:
-    """The client, one server per pytest worker: `run` returns None where the command cannot run warm."""
+    """The client of one server, started under `env` (tests.runs.warm keeps one per pytest worker)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         import subprocess
@@ -135,24 +144,30 @@ class Warm:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def accepts(self, argv: list[str], cwd: str, env: dict[str, str]) -> bool:
-        """Whether `python argv...` in `cwd` under `env` would import what the server imported."""
-        if {k: v for k, v in env.items() if k not in RUNTIME_ONLY} != \
-                {k: v for k, v in self.env.items() if k not in RUNTIME_ONLY}:
-            return False
-        if argv[0] == "-m":
-            return argv[1:3] in (["lmlab", command] for command in HYDRA_COMMANDS)
-        script = os.path.realpath(os.path.join(cwd, argv[0]))
-        return os.path.dirname(script) == os.path.realpath(ROOT) and os.path.basename(script) in SCRIPTS
+    def imported_under(self, env: dict[str, str]) -> bool:
+        """Whether a command under `env` imports what the server imported: its environment, but for RUNTIME_ONLY."""
+        return {k: v for k, v in env.items() if k not in RUNTIME_ONLY} == \
+            {k: v for k, v in self.env.items() if k not in RUNTIME_ONLY}
+
+    def close(self) -> None:
+        """The server ends at the end of its requests (a child still running is its own)."""
+        import subprocess
+
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float):
         """`subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout)`, warm; None where it cannot be (see `accepts`) or the server has gone."""
+        timeout=timeout)`, warm; None where it cannot be (`runs_warm`, `imported_under`) or the server has gone."""
         import signal
         import subprocess
         import tempfile
 
-        if self.proc.poll() is not None or not self.accepts(argv, cwd, env):
+        if self.proc.poll() is not None or not runs_warm(argv, cwd) or not self.imported_under(env):
             return None
         with tempfile.TemporaryDirectory(prefix="lmlab-warm-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ROOT, _warm, tiny
+from tests.runs import ROOT, tiny, warm
 
 pytestmark = pytest.mark.e2e
 
@@ -23,8 +23,9 @@ def _fresh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _warm_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    res = _warm().run(args, str(cwd), {**os.environ, "OMP_NUM_THREADS": "1"}, 600)
-    assert res is not None, "the warm interpreter refused a command of this checkout under the worker's environment"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = warm(env).run(args, str(cwd), env, 600)
+    assert res is not None, "the warm interpreter refused a command of this checkout under its own environment"
     return res
 
 
@@ -78,22 +79,29 @@ def test_a_refusal_says_the_same_and_exits_the_same(tmp_path: Path) -> None:
 
 
 def test_a_command_it_cannot_run_as_a_new_interpreter_would_is_left_to_one(tmp_path: Path) -> None:
-    warm, env = _warm(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = warm(env)
     script = tmp_path / "train.py"
     script.write_text("print('another checkout')\n")
-    assert warm.run([str(script)], str(tmp_path), env, 60) is None  # its own imports, not this checkout's
-    assert warm.run(["-m", "json.tool", "--help"], str(tmp_path), env, 60) is None  # not an lmlab command
-    assert warm.run(["-m", "lmlab.record.consolidate", "--help"], str(tmp_path), env, 60) is None  # not under Hydra
-    assert warm.run([str(ROOT / "train.py"), "--help"], str(tmp_path), {**env, "HF_HOME": str(tmp_path)}, 60) is None
-    assert warm.run([str(ROOT / "train.py"), "--help"], str(tmp_path), {**env, "PYTEST_CURRENT_TEST": "x"}, 60)
+    assert server.run([str(script)], str(tmp_path), env, 60) is None  # its own imports, not this checkout's
+    assert server.run(["-m", "json.tool", "--help"], str(tmp_path), env, 60) is None  # not an lmlab command
+    assert server.run(["-m", "lmlab.record.consolidate", "--help"], str(tmp_path), env, 60) is None  # not Hydra's
+    other = {**env, "HF_HOME": str(tmp_path)}  # an import reads it: not this server's
+    assert server.run([str(ROOT / "train.py"), "--help"], str(tmp_path), other, 60) is None
+    assert server.run([str(ROOT / "train.py"), "--help"], str(tmp_path), {**env, "PYTEST_CURRENT_TEST": "x"}, 60)
+    again = warm(other)  # tests.runs.cli's: a server started under the command's environment, the old one ended
+    assert again is not server and server.proc.poll() is not None and again.imported_under(other)
+    res = again.run([str(ROOT / "train.py"), "--help"], str(tmp_path), other, 60)
+    assert res.returncode == 0 and "train" in res.stdout
 
 
 def test_a_command_past_its_timeout_is_killed_and_the_next_one_runs(corpus: Path, tmp_path: Path) -> None:
     """As subprocess.run: the command is killed at its timeout and TimeoutExpired raised; the server goes on."""
-    warm, env = _warm(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = warm(env)
     long = [str(ROOT / "train.py"), *tiny(corpus, tmp_path / "cache", "trainer.max_steps=100000"),
             f"hydra.run.dir={tmp_path / 'run'}"]
     with pytest.raises(subprocess.TimeoutExpired):
-        warm.run(long, str(tmp_path), env, 3)
-    res = warm.run([str(ROOT / "train.py"), "--help"], str(tmp_path), env, 60)
+        server.run(long, str(tmp_path), env, 3)
+    res = server.run([str(ROOT / "train.py"), "--help"], str(tmp_path), env, 60)
     assert res.returncode == 0 and "train" in res.stdout
