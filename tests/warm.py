@@ -34,8 +34,7 @@ RUNTIME_ONLY = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "HF_
 
 
 def _become(request: dict, channels: tuple) -> None:
-    """In the forked child: the command's process state, then its code. Never returns: the script's SystemExit or
-    exception ends this interpreter as it would end a new one."""
+    """In the forked child: the command's process state, then its code, then its end (`_end`). Never returns."""
     import runpy
 
     for channel in channels:  # the server's request and reply pipes: closed as files, so nothing closes them again
@@ -52,15 +51,57 @@ def _become(request: dict, channels: tuple) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[0] = request["cwd"]  # as `python -m`
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script`
-        runpy.run_path(argv[0], run_name="__main__")
-    raise SystemExit(0)
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = request["cwd"]  # as `python -m`
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script`
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -2
+    except BaseException:  # noqa: BLE001  (as the interpreter: the traceback on stderr, exit code 1)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _end(code)
+
+
+def _exit_code(code: object) -> int:
+    """SystemExit's code as the interpreter turns it into an exit status (anything but None or an int: printed, 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _end(code: int) -> None:
+    """The end of a new interpreter, less its module teardown: the threads joined, the atexit handlers (logging's,
+    multiprocessing's, W&B's, the finalizers) run, the output flushed, then the exit. The teardown would free every
+    object the server imported, and each write to a page the fork shares copies it: seconds of CPU a command, for
+    nothing a command can see. An uncaught KeyboardInterrupt ends by SIGINT, as the interpreter's does."""
+    import atexit
+    import signal
+    import threading
+
+    threading._shutdown()  # noqa: SLF001  (what the interpreter calls at its end: non-daemon threads joined)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code == -2:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
 
 
 def serve() -> None:
