@@ -42,7 +42,7 @@ XDIST = $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadfile --
 # modules again: half a second of each train.py, and the suite starts hundreds)
 TEST_ENV = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=
 
-# units: no training run, no process started (about two minutes here, on two workers)
+# units: no training run, no process started (two and a half minutes here, on two workers)
 test: dev
 	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) $(ARGS)
 

@@ -28,15 +28,35 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = (f"{_DEFAULT_CACHE}-{_OURS}{_capability}
 os.environ["WANDB_MODE"] = "offline"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from lmlab.config import GPTConfig
-from lmlab.model.resolve import resolve
-from tests.runs import write_corpus
+# torch, lmlab and tests.runs (which imports Lightning: 4-5 s) are imported by the fixtures that use them, in the
+# workers: pytest-xdist's controller loads this file too, before it starts the workers, and runs no test
 
 TINY = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, max_seq_len=16)
 
 E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`lmlab.compose` composes each config once per worker (tests/composed.py): installed before the test modules are
+    imported, so that their `from lmlab import compose` is this one."""
+    if os.environ.get("LMLAB_TEST_COMPOSE_CACHE") != "0":
+        import lmlab
+        from tests.composed import once_per_config
+
+        lmlab.compose = once_per_config(lmlab.compose)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's end: this process's garbage collected, then what is left frozen (`gc.freeze`), so that the
+    interpreter's teardown, which after a worker's tests took 3-7 s of repeated collections over torch's and
+    Lightning's objects while `make test` waited for it, does not walk them again (0.2 s). Finalizers of garbage ran
+    in the collection; atexit handlers still run after this."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -56,6 +76,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _one_thread_seeded() -> None:
     """Deterministic and cheap: one intra-op thread (the test machines have two cores) and seed 0."""
+    import torch
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
@@ -64,6 +86,8 @@ def _one_thread_seeded() -> None:
 def tiny_cfg():
     """`tiny_cfg(**overrides) -> GPTConfig`, resolved (its derived sizes worked out): vocab 50, 2 layers, d_model 32,
     4 heads, max_seq_len 16."""
+    from lmlab.config import GPTConfig
+    from lmlab.model.resolve import resolve
 
     def make(**overrides) -> GPTConfig:
         return resolve(GPTConfig(**{**TINY, **overrides}))
@@ -74,6 +98,8 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """~60 kB of structured text in two files, for the tests that train (tests/runs.py)."""
+    from tests.runs import write_corpus
+
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 

@@ -51,6 +51,13 @@ def metric_rows(run: Path) -> dict[int, dict[str, str]]:
     return rows
 
 
+def figures(run: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows as text, every column but `perf/` (wall-clock speed and memory: the machine's figures,
+    which differ between any two runs)."""
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in csv.DictReader(f)]
+
+
 def cli(*args: str, cwd: Path, timeout: float = 600, fresh: bool = False) -> subprocess.CompletedProcess:
     """`python args...` in `cwd`, one CPU thread, its output captured. An lmlab command of this checkout that runs under
     Hydra runs in a fork of this worker's warm interpreter (tests/warm.py: the same process state, its imports already

@@ -18,12 +18,14 @@ from omegaconf import DictConfig
 import lmlab  # noqa: F401  (registers the config resolvers)
 from lmlab.cli import PROG, TYPED, dirname_exclusions, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
+from lmlab.env import quick_exit
 from lmlab.run.early_signals import catch_early
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',', and non-ASCII paths are quoted for Hydra)."""
     catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.run.early_signals)
+    quick_exit()  # lmlab.env: a refusal too ends without the teardown's walks over torch
     PROG["train"] = prog
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     TYPED["train"] = list(argv)

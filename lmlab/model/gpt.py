@@ -306,6 +306,13 @@ class GPT(nn.Module):
 def validate(cfg: GPTConfig) -> GPTConfig:
     """Resolve every option and build the model on the meta device; raise ValueError naming the bad key. Returns
     `cfg`, resolved."""
+    meta_model(cfg)
+    return cfg
+
+
+def meta_model(cfg: GPTConfig) -> GPT:
+    """`validate`'s checks, and the model they build: on the meta device (its shapes and options, no memory), for
+    the checks that read the built model (lmlab.run.checks). `cfg` is resolved in place."""
     resolve(cfg)
     pos_name, _ = option_params("position", POSITIONS, cfg.position)
     if cfg.rope_scaling.get("name", "none") != "none" and not POSITIONS[pos_name].accepts_scaling:
@@ -313,5 +320,4 @@ def validate(cfg: GPTConfig) -> GPTConfig:
                          f"{pos_name!r}); use rope_scaling=none with this scheme")
     check_model_fits(cfg)  # before the meta build, which itself holds tens of kB of Python objects per layer
     with torch.device("meta"):
-        GPT(cfg)
-    return cfg
+        return GPT(cfg)

@@ -5,7 +5,6 @@ torch's import), not after the whole training stack is imported."""
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from lmlab.cli import override_key
 from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
 from lmlab.data.sources import check_sources
-from lmlab.model.gpt import validate
+from lmlab.model.gpt import meta_model
 from lmlab.record.targets import check_targets
 from lmlab.run.spikes import check_spike_skip
 
@@ -28,16 +27,6 @@ def _slurm_launched() -> bool:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return SLURMEnvironment.detect()
-
-
-def _meta_model(gcfg):
-    """The model's shapes, on the meta device (no memory)."""
-    import torch
-
-    from lmlab.model.gpt import GPT
-
-    with torch.device("meta"):
-        return GPT(gcfg)
 
 
 def top_level_keys() -> frozenset[str]:
@@ -87,10 +76,11 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     arch = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod)
     if "labels" in arch.head and arch.head["labels"] is None:  # head=classify: the data's labels, read with the data
         arch.head["labels"] = ["0", "1"]  # (as vocab_size is the tokenizer's): any two check the model here
-    gcfg = validate(arch)
+    model = meta_model(arch)  # the architecture's checks, and its shapes for the optimizer's below (no memory)
+    gcfg = model.cfg
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
-    meta = functools.cache(lambda: _meta_model(gcfg))  # built once, read by each check below that needs it
+    meta = lambda: model  # noqa: E731  (the checks below take a builder: others build the model only if they need it)
     check_pieces(OmegaConf.to_container(cfg.optim), meta)
     opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(OmegaConf.to_container(cfg.optim)))[0]
     check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False),

@@ -1,5 +1,5 @@
 """The installed command (`lmlab train|eval|generate|compare|bench`, `python -m lmlab`) and the names of sweep jobs:
-a sweep command run again with more steps continues its jobs in place."""
+a sweep command run again with more steps continues its jobs in place; a misspelt option or key is one line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.runs import ROOT, cli, metric, tiny
 
@@ -52,3 +54,16 @@ def test_lmlab_train_starts_ddp_ranks_as_itself(corpus: Path, tmp_path: Path) ->
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["world_size"] == 2
+
+
+@pytest.mark.parametrize("script, args", [("train.py", ["optim.lrr=1e-3"]), ("train.py", ["norm=rsm"]),
+                                          ("train.py", ["model.n_layer=["]),
+                                          ("eval.py", ["run=x", "lenghts=[256]"]),
+                                          ("generate.py", ["run=x", "promt=hi"])])
+def test_a_misspelt_option_or_key_is_one_line_and_exit_2(tmp_path: Path, script: str, args: list[str]) -> None:
+    """Instead of Hydra's several lines, exit 1 and, for a key, the hint `+optim.lrr`, which would add it."""
+    res = cli(str(ROOT / script), *args, cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"{script}: {args[-1]}: ")
+    assert "did you mean" in res.stderr or "grammar" in res.stderr
+    assert "+optim" not in res.stderr and not (tmp_path / "outputs").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ROOT, tiny, warm
+from tests.runs import ROOT, figures, tiny, warm
 
 pytestmark = pytest.mark.e2e
 
@@ -27,13 +27,6 @@ def _warm_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     res = warm(env).run(args, str(cwd), env, 600)
     assert res is not None, "the warm interpreter refused a command of this checkout under its own environment"
     return res
-
-
-def _figures(run: Path) -> list[dict[str, str]]:
-    import csv
-
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in csv.DictReader(f)]
 
 
 def _lines(text: str, run: Path) -> list[str]:
@@ -59,7 +52,7 @@ def test_a_run_and_its_evaluation_write_the_same_warm_as_fresh(corpus: Path, tmp
         assert ev.returncode == 0, ev.stderr[-3000:]
         out[how] = [_lines(text, run) for text in (res.stdout, res.stderr, ev.stdout, ev.stderr)]
     fresh, warm = tmp_path / "fresh", tmp_path / "warm"
-    assert _figures(warm) == _figures(fresh)
+    assert figures(warm) == figures(fresh)
     a, b = (json.loads((r / "summary.json").read_text()) for r in (fresh, warm))
     assert a.keys() == b.keys() and a["status"] == b["status"] == "completed"
     assert (a["steps"], a["final_val_loss"], a["val_curve"]) == (b["steps"], b["final_val_loss"], b["val_curve"])

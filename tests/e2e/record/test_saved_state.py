@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,37 @@ def test_a_secret_from_the_environment_is_in_no_file_of_the_run(corpus: Path, tm
         assert json.loads((run / "summary.json").read_text())["steps"] == 3
     finally:
         del os.environ["LMLAB_TEST_SECRET"]
+
+
+def test_lmlabs_own_targets_are_of_their_kind_and_a_run_of_them_is_checked_without_importing_lightning() -> None:
+    """SHIPPED (what eval.py and generate.py accept without importing Lightning) holds every `_target_` of the
+    shipped trainers and loggers, each a class of the kind it is listed as."""
+    import subprocess
+
+    import yaml
+    from hydra._internal.utils import _locate
+
+    from lmlab.record.trusted import KINDS, SHIPPED
+
+    for target, kind in SHIPPED.items():
+        assert issubclass(_locate(target), _locate(KINDS[kind])), target
+
+    def targets(node):
+        if isinstance(node, dict):
+            yield from ([node["_target_"]] if "_target_" in node else [])
+            for v in node.values():
+                yield from targets(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from targets(v)
+
+    shipped = {t for group in ("trainer", "logger") for path in (ROOT / "lmlab/conf" / group).glob("*.yaml")
+               for t in targets(yaml.safe_load(path.read_text()))}
+    assert shipped and shipped <= set(SHIPPED), shipped - set(SHIPPED)
+    groups = [(t.stem, lg.stem) for t in (ROOT / "lmlab/conf/trainer").glob("*.yaml")
+              for lg in (ROOT / "lmlab/conf/logger").glob("*.yaml")]
+    code = ("import sys; from lmlab import compose; from lmlab.record.trusted import check_config_targets; "
+            f"[check_config_targets(compose([f'trainer={{t}}', f'logger={{lg}}'])) for t, lg in {groups!r}]; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout[-2000:] + res.stderr[-2000:]

@@ -19,9 +19,8 @@ from lmlab.analysis.evaluate import evaluate
 from lmlab.record.consolidate import consolidate
 from lmlab.record.rundir import load_checkpoint
 from lmlab.run.training import train
-from tests.e2e.run.test_interrupt import figures
 from tests.hostile import hostile
-from tests.runs import ROOT, cli, metric, tiny
+from tests.runs import ROOT, cli, figures, metric, tiny
 from tests.unit.run.test_fsdp2 import FSDP2
 
 FIGURES = ("train/loss", "grad/norm", "grad/norm/layer_00/attn", "grad/norm/layer_01/ffn", "grad/norm/embed",

@@ -19,16 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lmlab import compose
 from lmlab.record.metrics_csv import read_rows
 from lmlab.run.training import train
-from tests.runs import ROOT, cli, tiny
-
-
-def figures(run: Path) -> list[dict[str, str]]:
-    """metrics.csv's rows as text, every column but `perf/` (wall-clock speed and memory: the machine's figures,
-    which differ between any two runs)."""
-    import csv
-
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in csv.DictReader(f)]
+from tests.runs import ROOT, cli, figures, tiny
 
 
 class _Signal(Callback):

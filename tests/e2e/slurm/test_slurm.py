@@ -15,8 +15,7 @@ import pytest
 
 from lmlab import compose
 from lmlab.run.training import train
-from tests.e2e.run.test_interrupt import figures
-from tests.runs import tiny
+from tests.runs import figures, tiny
 from tests.slurm_cluster import (
     interrupt_midway,
     run_sweep,

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.run.test_interrupt import figures
-from tests.runs import ROOT, cli, tiny
+from tests.runs import ROOT, cli, figures, tiny
 from tests.slurm_cluster import (  # noqa: F401  (slurm: the fixture)
     interrupt_midway,
     show_job,

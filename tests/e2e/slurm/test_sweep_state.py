@@ -18,8 +18,7 @@ import pytest
 from lmlab.record import sweep
 from lmlab.record.rundir import RunLock
 from tests.e2e.commands.test_search import _study
-from tests.e2e.run.test_interrupt import figures
-from tests.runs import ROOT, tiny
+from tests.runs import ROOT, figures, tiny
 from tests.slurm_cluster import env, slurm, start_sweep, wait_until  # noqa: F401  (slurm: the fixture)
 from tests.unit.commands.test_search import _needs_optuna
 

@@ -10,7 +10,6 @@ import pytest
 from lmlab import _job_dirname
 from lmlab.cli import continue_command, dirname_exclusions, quote_paths, resumable
 from lmlab.commands import COMMANDS, main
-from tests.runs import ROOT, cli
 
 
 def test_the_command_lists_its_commands_and_refuses_an_unknown_one(capsys) -> None:
@@ -109,15 +108,3 @@ def test_what_hydra_accepts_passes_the_check(args: list[str]) -> None:
     from lmlab.commands.refusals import unknown_override
 
     assert unknown_override("train", args) is None
-
-
-@pytest.mark.parametrize("script, args", [("train.py", ["optim.lrr=1e-3"]), ("train.py", ["norm=rsm"]),
-                                          ("train.py", ["model.n_layer=["]),
-                                          ("eval.py", ["run=x", "lenghts=[256]"]),
-                                          ("generate.py", ["run=x", "promt=hi"])])
-def test_a_misspelt_option_or_key_is_one_line_and_exit_2(tmp_path: Path, script: str, args: list[str]) -> None:
-    """Instead of Hydra's several lines, exit 1 and, for a key, the hint `+optim.lrr`, which would add it."""
-    res = cli(str(ROOT / script), *args, cwd=tmp_path)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert res.stderr.startswith(f"{script}: {args[-1]}: ") and ("did you mean" in res.stderr or "grammar" in res.stderr)
-    assert "+optim" not in res.stderr and not (tmp_path / "outputs").exists()
