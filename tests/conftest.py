@@ -39,24 +39,17 @@ E2E = Path(__file__).resolve().parent / "e2e"
 
 def pytest_configure(config: pytest.Config) -> None:
     """`lmlab.compose` composes each config once per worker (tests/composed.py): installed before the test modules are
-    imported, so that their `from lmlab import compose` is this one."""
+    imported, so that their `from lmlab import compose` is this one. The process ends as lmlab's commands do
+    (lmlab.env.quick_exit): a worker's teardown walked torch's and Lightning's objects for 3-7 s while `make test`
+    waited for it."""
+    import lmlab
+    from lmlab import env
+
+    env.quick_exit()
     if os.environ.get("LMLAB_TEST_COMPOSE_CACHE") != "0":
-        import lmlab
         from tests.composed import once_per_config
 
         lmlab.compose = once_per_config(lmlab.compose)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The session's end: this process's garbage collected, then what is left frozen (`gc.freeze`), so that the
-    interpreter's teardown, which after a worker's tests took 3-7 s of repeated collections over torch's and
-    Lightning's objects while `make test` waited for it, does not walk them again (0.2 s). Finalizers of garbage ran
-    in the collection; atexit handlers still run after this."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

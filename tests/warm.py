@@ -110,7 +110,6 @@ def serve() -> None:
     from lmlab import env
 
     env.offline()  # as eval.py does before its imports, and as every run sets it before it could reach the hub
-    env._QUICK_EXIT.append("warm")  # noqa: SLF001  (a command's quick_exit registers nothing: `_end` skips the teardown)
     import logging
 
     import lmlab.commands.eval  # noqa: F401

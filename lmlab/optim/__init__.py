@@ -17,7 +17,7 @@ warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stabi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import torch
@@ -399,16 +399,16 @@ def optimizer_spec(optim: dict) -> dict:
     return {k: v for k, v in optim.items() if k not in OPTIM_LOOP_KEYS}
 
 
-def check_pieces(optim: dict, build: Callable[[], nn.Module]) -> None:
-    """An optimizer that cuts matrices by their row blocks (Muon's optim.split) cut against the model `build()` makes
-    (on the meta device: only shapes are read), only for such an optimizer: a split that does not fit a matrix is
+def check_pieces(optim: dict, model: nn.Module) -> None:
+    """An optimizer that cuts matrices by their row blocks (Muon's optim.split) cut against `model` (on the meta
+    device: only shapes are read), only for such an optimizer: a split that does not fit a matrix is
     refused, naming the key, before training."""
     from lmlab.optim.muon import pieces
 
     name, params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     if not getattr(OPTIMIZERS[name], "layouts", False) or params.get("split", "none") == "none":
         return
-    for g in param_groups(build(), 0.0, by_role=True, layouts=True):
+    for g in param_groups(model, 0.0, by_role=True, layouts=True):
         for p, lay in zip(g["params"], g.get("layouts", []), strict=False):
             pieces(p.size(0), lay, g.get("experts", 1), params.get("split", "none"))
 

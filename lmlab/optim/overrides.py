@@ -17,7 +17,6 @@ Adam's (AdamW's groups; Muon's keep its momentum); role `hidden` sends a matrix 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
 from typing import Literal
 
 from torch import nn
@@ -49,13 +48,13 @@ def _which(name: str, spec: list[dict]) -> int | None:
     return next((i for i, e in enumerate(spec) if any(fnmatch.fnmatchcase(name, g) for g in e["match"])), None)
 
 
-def check(optim: dict, roles: bool, build: Callable[[], nn.Module]) -> None:
-    """Before training: every entry matches a parameter of the model `build()` makes (the meta device's), a `role`
+def check(optim: dict, roles: bool, model: nn.Module) -> None:
+    """Before training: every entry matches a parameter of `model` (the meta device's), a `role`
     only under an optimizer that splits by role, `hidden` only for matrices."""
     spec = entries(optim.get("groups"))
     if not spec:
         return
-    named = list(build().named_parameters())
+    named = list(model.named_parameters())
     for i, entry in enumerate(spec):
         hits = [(n, p) for n, p in named if _which(n, spec) == i]
         if not hits:

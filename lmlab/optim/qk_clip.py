@@ -44,16 +44,15 @@ def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return out
 
 
-def check_qk_clip(optim: dict, build: Callable[[], nn.Module], attention: str, strategy: str | None = None) -> None:
-    """Refuse optim.qk_clip where it would do nothing or the wrong thing, naming the key (before training; `build`
-    makes the model on the meta device; `attention`: the attention option's name)."""
+def check_qk_clip(optim: dict, model: nn.Module, attention: str, strategy: str | None = None) -> None:
+    """Refuse optim.qk_clip where it would do nothing or the wrong thing, naming the key (before training; `model`:
+    on the meta device; `attention`: the attention option's name)."""
     tau = optim.get("qk_clip")
     if tau is None:
         return
     if strategy == "FSDP2Strategy":
         raise ValueError(f"optim.qk_clip={tau} with trainer=fsdp2: the clip rescales rows of W_q and W_k, which FSDP2 "
                          f"shards; use trainer=ddp, or optim.qk_clip=null")
-    model = build()
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"optim.qk_clip={tau}: the model has no attention layer to clip (block=gau, or every "

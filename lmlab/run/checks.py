@@ -80,17 +80,14 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     gcfg = model.cfg
     validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
                    gcfg.param)
-    meta = lambda: model  # noqa: E731  (the checks below take a builder: others build the model only if they need it)
-    check_pieces(OmegaConf.to_container(cfg.optim), meta)
+    check_pieces(OmegaConf.to_container(cfg.optim), model)
     opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(OmegaConf.to_container(cfg.optim)))[0]
-    check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False),
-                 meta)
+    check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False), model)
     if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
         optim = OmegaConf.to_container(cfg.optim)
         averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)
         check_run(optim, strategy_name(cfg), bool(averages))
-    check_qk_clip(OmegaConf.to_container(cfg.optim), meta, gcfg.attention["name"],
-                  strategy_name(cfg))
+    check_qk_clip(OmegaConf.to_container(cfg.optim), model, gcfg.attention["name"], strategy_name(cfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,

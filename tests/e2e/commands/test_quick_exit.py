@@ -3,21 +3,16 @@ handler registered later, once however often it is asked for; train.py, eval.py 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.runs import ROOT
+from tests.runs import ROOT, cli
 
 # registered before lmlab's handler, so run after it: what the interpreter's teardown will find
 LAST = "import atexit, gc\natexit.register(lambda: print('frozen at the end:', gc.get_freeze_count() > 0))\n"
 
 
 def ends(code: str, *args: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", LAST + code, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    return out.stdout.splitlines()
+    return cli("-c", LAST + code, *args, cwd=ROOT, timeout=120).stdout.splitlines()  # a new interpreter
 
 
 def test_garbage_is_finalized_later_handlers_run_then_the_rest_is_frozen_once() -> None:
