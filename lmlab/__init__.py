@@ -54,16 +54,28 @@ def _study_seed(db: str, seed: int) -> int:
     plus the trials its study already holds, so that a resumed search draws new random trials instead of the ones
     it began with (a trial that repeats an earlier one's parameters adds nothing). The study is read with sqlite3."""
     import sqlite3
+    import time
+    from contextlib import closing
 
     path = Path(db).expanduser()
     if not path.is_file():
         return seed
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+    deadline = time.monotonic() + STUDY_READ_S  # a crafted file (a `trials` view that never ends) cannot hang a start
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=STUDY_READ_S)) as con:
+        con.set_progress_handler(lambda: time.monotonic() > deadline, 1000)
         try:
+            if con.execute("SELECT type FROM sqlite_master WHERE name = 'trials'").fetchone() != ("table",):
+                raise ValueError(f"{path}: its `trials` is not a table: not a study Optuna wrote")
             (count,) = con.execute("SELECT COUNT(*) FROM trials").fetchone()
-        except sqlite3.DatabaseError:  # not a study (yet): Optuna itself reports what is wrong with it
-            return seed
+        except sqlite3.DatabaseError:
+            if time.monotonic() > deadline:
+                raise ValueError(f"{path}: counting its trials took over {STUDY_READ_S} s: not a study Optuna "
+                                 f"wrote") from None
+            return seed  # not a study (yet): Optuna itself reports what is wrong with it
     return seed + int(count)
+
+
+STUDY_READ_S = 10  # seconds a sweep's study database may take to read
 
 
 def _slurm_count(key: str, value: object) -> int:

@@ -33,6 +33,18 @@ def filter_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
 
 
+def child_python(code: str) -> list[str]:
+    """The command of a child interpreter that runs `code` isolated from the working directory and the environment's
+    PYTHONPATH (`-I`), with an explicit sys.path: this lmlab's root first, then the parent's own entries. So a
+    directory lmlab is run from (a shared run or sweep directory) cannot plant a package the child imports."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])  # this lmlab, installed or not
+    paths = [root, *(p for p in sys.path if p not in ("", ".", root))]
+    return [sys.executable, "-I", "-c", f"import sys; sys.path[:0] = {paths!r}; {code}"]
+
+
 def quick_exit() -> None:
     """End this process without the garbage collector's walks over every object torch and Lightning hold: at exit,
     after the atexit handlers registered later (W&B's, the run's own) and before the interpreter's teardown, the

@@ -63,6 +63,7 @@ class LmlabSlurmLauncher(Recorded, SlurmLauncher or object):
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
         from omegaconf import OmegaConf
 
+        check_lines(self.params)
         init = {"folder": self.params["submitit_folder"], "slurm_max_num_timeout": self.params["max_num_timeout"]}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
         base = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -151,6 +152,22 @@ class LmlabSlurmLauncher(Recorded, SlurmLauncher or object):
 
             FAILED_JOBS.extend(line for line in report_lines if " failed" in line or "SLURM state" in line)
         return results
+
+
+def check_lines(params: Any, key: str = "hydra.launcher") -> None:
+    """Every string of the launcher's settings is one line: each becomes (part of) a line of the sbatch script, so a
+    newline in a comment, name or partition would be a shell line of its own. Refused naming the key."""
+    from lmlab.record.saved import control_char
+
+    if isinstance(params, str):
+        if bad := control_char(params):
+            raise ValueError(f"{key}={params!r}: a control character ({bad}) in a line of the sbatch script")
+    elif isinstance(params, dict):
+        for k, v in params.items():
+            check_lines(v, f"{key}.{k}")
+    elif isinstance(params, list | tuple):
+        for i, v in enumerate(params):
+            check_lines(v, f"{key}[{i}]")
 
 
 def searching(config: Any) -> bool:

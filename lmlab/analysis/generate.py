@@ -14,11 +14,11 @@ from typing import Annotated, Any, TextIO
 import torch
 
 from lmlab import env
-from lmlab.model.memory import check_generation_fits
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT
-from lmlab.registry import NonNegativeFloat, PositiveInt, Range, check_values, parameter_types
+from lmlab.model.memory import check_generation_fits
 from lmlab.record.rundir import RunDir, load_model
+from lmlab.registry import NonNegativeFloat, PositiveInt, Range, check_values, parameter_types
 
 
 def sample(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -76,15 +76,14 @@ def generate_text(run: str, prompt: str, *, max_new_tokens: PositiveInt = 200, t
                   seed: int = 0, n: PositiveInt = 1, stream: TextIO | None = None) -> list[str]:
     """`n` continuations of `prompt` by the model of a run directory (its last checkpoint and tokenizer); the first
     is written to `stream` token by token as it is drawn. Returns the texts, prompt included."""
-    from tokenizers import Tokenizer
-
+    from lmlab.data.tokenizer import load_tokenizer
 
     if temperature == 0 and n > 1:
         raise ValueError(f"temperature=0 is greedy: n={n} would print the same text {n} times; use n=1, or "
                          f"temperature > 0 for {n} different samples")
     run_dir = RunDir(run)
     model = load_model(run_dir.path, what="run")
-    tok = Tokenizer.from_file(str(run_dir.tokenizer))
+    tok = load_tokenizer(run_dir.tokenizer, model.cfg.vocab_size)  # a path's and the vocabulary's refusal
     ids = tok.encode(prompt).ids
     if not ids:
         raise ValueError("prompt='' has no tokens to continue; give a prompt (the default is a newline)")

@@ -45,8 +45,7 @@ class LmlabLM(ScoringLM):
 def harness_model(run_dir: str | Path, batch_size: int = 8, route: str = "auto") -> tuple[Any, str]:
     """(lm-eval model, route): 'hf' (an export read by lm-eval's HFLM) when transformers represents the run's
     architecture, else 'lmlab' (LmlabLM). `route` forces one."""
-    from tokenizers import Tokenizer
-
+    from lmlab.data.tokenizer import load_tokenizer
     from lmlab.interop.hf import NotRepresentable, export, family
 
     run = RunDir(run_dir)
@@ -65,11 +64,11 @@ def harness_model(run_dir: str | Path, batch_size: int = 8, route: str = "auto")
 
             out = Path(tempfile.mkdtemp(prefix="lmlab-hf-"))
             export(run.path, out)
-            tok = Tokenizer.from_file(str(run.tokenizer))
+            tok = load_tokenizer(run.tokenizer, model.cfg.vocab_size)
             lm = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=batch_size,
                       max_length=model.cfg.max_seq_len, add_bos_token=False, prefix_token_id=prefix_token(tok))
             return lm, "hf"
-    return LmlabLM(model, Tokenizer.from_file(str(run.tokenizer)), batch_size), "lmlab"
+    return LmlabLM(model, load_tokenizer(run.tokenizer, model.cfg.vocab_size), batch_size), "lmlab"
 
 
 def run_harness(run_dir: str | Path, tasks: list[str], *, include: str | None = None, limit: int | None = None,

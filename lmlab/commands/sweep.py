@@ -5,7 +5,7 @@
     lmlab sweep status DIR --watch [SECONDS]                  # refreshed until no job is pending or running
     lmlab sweep resume DIR [key=value ...]                    # run (or submit) only the jobs that did not finish
 
-`resume` runs the sweep's own command again (as it was typed, where it was typed, into the same directory) with the
+`resume` runs the sweep's own command again (as it was typed, read as data, into the same directory, from here) with the
 jobs that finished (completed, diverged, collapsed) or are still queued or running left out: the failed, interrupted,
 lost and never started ones run, each continuing from its own checkpoint. Twice in a row, the second finds nothing to
 do. A base config that drifted from the manifest's is refused, naming the keys; the key=value arguments are the drift
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from lmlab.cli import PROG, dirname_exclusions, override_key
 from lmlab.record import sweep
-from lmlab.record.saved import SavedStateRefused, check_command
+from lmlab.record.saved import SavedStateRefused, check_command, control_char
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -100,23 +99,36 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
     command = manifest.get("command")
     if not isinstance(command, list) or not command:
         _refuse(prog, f"{sweep.path_of(sweep_dir)}: no command recorded: not a manifest lmlab wrote")
-    try:
-        check_command(command[1:], sweep.path_of(sweep_dir))  # a shared sweep directory is data, not code
+    try:  # a shared sweep directory is data, not code
+        typed = check_command(command[1:], sweep.path_of(sweep_dir), extra)
     except SavedStateRefused as err:
         _refuse(prog, str(err))
-    typed = [a for a in command[1:] if not override_key(a).startswith(("hydra.sweep.dir",
-                                                                          "hydra.job.config.override_dirname"))]
+    typed = [a for a in typed if not override_key(a).startswith(("hydra.sweep.dir",
+                                                                   "hydra.job.config.override_dirname"))]
+    inside = sweep_dir.resolve()
+    for row in todo:  # a job directory that is a link (or under one) would be written through, outside the sweep
+        job_dir = sweep_dir / row["dir"]
+        if job_dir.is_symlink() or not job_dir.resolve().is_relative_to(inside):
+            _refuse(prog, f"{sweep.path_of(sweep_dir)}: job #{row['num']}'s directory {job_dir} leads outside the "
+                          f"sweep ({job_dir.resolve()}): resume writes only inside {inside}")
     print(f"{prog}: {len(todo)} job(s) to run: " + ", ".join(f"#{r['num']} ({r['state']})" for r in todo), flush=True)
     keys = [override_key(a) for a in extra if "=" in a]
     excluded = [k for arg in dirname_exclusions([*typed, *extra]) for k in arg.partition("=[")[2][:-1].split(",") if k]
     names = sorted(set(excluded) | set(keys))  # the resume's own keys leave the jobs' directory names as they were
     argv = [*typed, *extra, f"hydra.sweep.dir={sweep_dir.resolve()}",
             *([f"hydra.job.config.override_dirname.exclude_keys=[{','.join(names)}]"] if names else [])]
+    # It runs here, in the user's working directory, never in the manifest's `cwd` (a directory a shared manifest
+    # names could hold a package every child interpreter would import); a relative path of the command means the
+    # same as it did when run from where it was typed
     cwd = manifest.get("cwd")
-    if isinstance(cwd, str) and Path(cwd).is_dir():
-        os.chdir(cwd)  # where it was typed: relative paths in the command mean what they meant
+    if isinstance(cwd, str) and Path(cwd) != Path.cwd():
+        relative = [a for a in typed if "=" in a and any(not v.startswith("/") and "/" in v for v in _paths(a))]
+        if relative:
+            print(f"{prog}: note: the sweep was started in {cwd!r}; its relative paths ({', '.join(relative)}) are "
+                  f"read from here, {Path.cwd()}", flush=True)
     sweep.RESUME = {"skip": [r["dir"] for r in rows if r["state"] not in again], "allowed": keys}
-    PROG["train"] = command[0] if command else PROG["train"]
+    PROG["train"] = command[0] if isinstance(command[0], str) and len(command[0]) <= 200 and not control_char(
+        command[0]) else PROG["train"]
     # the process is train.py's from here (Lightning's DDP launcher starts other ranks as `python -m <main module>`)
     sys.modules["__main__"].__spec__ = train.__spec__
     sys.argv[0] = train.__file__
@@ -124,3 +136,9 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
         train.run(PROG["train"], argv)
     finally:
         sweep.RESUME = None
+
+
+def _paths(arg: str) -> list[str]:
+    """The string values of a key=value argument that look like paths."""
+    value = arg.partition("=")[2].strip("[]'\"")
+    return [v.strip(" '\"") for v in value.split(",")]

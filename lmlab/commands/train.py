@@ -27,6 +27,9 @@ def run(prog: str, argv: Sequence[str]) -> None:
     catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.run.early_signals)
     quick_exit()  # lmlab.env: a refusal too ends without the teardown's walks over torch
     PROG["train"] = prog
+    # the interpreters it starts (DDP ranks: `python -m lmlab.commands.train` or the script) import nothing from the
+    # working directory, which may be a shared run or sweep directory (Python >= 3.11; lmlab.env.child_python too)
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     TYPED["train"] = list(argv)
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
@@ -113,7 +116,7 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # `${oc.env:KEY}` kept, not its secret
     if str(cfg.get("resume", "auto")).lower() == "false":
         return cfg, overrides
-    saved = RunDir(hc.runtime.output_dir).read_overrides(cfg)  # checked as data: refused before anything is built
+    saved = RunDir(hc.runtime.output_dir).read_overrides(overrides)  # data: refused before anything is built
     if saved is None:
         return cfg, overrides
     merged = merge_overrides(saved, overrides)

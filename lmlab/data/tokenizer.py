@@ -141,9 +141,21 @@ def _tokenizer_path(path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A saved `tokenizer.json` (from `data.tokenizer=path`, a run directory, or the cache)."""
-    return Tokenizer.from_file(str(_tokenizer_path(path)))
+def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer:
+    """A saved `tokenizer.json` (from `data.tokenizer=path`, a run directory, or the cache); one that cannot be read
+    is refused naming the path, and with `vocab_size` (the model's) one whose ids reach past the model's vocabulary
+    (a tokenizer.json from another run) naming both sizes."""
+    path = _tokenizer_path(path)
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001  (the tokenizers library's own error, of its own type)
+        raise ValueError(f"{path}: not a tokenizer.json the tokenizers library reads "
+                         f"({' '.join(str(err).split())[:200]})") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and size > vocab_size:
+        raise ValueError(f"{path}: the tokenizer has {size:,} ids and the model's vocabulary {vocab_size:,}: ids "
+                         f"past it have no embedding (is this tokenizer.json the run's own?)")
+    return tok
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
@@ -206,10 +218,10 @@ def _train_apart(kind: str, sample: Sample, vocab_size: int, eod: str | None, pa
     The same tokenizer.json, byte for byte."""
     spec = json.dumps({"kind": kind, "path": str(sample.path), "ends": list(sample.ends), "anywhere": sample.anywhere,
                        "vocab_size": vocab_size, "eod": eod, "out": str(path)})
-    root = str(Path(__file__).resolve().parents[2])  # this lmlab, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    child = subprocess.Popen([sys.executable, "-c", "from lmlab.data.tokenizer import _train_main; _train_main()"],
-                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    from lmlab.env import child_python  # isolated from the working directory: nothing planted there is imported
+
+    child = subprocess.Popen(child_python("from lmlab.data.tokenizer import _train_main; _train_main()"),
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, err = child.communicate(spec)
     except BaseException:  # a signal before training (lmlab.run.interrupt): stop the child now

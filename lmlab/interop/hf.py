@@ -394,6 +394,8 @@ def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
         raise FileNotFoundError(f"{path}: no tokenizer.json (lmlab reads fast tokenizers; save the tokenizer with "
                                 f"save_pretrained)")
 
+    for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file)
     # The size from config.json before transformers builds anything (num_hidden_layers=200000 would build for hours).
     check_model_fits(lmlab_config(transformers.AutoConfig.from_pretrained(path)), what=f"{path}/config.json")
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
@@ -406,6 +408,37 @@ def load_hf_dir(path: str | Path) -> tuple[GPT, Path]:
         raise ValueError(f"{path}: the weights do not match its config.json ({found}); lmlab loads every tensor of "
                          f"the architecture and nothing else (a missing one would be transformers' random init)")
     return from_hf(hf), tokenizer
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+HEADER_LIMIT = 100 << 20  # bytes of a safetensors header (safetensors' own limit)
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file's header, read as data before transformers loads it: valid JSON within its size, every
+    tensor of a floating dtype (an integer tensor would be cast into the weights without a word). Refused naming the
+    file and the tensor."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= min(HEADER_LIMIT, path.stat().st_size - 8):
+            raise ValueError(f"{path}: not a safetensors file (its header's length {size} does not fit the file)")
+        try:
+            header = json.loads(f.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            raise ValueError(f"{path}: its safetensors header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its safetensors header is not an object")
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{path}: the tensor {name!r} is {dtype!r}; a model's weights are floats "
+                             f"({', '.join(FLOAT_DTYPES)})")
 
 
 def adopt(cfg: Any, arch: GPTConfig) -> None:

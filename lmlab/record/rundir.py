@@ -351,16 +351,27 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary, dumps(summary))
 
-    def read_overrides(self, base: Any = None) -> list[str] | None:
-        """The command-line overrides of the latest start (.hydra/overrides.yaml), or None when it has none. Each
-        is checked as data (lmlab.record.saved: no `_target_`, no resolver that builds; `base`, the command's composed
-        config, says where a mapping belongs); anything else raises SavedStateRefused naming the file and line."""
+    def read_overrides(self, typed: Any = None) -> list[str] | None:
+        """The command-line overrides of the latest start (.hydra/overrides.yaml), or None when it has none. Each is
+        read as data (lmlab.record.saved: keys of lmlab's config, literal values); `typed`, a continuing command's own
+        overrides, replace the saved lines of the keys they set, which are then neither read nor returned. Anything
+        else raises SavedStateRefused naming the file and line."""
         path = self.path / HYDRA / "overrides.yaml"
         if not path.is_file():
             return None
         from lmlab.record.saved import read_overrides
 
-        return read_overrides(path, base)
+        return read_overrides(path, typed)
+
+    def saved_lines(self) -> list[str]:
+        """The lines of .hydra/overrides.yaml as strings, to show and compare (not to apply: read_overrides); [] when
+        there is none."""
+        path = self.path / HYDRA / "overrides.yaml"
+        if not path.is_file():
+            return []
+        from lmlab.record.saved import saved_lines
+
+        return saved_lines(path)
 
     def write_config(self, config: Any, overrides: list[str], hydra: Any = None) -> None:
         """.hydra/: the composed config, the overrides and (from the CLI) Hydra's own config, as Hydra writes them.

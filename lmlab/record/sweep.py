@@ -62,13 +62,31 @@ def read(sweep_dir: str | Path) -> dict[str, Any] | None:
     path = path_of(sweep_dir)
     if not path.is_file():
         return None
+    size = path.stat().st_size
+    if size > MANIFEST_LIMIT:
+        raise ValueError(f"{path}: {size:,} bytes, over the {MANIFEST_LIMIT:,} of a sweep manifest: not one lmlab "
+                         f"wrote")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}): not a sweep manifest of lmlab, or damaged") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests too deep: not a sweep manifest of lmlab") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("jobs"), list):
         raise ValueError(f"{path} has no list of jobs: not a sweep manifest of lmlab")
+    for i, job in enumerate(manifest["jobs"]):
+        where = f"{path}: jobs[{i}]"
+        if not isinstance(job, dict) or not isinstance(job.get("dir"), str):
+            raise ValueError(f"{where} is not a job (an object with its `dir`): not a sweep manifest of lmlab")
+        sub = Path(job["dir"])
+        if sub.is_absolute() or ".." in sub.parts or not job["dir"]:
+            raise ValueError(f"{where}: dir={job['dir']!r} is not a directory inside the sweep")
+        if not isinstance(job.get("overrides", []), list):
+            raise ValueError(f"{where}: overrides is a {type(job['overrides']).__name__}, not a list")
     return manifest
+
+
+MANIFEST_LIMIT = 64 << 20  # bytes: a manifest of 100,000 jobs is some 50 MB
 
 
 @contextlib.contextmanager

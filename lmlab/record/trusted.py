@@ -83,9 +83,14 @@ def _check_class(target: Any, key: str, kinds: tuple[str, ...]) -> None:
         raise ValueError(f"{key}={target!r} is not something lmlab builds ({what}): {accepted}")
 
 
-def check_config_targets(config: Any) -> None:
+def check_config_targets(config: Any, resolve: bool = True) -> None:
     """`check_targets` on a config's trainer (a Trainer) and each of its loggers (a Logger): every place lmlab
-    builds from a config, so a composed config and one read back from a run are checked by the same rule."""
+    builds from a config, so a composed config and one read back from a run are checked by the same rule. `resolve`:
+    on their values as they will be built (interpolations resolved: a resolver can make a `_target_`, and its name
+    can itself be an interpolation); a recorded config is checked as it is written (resolve=False)."""
+    if resolve:
+        config = {"trainer": resolved(config.get("trainer"), "trainer"),
+                  "logger": resolved(config.get("logger"), "logger")}
     if config.get("trainer") is not None:
         _check(config["trainer"], "trainer", ("Trainer",), None)
     loggers = config.get("logger")
@@ -94,9 +99,39 @@ def check_config_targets(config: Any) -> None:
             _check(spec, f"logger.{name}", ("Logger",), None)
 
 
+def resolved(node: Any, key: str) -> Any:
+    """`node` (a config's trainer or logger) as plain data with every interpolation resolved; one that cannot be
+    resolved is refused naming the key."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(node, DictConfig | ListConfig):
+        return node
+    try:
+        data = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{key}: {' '.join(str(err).split())}") from None
+    if where := _interpolation_in(data, key):  # an escaped `\${` resolves to one, which instantiate would resolve
+        raise ValueError(f"{where}: a value that resolves to an interpolation is not something lmlab builds")
+    return data
+
+
+def _interpolation_in(node: Any, key: str) -> str | None:
+    if isinstance(node, str):
+        return key if "${" in node else None
+    if isinstance(node, Mapping):
+        return next((w for k, v in node.items() if (w := _interpolation_in(v, f"{key}.{k}") or (
+            f"{key}.{k}" if "${" in str(k) else None))), None)
+    if isinstance(node, Sequence):
+        return next((w for i, v in enumerate(node) if (w := _interpolation_in(v, f"{key}[{i}]"))), None)
+    return None
+
+
 def build(node: Any, key: str, root: type, **kwargs: Any) -> Any:
-    """`hydra.utils.instantiate(node, **kwargs)` once every `_target_` in `node` has passed `check_targets`."""
+    """`hydra.utils.instantiate` of `node` resolved (`resolved`), once every `_target_` in it has passed
+    `check_targets`: what is checked is what is built, nothing resolves after the check."""
     from hydra.utils import instantiate
 
-    check_targets(node, key, root)
-    return instantiate(node, **kwargs)
+    data = resolved(node, key)
+    check_targets(data, key, root)
+    return instantiate(data, **kwargs)

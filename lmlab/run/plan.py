@@ -112,7 +112,7 @@ def continuing(run: RunDir, step: int, overrides: list[str] | None) -> str:
     line = f"continuing {run.path} from step {step}"
     if overrides is None:
         return line
-    saved = run.read_overrides() or []
+    saved = run.saved_lines()  # (read as data by the command that continues it: only compared here)
     kept = [o for o in overrides if o in saved]
     new = [o for o in overrides if o not in saved]
     line += f", its overrides kept: {' '.join(kept)}" if kept else ", with no overrides of its own"

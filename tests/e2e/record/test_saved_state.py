@@ -6,6 +6,7 @@ place takes, whoever wrote it (a saved file or the command line)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ def finished_run(corpus: Path, tmp_path_factory) -> Path:
     return d / "run"
 
 
-@pytest.mark.parametrize("form", ["plugins", "nested_in_strategy", "top_level"])
+@pytest.mark.parametrize("form", ["plugins", "nested_in_strategy", "top_level", "resolver_name_interpolated",
+                                  "escaped_interpolation", "task_file", "plus_trainer_key", "newline"])
 def test_continuing_a_run_with_hostile_saved_overrides_is_refused_with_nothing_written(
         finished_run: Path, tmp_path: Path, form: str) -> None:
     run, marker = tmp_path / "run", tmp_path / "marker"
@@ -103,8 +105,8 @@ def test_a_sweep_with_a_refused_job_goes_on_and_exits_non_zero(corpus: Path, tmp
 
 def test_a_secret_from_the_environment_is_in_no_file_of_the_run(corpus: Path, tmp_path: Path) -> None:
     """`${oc.env:...}` on the command line: the run uses the value, and neither the saved overrides, the summary nor
-    the W&B run's files hold it (they keep the interpolation); the continued run reads it from the environment."""
-    import os
+    the W&B run's files hold it (they keep the interpolation); a continued run that types it again reads it from the
+    environment, one that does not is refused (a value read back from a file holds no interpolation)."""
 
     secret, run = tmp_path / "hunter2-cache", tmp_path / "run"
     os.environ["LMLAB_TEST_SECRET"] = str(secret)
@@ -117,7 +119,13 @@ def test_a_secret_from_the_environment_is_in_no_file_of_the_run(corpus: Path, tm
         leaked = [str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and b"hunter2" in p.read_bytes()]
         assert leaked == [] and (run / "wandb").is_dir()
         assert "data.cache_dir=${oc.env:LMLAB_TEST_SECRET}" in (run / ".hydra/overrides.yaml").read_text()
-        again = cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=3", cwd=tmp_path)
+        # read back from the file, the interpolation is refused (a value read from a file is a literal), naming the
+        # line and what to do; typed again on the command line, it is the user's: the run continues with it
+        refused = cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=3", cwd=tmp_path)
+        assert refused.returncode == 2 and "overrides.yaml:" in refused.stderr, refused.stderr[-3000:]
+        assert "type the value on this command line" in refused.stderr
+        again = cli(str(ROOT / "train.py"), f"hydra.run.dir={run}", "trainer.max_steps=3",
+                    "data.cache_dir=${oc.env:LMLAB_TEST_SECRET}", cwd=tmp_path)
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads((run / "summary.json").read_text())["steps"] == 3
     finally:
@@ -156,3 +164,52 @@ def test_lmlabs_own_targets_are_of_their_kind_and_a_run_of_them_is_checked_witho
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout[-2000:] + res.stderr[-2000:]
+
+
+# --- issue 59: the manifest never chooses where code runs ------------------------------------------------------------
+
+def _planted(d: Path, marker: Path) -> Path:
+    """A directory holding packages named like lmlab's and its tokenizer's, each creating `marker` when imported."""
+    for name in ("lmlab", "tokenizers", "pip"):
+        (d / name).mkdir(parents=True)
+        (d / name / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write({name!r})\n")
+    return d
+
+
+def test_a_child_interpreter_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    import subprocess
+
+    from lmlab.env import child_python
+
+    marker = tmp_path / "imported"
+    planted = _planted(tmp_path / "shared", marker)
+    res = subprocess.run(child_python("import lmlab, tokenizers; print(lmlab.__file__)"), cwd=planted,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(planted)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == str(ROOT / "lmlab" / "__init__.py") and not marker.exists(), res.stdout
+    pip = subprocess.run([sys.executable, "-I", "-m", "pip", "--version"], cwd=planted, capture_output=True,
+                         text=True, timeout=120)  # the corpus fetch's child
+    assert pip.returncode == 0 and not marker.exists(), pip.stderr[-2000:]
+
+
+def test_sweep_resume_runs_here_not_in_the_manifests_cwd(corpus: Path, tmp_path: Path) -> None:
+    """A shared sweep whose manifest names a directory holding a planted `lmlab/` and `tokenizers/` as its `cwd`:
+    the resumed job (a BPE tokenizer, trained in a child interpreter) completes and nothing planted is imported."""
+    from lmlab.record import sweep
+    from lmlab.record.rundir import dumps
+
+    marker = tmp_path / "imported"
+    planted = _planted(tmp_path / "shared", marker)
+    d = tmp_path / "sweep"
+    d.mkdir()
+    command = ["python train.py", "-m", *tiny(corpus, tmp_path / "cache", "data.tokenizer=bpe", "data.vocab_size=300",
+                                               "trainer.max_steps=2", "trainer.val_check_interval=2"), "seed=1,2"]
+    jobs = [{"num": i, "dir": f"seed={i + 1}", "overrides": [f"seed={i + 1}"], "state": "pending", "scheduler_id": None}
+            for i in range(2)]
+    (d / sweep.MANIFEST).write_text(dumps({"format": 1, "command": command, "cwd": str(planted), "jobs": jobs,
+                                           "submitter": {"pid": 0, "host": "gone"}}))
+    res = cli("-m", "lmlab", "sweep", "resume", str(d), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "2 job(s) to run" in res.stdout
+    assert [json.loads(p.read_text())["status"] for p in d.glob("*/summary.json")] == ["completed"] * 2
+    assert not marker.exists() and not list(planted.rglob("*.json"))

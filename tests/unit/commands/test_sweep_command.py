@@ -57,3 +57,63 @@ def test_resume_refuses_a_hostile_recorded_command_before_anything_runs(tmp_path
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "command[3]" in err and "instantiation keys are not data" in err, err
     assert not marker.exists() and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["+perf.tag=create", "trainer.strategy='${oc.${perf.tag}:\"{_target_: lmlab.record.rundir.atomic_write, "
+                         "path: MARKER, data: x}\"}'"],  # a resolver named by an interpolation (issue 59, 1)
+    ["hydra/sweeper=optuna", "hydra.sweeper.direction='${oc.create:\"{_target_: lmlab.record.rundir.atomic_write, "
+                                                       "path: MARKER, data: x}\"}'"],  # Hydra's sweeper settings (2)
+    ["hydra/launcher=slurm", "trainer.devices=1", "hydra.launcher.comment='x\ntouch MARKER'"],  # an sbatch line (4)
+    ["downstream.tasks=[MARKER.yaml]"],  # a task file whose !function imports code beside it (5)
+    ["hydra.sweep.subdir=../../MARKER"],  # job directories outside the sweep
+])
+def test_resume_refuses_what_the_fourth_probe_ran_through_a_recorded_command(tmp_path: Path, capsys, dead_pid: int,
+                                                                            monkeypatch, args: list[str]) -> None:
+    """Issue 59's Critical forms in a shared sweep's sweep.json, through `lmlab sweep resume`: refused, exit 2, the
+    file and argument named, nothing written or run — with a stand-in `sbatch` on PATH that would run its script."""
+    from lmlab.record import sweep
+
+    marker = tmp_path / "pwned"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nsh \"$@\"\necho 'Submitted batch job 1'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    _manifest(tmp_path, [_job("a", 0)], dead_pid)
+    manifest = json.loads(sweep.path_of(tmp_path).read_text())
+    manifest["command"] = ["python train.py", "-m", "seed=1,2", *(a.replace("MARKER", str(marker)) for a in args)]
+    sweep.path_of(tmp_path).write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep", "resume", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"{sweep.path_of(tmp_path)}: command[" in err and "is refused" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not marker.exists() and not (tmp_path / "a").exists()
+
+
+def test_a_malformed_manifest_is_one_line(tmp_path: Path, capsys) -> None:
+    from lmlab.record import sweep
+
+    for text in ("[" * 100_000 + "]" * 100_000, '{"jobs": [5]}', '{"jobs": [{"dir": "../../x"}]}'):
+        sweep.path_of(tmp_path).write_text(text)
+        for action in ("status", "resume"):
+            with pytest.raises(SystemExit) as stop:
+                main(["sweep", action, str(tmp_path)])
+            err = capsys.readouterr().err
+            assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "sweep.json" in err, err
+
+
+def test_a_job_directory_that_links_outside_the_sweep_is_not_written_through(tmp_path: Path, capsys,
+                                                                             dead_pid: int) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    (sweep_dir / "a").symlink_to(outside)
+    _manifest(sweep_dir, [_job("a", 0)], dead_pid)
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep", "resume", str(sweep_dir)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "leads outside the sweep" in err, err
+    assert list(outside.iterdir()) == []

@@ -18,8 +18,9 @@ from lmlab.record.saved import SavedStateRefused, check_config, read_overrides
 from lmlab.record.trusted import check_targets
 from tests.runs import ROOT
 
-GENUINE = ["norm=rms", "data.paths=[/data/a, /data/b]", "model.attention.pattern=[4,4,0]", "+seed_note=7",
-           "~targets", "data.cache_dir=${oc.env:HOME}/cache", "optim.lr=3e-4", "hydra_note=1"]
+GENUINE = ["norm=rms", "data=text_files", "data.paths=[/data/a, /data/b]", "model.n_layer=2", "+ffn.hidden=64",
+           "~targets", "data.cache_dir=/scratch/cache", "optim.lr=3e-4", "residual=[value_embed,smear]",
+           "downstream.tasks=[shakespeare_mc]", "norm.eps=1e-5", "schedule.warmup_steps=null"]
 
 
 def _hostile(marker: Path) -> dict[str, str]:
@@ -33,6 +34,19 @@ def _hostile(marker: Path) -> dict[str, str]:
         "target_as_key": "trainer._target_=torch.save",
         "partial_as_key": "+trainer.strategy._partial_=true",
         "decode_resolver": "trainer.strategy=${oc.decode:'{_target_: torch.save}'}",
+        "resolver_name_interpolated": "trainer.strategy='${oc.${perf.tag}:\"{_target_: torch.save}\"}'",
+        "escaped_interpolation": "trainer.strategy='\\${oc.create:x}'",
+        "env_interpolation": "data.cache_dir=${oc.env:HOME}/cache",
+        "newline": "seed=5\ntouch pwned",
+        "escape_character": "+optim.note='\x1b[2J'",
+        "too_long": "data.paths=[" + ",".join(["/d/a"] * 2000) + "]",
+        "unknown_plus_key": "+perf.tag=create",
+        "plus_trainer_key": f"+trainer.default_root_dir={marker}",
+        "unknown_key": "hydra_note=1",
+        "wrong_type": "trainer.max_steps=many",
+        "task_file": f"downstream.tasks=[{marker}.yaml]",
+        "package": "norm@model.norm=rms",
+        "group_option_path": "norm=../../tmp/evil",
         "hydra_setting": "hydra.run.dir=/elsewhere",
         "sweep": "norm=rms,layer",
         "dict_for_a_scalar": "trainer.max_steps={steps: 5}",
@@ -46,7 +60,7 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 
 def test_genuine_saved_overrides_read_back_as_written(tmp_path: Path) -> None:
-    assert read_overrides(_write(tmp_path / "overrides.yaml", GENUINE), compose([])) == GENUINE
+    assert read_overrides(_write(tmp_path / "overrides.yaml", GENUINE)) == GENUINE
     assert read_overrides(_write(tmp_path / "empty.yaml", [])) == []
 
 
@@ -55,7 +69,7 @@ def test_a_hostile_saved_override_is_refused_naming_the_file_and_line(tmp_path: 
     line = _hostile(tmp_path / "marker")[form]
     path = _write(tmp_path / "overrides.yaml", [*GENUINE[:3], line, *GENUINE[3:]])
     with pytest.raises(SavedStateRefused) as err:
-        read_overrides(path, compose([]))
+        read_overrides(path)
     message = str(err.value)
     assert message.startswith(f"{path}:4: ") and "\n" not in message, message
     assert not (tmp_path / "marker").exists()
