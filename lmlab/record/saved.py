@@ -365,7 +365,9 @@ def _schema(entries: Sequence[Entry], typed: Sequence[str], config_name: str) ->
     """lmlab's config composed with the group choices of `entries` (a sweep's: its first value) and the command's
     own: the keys and types the entries are checked against (None when it cannot be composed: Hydra's own composition
     then reports why, and the entries are still literals)."""
-    from lmlab import compose
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     from lmlab.cli import override_key
     from lmlab.registry import CONF_DIR
 
@@ -373,14 +375,11 @@ def _schema(entries: Sequence[Entry], typed: Sequence[str], config_name: str) ->
     choices = [f"{e.key}={_first(e.value)}" if e.sweep else e.text for e in entries
                if e.group and not _is_hydra(e.key) and not e.delete and e.key not in mine]
     choices += [t for t in typed if (CONF_DIR / override_key(t)).is_dir() and not t.startswith(("+", "~"))]
-    from hydra.core.global_hydra import GlobalHydra
-
     try:
         if GlobalHydra.instance().is_initialized():  # inside a command's Hydra app: its own composition, left as it is
-            from hydra import compose as hydra_compose
-
-            return hydra_compose(config_name=config_name, overrides=choices)
-        return compose(choices, config_name=config_name)
+            return compose(config_name=config_name, overrides=choices)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name=config_name, overrides=choices)
     except Exception:  # noqa: BLE001  (Hydra's composition reports it in its own words)
         return None
 
