@@ -9,8 +9,9 @@ accepted only when it is what a command typed by a user could have meant and lml
   group whose keys the option's signature checks (`+ffn.hidden=...`), no instantiation key (`_target_`, `_partial_`,
   ...) anywhere; of Hydra's own settings (`hydra.*`), only in a sweep's command and only the launcher and search
   settings lmlab writes, and the launchers and sweepers lmlab ships, by name;
-- the value a literal of the key's type: numbers, booleans, strings, null and lists of those (a mapping only where
-  lmlab's config holds one, of literals too). No `${` at all: an interpolation is resolved when the config is read,
+- the value a literal of the key's shape: numbers, booleans, strings, null and lists of those (a mapping only where
+  lmlab's config holds one, of literals too; a scalar of the wrong kind, optim.lr=abc, is data, which the key's own
+  check refuses by name when the run starts). No `${` at all: an interpolation is resolved when the config is read,
   and a resolver's name can itself be an interpolation, so a value from a file holds none (one the user wants is
   typed on the command line, where it is theirs: a key the command sets is not read from the file);
 - free of control characters (a newline in a launcher's string is a line of its sbatch script) and within LIMIT;
@@ -254,7 +255,7 @@ def _typed_values(text: str) -> list[str]:
     return [p for v in _values(value) for p in (v if isinstance(v, list) else [v])]
 
 
-_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}  # what a scalar key holds
 
 
 def _type_refusal(value: Any, node: Any, key: str) -> str | None:
@@ -282,11 +283,8 @@ def _type_refusal(value: Any, node: Any, key: str) -> str | None:
         return None
     if isinstance(value, list):
         return None if not any(isinstance(v, Mapping) for v in value) else f"a mapping inside the list {key}"
-    if isinstance(node, bool) and not isinstance(value, bool):
-        return f"{key} is true or false, not {value!r}"
-    if isinstance(node, int | float) and not isinstance(node, bool) and (
-            isinstance(value, bool) or not isinstance(value, int | float)):
-        return f"{key} is a number, not {value!r}"
+    # A scalar of another kind (optim.lr=abc) is data all the same: the key's own check refuses it naming the key
+    # (a run before it starts, a sweep's job as a failed job while the sweep goes on)
     return None
 
 

@@ -81,3 +81,21 @@ def test_a_launcher_string_is_one_line_of_the_sbatch_script() -> None:
                         ({"setup": ["ok", "x\x00y"]}, r"hydra.launcher.setup\[1\]")):
         with pytest.raises(ValueError, match=rf"^{key}=.*a control character"):
             check_lines(params)
+
+
+def test_a_recorded_config_calls_only_resolvers_that_compute_a_value(tmp_path: Path) -> None:
+    """A run's `.hydra/config.yaml` (read back by eval.py, generate.py and export while the run is going) keeps its
+    interpolations: one of lmlab's own that computes a value is read; one that makes a config or a directory, or whose
+    resolver is named by an interpolation, is refused naming the key."""
+    from lmlab.record.saved import SavedStateRefused, check_config
+
+    path = tmp_path / "config.yaml"
+    fine = {"data": {"cache_dir": "${oc.env:LMLAB_CACHE,${oc.env:HOME}/.cache/lmlab}", "batch_size": 8},
+            "schedule": {"decay_from": "${lmlab.step_at:0.67,${trainer.max_steps}}"}, "model": {"n_layer": "${seed}"}}
+    assert check_config(fine, path) is fine
+    for key, value in (("data.paths", "${oc.create:'{_target_: torch.save}'}"), ("data.name", "${oc.${x}:y}"),
+                       ("data.cache_dir", "${lmlab.sqlite:/tmp/elsewhere/db}"), ("model.norm", "${oc.decode:'{}'}")):
+        group, _, leaf = key.partition(".")
+        config = {**fine, group: {**fine.get(group, {}), leaf: value}}
+        with pytest.raises(SavedStateRefused, match=rf"^{path}: {key}="):
+            check_config(config, path)

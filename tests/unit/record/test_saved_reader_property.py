@@ -1,6 +1,6 @@
 """The saved-state reader against thousands of generated override lines (issue 59): each line mixes interpolations,
 resolvers whose names are themselves interpolations, escapes, quotes, mappings, `_target_`, control characters and
-long strings, and each is either refused or parsed to a literal of its key's type — never a value with `${`, never a
+long strings, and each is either refused or parsed to a literal of its key's shape — never a value with `${`, never a
 mapping with an instantiation key, never a control character, and one that OmegaConf resolves to itself (no resolver
 is ever called on it)."""
 

@@ -43,7 +43,7 @@ def _hostile(marker: Path) -> dict[str, str]:
         "unknown_plus_key": "+perf.tag=create",
         "plus_trainer_key": f"+trainer.default_root_dir={marker}",
         "unknown_key": "hydra_note=1",
-        "wrong_type": "trainer.max_steps=many",
+        "mapping_in_a_list_for_a_scalar": "trainer.devices=[{a: 1}]",
         "task_file": f"downstream.tasks=[{marker}.yaml]",
         "package": "norm@model.norm=rms",
         "group_option_path": "norm=../../tmp/evil",
