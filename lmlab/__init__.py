@@ -163,7 +163,11 @@ class _Forward(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: object = None,
                   target: object = None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.util.spec_from_loader(fullname, self) if self._new(fullname) else None
+        new = self._new(fullname)
+        if not new:
+            return None
+        found = importlib.util.find_spec(new)  # its file as the alias's origin: `python -m lmlab.<old>`'s sys.argv[0]
+        return importlib.util.spec_from_loader(fullname, self, origin=found.origin if found else None)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = importlib.import_module(self._new(spec.name))

@@ -27,6 +27,12 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"  # the YAMLs, shipped in the
                                                      # it)
 
 
+def is_group(key: str) -> bool:
+    """Whether `key` (an override's key) names a config group of lmlab's (`norm`, `hydra/launcher`): a plain name of
+    CONF_DIR's folders, whatever the key holds (a 5,000-character key, `..`, a NUL: never a path to look up)."""
+    return len(key) <= 100 and all(part.isidentifier() for part in key.split("/")) and (CONF_DIR / key).is_dir()
+
+
 
 def gather(package: str, path: Iterable[str], attr: str) -> dict[str, Any]:
     """The options a package's own files declare, by importing each: its `attr` dict (`OPTIONS = {"mha": MHA}`), or

@@ -184,6 +184,10 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
         check_attention_fits(f"length {length}", position, heads, length,
                              min(batch_size, max_windows or batch_size))
 
+    from lmlab.data.tokenizer import load_tokenizer
+
+    if (run_dir / "tokenizer.json").is_file():  # one past the model's vocabulary: refused naming both sizes
+        load_tokenizer(run_dir / "tokenizer.json", model_cfg["vocab_size"])
     dm = run_data(run_dir, run_cfg, seq_len=trained)
     rows = []
     curves: dict[str, dict[int, list[float]]] = {}

@@ -30,6 +30,14 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
                     raise
                 print(f"{PROG[command].removeprefix('python ')}: {err.strerror}", file=sys.stderr)
                 raise SystemExit(1) from None
+            except PermissionError as err:  # a read-only run directory or cache: the file and what to do, one line
+                if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
+                    raise
+                why = err.strerror or "permission denied"
+                print(f"{PROG[command].removeprefix('python ')}: {err.filename or err}: {why} (a run or cache "
+                      f"directory lmlab writes must be writable by this user; copy the run to continue it elsewhere)",
+                      file=sys.stderr)
+                raise SystemExit(2) from None
             except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
                 if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
                     raise
@@ -62,6 +70,8 @@ def refuse_unknown(command: str, config_name: str, argv: Sequence[str]) -> None:
             continue
         overrides.append(arg)
     problem = unknown_override(config_name, overrides)
+    if problem and len(problem) > 1000:  # (a key of thousands of characters: its start says enough)
+        problem = f"{problem[:500]} ... {problem[-300:]}"
     if problem:
         print(f"{PROG[command].removeprefix('python ')}: {problem}", file=sys.stderr)
         raise SystemExit(2)
@@ -78,7 +88,7 @@ def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
     from omegaconf import OmegaConf
 
     from lmlab import compose
-    from lmlab.registry import CONF_DIR
+    from lmlab.registry import CONF_DIR, is_group
 
     parser, groups, keys = OverridesParser.create(), [], []
     for text in overrides:
@@ -90,7 +100,7 @@ def unknown_override(config_name: str, overrides: Sequence[str]) -> str | None:
         key = ov.key_or_group
         if key.startswith("hydra") or ov.package is not None:
             continue
-        if (CONF_DIR / key).is_dir() and not ov.is_delete():
+        if is_group(key) and not ov.is_delete():
             if ov.value_type == ValueType.GLOB_CHOICE_SWEEP:
                 continue
             options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))

@@ -83,7 +83,16 @@ def status(sweep_dir: Path, as_json: bool = False, watch: float | None = None) -
 
 
 def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> None:
+    import signal
+    import threading
+
     from lmlab.commands import train
+    from lmlab.run.early_signals import stop_now
+
+    if threading.current_thread() is threading.main_thread():  # its checks (squeue, a study) end on a signal, in a line
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, stop_now)
 
     rows = sweep.job_states(sweep_dir, manifest)
     # key=value arguments are for every job: the completed ones continue too (with more steps, say)
@@ -118,8 +127,8 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
     argv = [*typed, *extra, f"hydra.sweep.dir={sweep_dir.resolve()}",
             *([f"hydra.job.config.override_dirname.exclude_keys=[{','.join(names)}]"] if names else [])]
     # It runs here, in the user's working directory, never in the manifest's `cwd` (a directory a shared manifest
-    # names could hold a package every child interpreter would import); a relative path of the command means the
-    # same as it did when run from where it was typed
+    # names could hold a package every child interpreter would import): a relative path of the command is read from
+    # here, which the note says when the sweep was started elsewhere
     cwd = manifest.get("cwd")
     if isinstance(cwd, str) and Path(cwd) != Path.cwd():
         relative = [a for a in typed if "=" in a and any(not v.startswith("/") and "/" in v for v in _paths(a))]

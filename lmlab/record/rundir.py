@@ -483,7 +483,7 @@ class RunLock:
                 break
             os.close(fd)  # the holder removed the file between our open and our lock: take the new one
         info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} " \
-               f"({' '.join(sys.argv)[:300]})"
+               f"({' '.join(map(str, sys.argv))[:300]})"
         # a line left in the file: its holder died holding the lock (a release removes the file), killed mid-run
         self.stale = os.pread(fd, 4096, 0).decode(errors="replace").strip() or None
         os.ftruncate(fd, 0)

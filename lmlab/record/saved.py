@@ -83,6 +83,7 @@ def parse(text: Any, *, sweep: bool = False, hydra: bool = False) -> Entry | str
     """`text` parsed into an Entry, or why it is refused (a str). `sweep`: a sweep of values is accepted (a sweep's
     command); `hydra`: Hydra's own settings from the allow-list are (a sweep's command, not a run's overrides)."""
     from lmlab.registry import CONF_DIR
+    from lmlab.registry import is_group as is_group_key
 
     if not isinstance(text, str):
         return f"a {type(text).__name__}, not a key=value string"
@@ -105,7 +106,7 @@ def parse(text: Any, *, sweep: bool = False, hydra: bool = False) -> Entry | str
     if parsed.is_sweep_override() and not sweep:
         return "a sweep of values: a run's saved override holds one"
     value = None if parsed.is_delete() else parsed.value()
-    is_group = (CONF_DIR / key).is_dir() or key.startswith("hydra/")
+    is_group = is_group_key(key) or key.startswith("hydra/")
     if _is_hydra(key):
         if not hydra:
             return "Hydra's own settings are not a run's overrides"
@@ -368,11 +369,12 @@ def _schema(entries: Sequence[Entry], typed: Sequence[str], config_name: str) ->
 
     from lmlab.cli import override_key
     from lmlab.registry import CONF_DIR
+    from lmlab.registry import is_group as is_group_key
 
     mine = {override_key(t) for t in typed}
     choices = [f"{e.key}={_first(e.value)}" if e.sweep else e.text for e in entries
                if e.group and not _is_hydra(e.key) and not e.delete and e.key not in mine]
-    choices += [t for t in typed if (CONF_DIR / override_key(t)).is_dir() and not t.startswith(("+", "~"))]
+    choices += [t for t in typed if is_group_key(override_key(t)) and not t.startswith(("+", "~"))]
     try:
         if GlobalHydra.instance().is_initialized():  # inside a command's Hydra app: its own composition, left as it is
             return compose(config_name=config_name, overrides=choices)
@@ -392,7 +394,8 @@ def _first(value: Any) -> Any:
 def check_command(argv: Sequence[Any], path: Path, typed: Sequence[str] = ()) -> list[str]:
     """The arguments of a sweep's recorded command (`path`: its sweep.json), each checked as data before `lmlab sweep
     resume` runs them: its overrides (sweeps of values included) by the rules of a run's, its launcher and search
-    settings from the allow-list. `typed`: the resume's own key=value arguments (they replace recorded ones)."""
+    settings from the allow-list. `typed`: the resume's own key=value arguments, which replace the recorded ones of
+    their keys: those are neither checked nor returned. Returns the arguments to run again."""
     from lmlab.cli import override_key
 
     entries: list[tuple[str, Entry]] = []
@@ -416,7 +419,7 @@ def check_command(argv: Sequence[Any], path: Path, typed: Sequence[str] = ()) ->
         check_entries([(w, e) for w, e in entries if e.key.split(".")[0] not in swept_groups], schema, typed)
     except SavedStateRefused as err:
         raise SavedStateRefused(f"{err}; {_SWEEP_ADVICE}") from None
-    return [a for a in argv if isinstance(a, str)]
+    return [a for a in argv if isinstance(a, str) and not (override_key(a) in replaced and not a.startswith("-"))]
 
 
 _SWEEP_ADVICE = ("`lmlab sweep resume` runs a sweep's recorded command only as data: if you trust it, run the command "

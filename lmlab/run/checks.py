@@ -55,12 +55,24 @@ def check_unknown_top_level(cfg: DictConfig) -> None:
                              f"(the keys: {', '.join(sorted(known - {'hydra'}))})")
 
 
+# Lightning's precision values (lightning.fabric.connector's _PRECISION_INPUT, which tests/unit/run/test_checks_keys.py
+# compares with these): checked here, before Lightning is imported, to refuse a bad one in one line by its key
+PRECISIONS = ("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+              "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16)
+
+
+def check_precision(precision: Any) -> None:
+    if precision is not None and (isinstance(precision, bool) or precision not in PRECISIONS):
+        raise ValueError(f"trainer.precision={precision!r} is not a precision Lightning knows; choose one of "
+                         f"{', '.join(str(p) for p in PRECISIONS[:8])} (or 64, 32, 16, bf16)")
+
+
 def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
     and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
     `overrides`, the command's, tell a warmup the user chose from a smoke run of a config's own (None: unknown)."""
     import warnings
-    from typing import Literal
+    from typing import Annotated, Literal
 
     import torch
 
@@ -69,7 +81,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
     from lmlab.optim.overrides import check as check_groups
     from lmlab.optim.qk_clip import check_qk_clip
-    from lmlab.registry import PositiveFloat, PositiveInt, check_values, option_params
+    from lmlab.registry import PositiveFloat, PositiveInt, Range, check_values, option_params
 
     check_unknown_top_level(cfg)
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
@@ -89,7 +101,9 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         check_run(optim, strategy_name(cfg), bool(averages))
     check_qk_clip(OmegaConf.to_container(cfg.optim), model, gcfg.attention["name"], strategy_name(cfg))
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
-        "seed": int, "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
+        "seed": Annotated[int, Range(ge=0, le=2**32 - 1)],  # numpy's bounds (lmlab seeds numpy with it)
+        "trainer.log_every_n_steps": PositiveInt,  # 0 would log no training row at all
+        "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
         "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
         **{f"data.{k}": t for k, t in DATA_KEYS.items()},
@@ -100,6 +114,11 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     if "sources" in cfg.data.keys():  # data=mixture: its sources by key (lmlab.data.sources)
         check_sources(OmegaConf.to_container(cfg.data, resolve=True))
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
+    check_precision(cfg.trainer.get("precision"))
+    if gcfg.untie_at_step is not None and gcfg.untie_at_step >= int(cfg.trainer.max_steps):
+        warnings.warn(f"model.untie_at_step={gcfg.untie_at_step} >= trainer.max_steps={cfg.trainer.max_steps}: the "
+                      f"head stays tied for the whole run (lower model.untie_at_step, or raise trainer.max_steps)",
+                      stacklevel=2)
     budget.chosen(cfg)  # budget.*: one at most, > 0
     check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
     check_spike_skip(OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))

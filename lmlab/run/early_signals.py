@@ -26,13 +26,23 @@ def _keep(signum: int, frame: Any) -> None:
     _pending.append(int(signum))
 
 
+def stop_now(signum: int, frame: Any) -> None:
+    """SIGINT (Ctrl-C) before the run started: one line and the signal's exit code, not a traceback from whatever
+    import or check it came in; nothing was written yet (a start writes only once its checks have passed)."""
+    print(f"interrupted by signal {signum} before the run started: nothing to save", flush=True)
+    raise SystemExit(128 + int(signum))
+
+
 def catch_early() -> None:
-    """Keep SIGTERM and SIGUSR1 for StopOnSignal from now on (main thread only: Python's rule for handlers)."""
+    """Keep SIGTERM and SIGUSR1 for StopOnSignal from now on, and stop at once on SIGINT with one line (main thread
+    only: Python's rule for handlers; a SIGINT the shell set to be ignored, a background job's, stays ignored)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for s in EARLY:
         if signal.getsignal(s) is not _keep:
             signal.signal(s, _keep)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, stop_now)
 
 
 def take_pending() -> int:

@@ -76,9 +76,7 @@ class StopOnSignal(Callback):
         return "StopOnSignal"
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.preparing:  # nothing to save yet (data preparation, checks): stop now, as the signal's default would
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
+        if self.preparing:  # nothing to save yet (data preparation, checks): stop now, in one line
             stop_before_start(signum)
         if self.before_first_step:
             self.received = signum
@@ -124,7 +122,11 @@ class StopOnSignal(Callback):
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        from lmlab.run.early_signals import stop_now
+
         for s, handler in self._original.items():
+            if handler is stop_now:  # the run has started: a late Ctrl-C is Python's again
+                handler = signal.default_int_handler
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._original = {}
 

@@ -309,7 +309,9 @@ class StabilityMonitor(Callback):
             metrics.update(self._routing_figures(trainer, pl_module))
             metrics.update(self._mixer_figures(trainer, pl_module))
         if self.unigram is not None and outputs and "loss" in outputs and self._due(step, self.every):
-            metrics[names.LOSS_VS_UNIGRAM] = float(outputs["loss"]) - self.unigram
+            loss = outputs["loss"].detach().float()
+            loss = trainer.strategy.reduce(loss, reduce_op="mean") if trainer.world_size > 1 else loss  # the global
+            metrics[names.LOSS_VS_UNIGRAM] = float(loss) - self.unigram  # batch's, as train/loss is (not rank 0's)
         self._recording, self._act, self._attn_in = False, {}, {}
         self._ratios_due, self._ratio = False, {}
         if metrics:

@@ -22,6 +22,10 @@ def test_ddp_two_cpu_ranks_follow_one_process(name: str, corpus, tmp_path) -> No
         a, b = metric(one, key), metric(two, key)
         assert a.keys() == b.keys() and len(a) >= 2
         assert list(b.values()) == pytest.approx(list(a.values()), rel=2e-3), key
+    # the loss against the unigram baseline is the global batch's too, not rank 0's half of it (issue 59)
+    a, b = metric(one, "train/loss_vs_unigram"), metric(two, "train/loss_vs_unigram")
+    assert a.keys() == b.keys() and len(a) >= 2
+    assert list(b.values()) == pytest.approx(list(a.values()), abs=5e-3)
 
 
 FAMILY = ["optim.split=heads", "optim.normuon=true", "optim.ns_coefficients=polar_express", "ffn=swiglu"]

@@ -61,3 +61,16 @@ def test_an_existing_file_as_out_is_kept_unless_overwrite(tmp_path) -> None:
     res = cli("-m", "lmlab.record.consolidate", str(ckpt), str(mine), "--overwrite", cwd=ROOT)
     assert res.returncode == 0 and load_checkpoint(mine, "test")["global_step"] == 3, res.stderr[-2000:]
     assert consolidate(ckpt) == consolidate(ckpt)  # the default name is lmlab's own: consolidating again replaces it
+
+
+@pytest.mark.parametrize("module", ["lmlab.record.consolidate", "lmlab.consolidate"])
+def test_a_run_directory_is_consolidated_under_its_lock_by_either_spelling(tmp_path, module: str) -> None:
+    """`python -m lmlab.consolidate` (the old spelling, kept by the forwarding table) takes the run's lock as the new
+    one does: the lock records the command, whose argv[0] the alias once left None (a TypeError, issue 59)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    sharded_checkpoint(run / "checkpoints" / "last.ckpt")
+    res = cli("-m", module, str(run), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = run / "checkpoints" / "last.consolidated.ckpt"
+    assert res.stdout.strip() == f"-> {out}" and "state_dict" in load_checkpoint(out, "test")

@@ -306,3 +306,18 @@ def test_the_known_top_level_keys_are_train_yamls_own_and_its_groups() -> None:
 
     assert {"seed", "optim", "trainer", "experiment", "monitor", "hydra", "targets"} <= top_level_keys()
     assert not {"defaults", "lr", "_self_"} & top_level_keys()
+
+
+def test_a_read_only_file_is_one_line_naming_it(capsys) -> None:
+    """A run or cache directory this user cannot write (issue 59: a traceback): one line naming the file, exit 2."""
+    from lmlab.commands.refusals import usage_errors
+
+    @usage_errors("train")
+    def main() -> None:
+        raise PermissionError(13, "Permission denied", "/runs/shared/.lock")
+
+    with pytest.raises(SystemExit) as stop:
+        main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train.py: /runs/shared/.lock: Permission denied (a run or cache directory"), err
