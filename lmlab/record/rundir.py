@@ -285,6 +285,23 @@ def load_model(run_dir: str | Path, what: str = "run", weights: str = "live") ->
     return load_run(run_dir, what).build(weights)
 
 
+JSON_LIMIT = 256 << 20  # bytes of a JSON record read back (a summary with a long val_curve is some megabytes)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON record of a run directory, read as data: refused naming the file when it is over JSON_LIMIT, not JSON,
+    or nested past what the parser can walk (a crafted file of 100,000 brackets)."""
+    size = path.stat().st_size
+    if size > JSON_LIMIT:
+        raise ValueError(f"{path}: {size:,} bytes, over the {JSON_LIMIT:,} of a record lmlab writes")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests too deep: not a record lmlab writes") from None
+
+
 class RunDir:
     """Paths and records of one run directory."""
 
@@ -319,10 +336,7 @@ class RunDir:
         path = self.wandb / WANDB_RUN
         if not path.is_file():
             return None
-        try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON ({err})") from None
+        return read_json(path)
 
     def write_wandb_run(self, info: dict[str, Any]) -> None:
         atomic_write(self.wandb / WANDB_RUN, dumps(info))
@@ -340,10 +354,7 @@ class RunDir:
     def read_summary(self) -> dict[str, Any] | None:
         if not self.summary.is_file():
             return None
-        try:
-            summary = json.loads(self.summary.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{self.summary} is not valid JSON ({err})") from None
+        summary = read_json(self.summary)
         if not isinstance(summary, dict):  # every reader takes it as an object: refused here, once, with the path
             raise ValueError(f"{self.summary} holds a {type(summary).__name__}, not an object")
         return summary

@@ -99,3 +99,14 @@ def test_a_recorded_config_calls_only_resolvers_that_compute_a_value(tmp_path: P
         config = {**fine, group: {**fine.get(group, {}), leaf: value}}
         with pytest.raises(SavedStateRefused, match=rf"^{path}: {key}="):
             check_config(config, path)
+
+
+@pytest.mark.parametrize("text, why", [("[" * 100_000 + "]" * 100_000, "nests too deep"), ("{", "is not valid JSON"),
+                                       ("[1, 2]", "holds a list, not an object")])
+def test_a_hostile_summary_is_one_refusal_naming_it(tmp_path: Path, text: str, why: str) -> None:
+    from lmlab.record.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.summary.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{run.summary}.*{why}"):
+        run.read_summary()
