@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
-from lmlab.analysis import optimizer_benchmark  # noqa: F401  (its own section registers with it)
+from lmlab.analysis import compare_speed, optimizer_benchmark  # noqa: F401  (their own sections register with it)
 from lmlab.analysis.compare_gaps import CURVES, gaps, validations
 from lmlab.analysis.compare_stats import significance
 from lmlab.analysis.ladder import matmul_weights, size_keys  # its own section registers with it

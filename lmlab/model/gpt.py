@@ -20,6 +20,7 @@ from lmlab.config import GPTConfig
 from lmlab.model.loss import Z_LOSS, Softcap, cross_entropy, linear_cross_entropy
 from lmlab.model.memory import check_model_fits
 from lmlab.model.attention.cache import KVCache
+from lmlab.model.attention.flex import mask_plan
 from lmlab.model.head import HEADS, MTP_LOSS
 from lmlab.model.init import INITS
 from lmlab.model.attention.mask import documents
@@ -108,6 +109,15 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
                 z_loss: float = 0.0, parts: bool = False) -> Any:
+        """`_forward` (below), with each distinct FlexAttention block mask built once for all its layers
+        (lmlab.model.attention.flex.mask_plan); a compiled graph builds its masks inside itself."""
+        if torch.compiler.is_compiling():
+            return self._forward(idx, targets, cache, z_loss, parts)
+        with mask_plan():
+            return self._forward(idx, targets, cache, z_loss, parts)
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor | None, cache: KVCache | None, z_loss: float,
+                 parts: bool) -> Any:
         """idx (B, T) token ids -> logits (B, T, vocab) (softcapped under `logit_softcap`); given targets (B, T), the
         mean token cross-entropy instead (fp32; with `chunked_loss` the logits are never held whole), plus `z_loss` ·
         mean(log Z)² when given, plus in training the sublayers' auxiliary losses (an MoE's balancing terms, `aux`);

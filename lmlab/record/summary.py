@@ -88,6 +88,9 @@ class RunSummary(TypedDict, total=False):
     n_skipped_steps: int  # spike_skip.enabled only: their number (the W&B summary's figure; the list is not a scalar)
     grad_norm_at_init: dict[str, float] | None  # the gradient-norm profile at step 0 (embed, layer_XX, head)
     tokens_per_s: float | None  # this attempt's
+    model_flops_per_s: float | None  # this attempt's: tokens_per_s x flops_per_token (compare's speed section)
+    mfu: float | None  # model_flops_per_s over the devices' peak (perf.peak_flops, or a known GPU's), else None
+    device: str | None  # cpu, or the GPU's name
     world_size: int
     wall_time_s: float
     n_params: int

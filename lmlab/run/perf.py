@@ -9,6 +9,7 @@ import re
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -50,9 +51,18 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         device = pl_module.device
+        self.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         if self.peak is None and device.type == "cuda":
             self.peak = peak_flops(torch.cuda.get_device_name(device))
         self._since, self._tokens = time.perf_counter(), pl_module.tokens_seen
+
+    def figures(self, tokens_per_s: float | None, world_size: int) -> dict[str, Any]:
+        """summary.json's speed of an attempt from its `tokens_per_s`: `model_flops_per_s` (tokens/s x train FLOPs per
+        token, what compare's speed section weighs variants by), `mfu` (over the peak of `world_size` devices, where
+        the peak is known) and `device` (cpu, or the GPU's name)."""
+        rate = tokens_per_s * self.flops_per_token if tokens_per_s else None
+        return {"model_flops_per_s": rate, "mfu": rate / (self.peak * world_size) if rate and self.peak else None,
+                "device": getattr(self, "device", None)}
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._val_started = time.perf_counter()

@@ -199,6 +199,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary["signal"] = stop.signum or None
         staged = budget.stage_table(cfg, lit.model) if plan.stages is not None else None  # each stage's tokens,
         summary.update(budget.spent(plan.budget, summary, throughput.flops_per_token, staged))  # FLOPs per token
+        summary.update(throughput.figures(summary["tokens_per_s"], summary["world_size"]))  # FLOP/s, MFU, device
         if staged is not None:  # compare's *_to_target count through them
             summary["stages"] = staged
         if downstream is not None:  # the last downstream/ values (downstream.tasks=[]: the summary as before)

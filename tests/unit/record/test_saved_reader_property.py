@@ -68,7 +68,7 @@ def _literal_leaves(value: Any) -> list[Any]:
     return [value]
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(line=LINES, sweep=st.booleans())
 def test_every_generated_line_is_refused_or_a_literal_of_its_key(line: str, sweep: bool) -> None:
     entry = parse(line, sweep=sweep, hydra=sweep)
