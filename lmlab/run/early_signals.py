@@ -29,8 +29,12 @@ def _keep(signum: int, frame: Any) -> None:
 def stop_now(signum: int, frame: Any) -> None:
     """SIGINT (Ctrl-C) before the run started: one line and the signal's exit code, not a traceback from whatever
     import or check it came in; nothing was written yet (a start writes only once its checks have passed)."""
+    import os
+    import sys
+
     print(f"interrupted by signal {signum} before the run started: nothing to save", flush=True)
-    raise SystemExit(128 + int(signum))
+    sys.stderr.flush()
+    os._exit(128 + int(signum))  # not SystemExit: the exit handlers of a half-imported torch print pages of stats
 
 
 def catch_early() -> None:

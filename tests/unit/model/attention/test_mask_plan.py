@@ -37,7 +37,7 @@ def _built(model: GPT, idx: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, in
 
 @pytest.mark.parametrize("attention, distinct", [
     ({"name": "mha", "window": 5}, 1),  # one window, four layers
-    ({"name": "gqa", "window": 4, "pattern": ["local", "local", "local", "global"], "softcap": 2.0}, 2),  # local, global
+    ({"name": "gqa", "window": 4, "pattern": ["local", "local", "local", "global"], "softcap": 2.0}, 2),  # 2 kinds
     ({"name": "mha", "window": 5, "pattern": ["local", "global"], "doc_mask": True}, 2),  # documents in each
     ({"name": "mla", "doc_mask": True, "softcap": 3.0}, 1),
 ])
