@@ -35,6 +35,10 @@ def run(prog: str, argv: Sequence[str]) -> None:
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
     refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
     main()
+    if SWEEPS:  # a sweep's last lines (its jobs ran in this process): where it is, how its jobs ended, what next
+        from lmlab.record.sweep import closing_lines
+
+        print("\n".join(line for d in SWEEPS for line in closing_lines(d)), flush=True)
     if FAILED_JOBS:  # a sweep went on past them (the basic launcher's jobs run in this process): now it says so
         jobs = "\n  ".join(FAILED_JOBS)
         print(f"{prog.removeprefix('python ')}: {len(FAILED_JOBS)} job(s) of the sweep did not run to an end:\n  {jobs}",
@@ -44,6 +48,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
 
 # The jobs of this process's sweep that were refused or raised (directory: why); run() exits 1 when there are any.
 FAILED_JOBS: list[str] = []
+SWEEPS: list[str] = []  # the sweep directories whose jobs ran in this process: run() ends with their closing lines
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -54,6 +59,8 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
+    if sweeping and str(hc.sweep.dir) not in SWEEPS:
+        SWEEPS.append(str(hc.sweep.dir))
     from lmlab.record.summary import objective
 
     try:

@@ -357,6 +357,18 @@ def table(rows: Sequence[Mapping[str, Any]], swept: Sequence[str] | None = None)
     return "\n".join([*lines, *notes, f"{len(rows)} job(s): {summary}"])
 
 
+def closing_lines(sweep_dir: str | Path) -> list[str]:
+    """What a sweep says when its submitter is done with it: its directory, its jobs by state and the commands that
+    look at it ([] without a manifest). The scheduler is not asked: a job still queued shows as pending."""
+    try:
+        rows = job_states(sweep_dir, scheduler={})
+    except (FileNotFoundError, ValueError):
+        return []
+    states = ", ".join(f"{n} {s}" for s, n in counts(rows).items())
+    return [f"sweep {sweep_dir}: {len(rows)} job(s): {states}", f"  lmlab sweep status {sweep_dir}",
+            f"  lmlab compare {sweep_dir}"]
+
+
 def distinct_overrides(job_overrides: Sequence[Sequence[str]]) -> list[str]:
     """Each job's overrides that are not every job's: what tells the jobs of a sweep apart."""
     if not job_overrides:

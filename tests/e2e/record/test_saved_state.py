@@ -101,6 +101,9 @@ def test_a_sweep_with_a_refused_job_goes_on_and_exits_non_zero(corpus: Path, tmp
     assert done == ["completed"]
     last = res.stderr.strip().splitlines()
     assert last[-2] == "train.py: 1 job(s) of the sweep did not run to an end:" and "n_head=3" in last[-1], last
+    # the sweep's own last lines (issue 65): where it is, how its jobs ended, the commands that look at it
+    assert res.stdout.strip().splitlines()[-3:] == [f"sweep {sweep}: 2 job(s): 1 completed, 1 failed",
+                                                    f"  lmlab sweep status {sweep}", f"  lmlab compare {sweep}"]
 
 
 def test_a_secret_from_the_environment_is_in_no_file_of_the_run(corpus: Path, tmp_path: Path) -> None:
