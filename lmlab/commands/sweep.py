@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmlab.cli import PROG, dirname_exclusions, override_key
 from lmlab.record import sweep
-from lmlab.record.saved import SavedStateRefused, check_command, control_char
+from lmlab.record.saved import SavedStateRefused, check_command, control_char, typed_values
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -131,7 +131,8 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
     # here, which the note says when the sweep was started elsewhere
     cwd = manifest.get("cwd")
     if isinstance(cwd, str) and Path(cwd) != Path.cwd():
-        relative = [a for a in typed if "=" in a and any(not v.startswith("/") and "/" in v for v in _paths(a))]
+        relative = [a for a in typed if any(isinstance(v, str) and "/" in v and not v.startswith("/")
+                                            for v in typed_values(a))]
         if relative:
             print(f"{prog}: note: the sweep was started in {cwd!r}; its relative paths ({', '.join(relative)}) are "
                   f"read from here, {Path.cwd()}", flush=True)
@@ -146,8 +147,3 @@ def resume(prog: str, sweep_dir: Path, manifest: dict, extra: Sequence[str]) -> 
     finally:
         sweep.RESUME = None
 
-
-def _paths(arg: str) -> list[str]:
-    """The string values of a key=value argument that look like paths."""
-    value = arg.partition("=")[2].strip("[]'\"")
-    return [v.strip(" '\"") for v in value.split(",")]

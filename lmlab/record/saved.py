@@ -117,10 +117,9 @@ def parse(text: Any, *, sweep: bool = False, hydra: bool = False) -> Entry | str
             return why
     if is_group and not key.startswith("hydra/") and not parsed.is_delete():
         options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
-        for choice in _values(value):
-            for one in (choice if isinstance(choice, list) else [choice]):  # residual=[value_embed,smear]
-                if one is not None and (not isinstance(one, str) or one not in options):
-                    return f"{key} has no option {one!r} (the options: {', '.join(options)})"
+        for one in _leaves(value):  # residual=[value_embed,smear]: each an option
+            if one is not None and (not isinstance(one, str) or one not in options):
+                return f"{key} has no option {one!r} (the options: {', '.join(options)})"
     return Entry(text, key, value, parsed.is_add() or parsed.is_force_add(), parsed.is_delete(), is_group,
                  parsed.is_sweep_override())
 
@@ -152,6 +151,11 @@ def _values(value: Any) -> list[Any]:
     if isinstance(value, Glob):
         return [*value.include, *value.exclude]
     return [value]
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The scalars a parsed value stands for: each value of a sweep, each item of a list (residual=[a,b])."""
+    return [leaf for v in _values(value) for leaf in (v if isinstance(v, list) else [v])]
 
 
 def _literal_refusal(value: Any, key: str) -> str | None:
@@ -207,7 +211,7 @@ def check_entries(entries: Sequence[tuple[str, Entry]], schema: Any, typed: Sequ
     """Each (where, entry) against `schema`, the config composed with the entries' group choices: the key lmlab's (or
     a `+key` of an option group), the value of its type, a code path only as the command line names it (`typed`).
     Raises SavedStateRefused naming `where` and why."""
-    named = {str(v) for t in typed for v in _typed_values(t)}
+    named = {str(v) for t in typed for v in typed_values(t)}
     for where, entry in entries:
         if entry.group or _is_hydra(entry.key):
             continue
@@ -220,7 +224,7 @@ def check_entries(entries: Sequence[tuple[str, Entry]], schema: Any, typed: Sequ
         elif not entry.delete:
             why = next((w for v in _values(entry.value) if (w := _type_refusal(v, node, entry.key))), None)
         if why is None and entry.key in CODE_PATHS:
-            paths = [p for v in _values(entry.value) for p in (v if isinstance(v, list) else [v])
+            paths = [p for p in _leaves(entry.value)
                      if isinstance(p, str) and ("/" in p or p.endswith((".yaml", ".yml")))]
             if outside := [p for p in paths if p not in named]:
                 why = (f"{entry.key}: {outside[0]} is a task file, which imports code: from a file only lmlab's tasks "
@@ -248,12 +252,13 @@ def _node(schema: Any, key: str) -> Any:
     return None if OmegaConf.is_missing(node._get_parent(), key.rpartition(".")[2]) else value
 
 
-def _typed_values(text: str) -> list[str]:
+def typed_values(text: str) -> list[Any]:
+    """The scalars of an override typed on the command line, parsed with Hydra's grammar ([] when it does not
+    parse: Hydra reports that itself)."""
     try:
-        value = _parser().parse_override(text).value()
+        return _leaves(_parser().parse_override(text).value())
     except Exception:  # noqa: BLE001
         return []
-    return [p for v in _values(value) for p in (v if isinstance(v, list) else [v])]
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}  # what a scalar key holds
@@ -320,9 +325,9 @@ _ADVICE = ("a run directory's saved overrides are key=value data: type the value
            "remove the line to continue without it, or start over with resume=false overwrite=true")
 
 
-def _refused(where: str, text: Any, why: str) -> str:
+def _refused(where: str, text: Any, why: str, advice: str = _ADVICE) -> str:
     shown = repr(text) if not isinstance(text, str) or len(text) <= 200 else repr(text[:200] + "...")
-    return f"{where}: {shown} is refused ({why}); {_ADVICE}"
+    return f"{where}: {shown} is refused ({why}); {advice}"
 
 
 def saved_lines(path: Path) -> list[str]:
@@ -404,14 +409,14 @@ def check_command(argv: Sequence[Any], path: Path, typed: Sequence[str] = ()) ->
         where = f"{path}: command[{i + 1}]"
         if isinstance(arg, str) and arg.startswith("-") and not arg.startswith("-="):
             if arg not in FLAGS:
-                raise SavedStateRefused(_sweep_refused(where, arg, "a flag other than -m: it could read configs "
-                                                                   "from elsewhere"))
+                raise SavedStateRefused(_refused(where, arg, "a flag other than -m: it could read configs from "
+                                                             "elsewhere", _SWEEP_ADVICE))
             continue
         if isinstance(arg, str) and override_key(arg) in replaced:
             continue
         entry = parse(arg, sweep=True, hydra=True)
         if isinstance(entry, str):
-            raise SavedStateRefused(_sweep_refused(where, arg, entry))
+            raise SavedStateRefused(_refused(where, arg, entry, _SWEEP_ADVICE))
         entries.append((where, entry))
     schema = _schema([e for _, e in entries], typed, "train")
     swept_groups = {e.key for _, e in entries if e.group and e.sweep}
@@ -424,11 +429,6 @@ def check_command(argv: Sequence[Any], path: Path, typed: Sequence[str] = ()) ->
 
 _SWEEP_ADVICE = ("`lmlab sweep resume` runs a sweep's recorded command only as data: if you trust it, run the command "
                  "yourself with hydra.sweep.dir=<the sweep>")
-
-
-def _sweep_refused(where: str, arg: Any, why: str) -> str:
-    shown = repr(arg) if not isinstance(arg, str) or len(arg) <= 200 else repr(arg[:200] + "...")
-    return f"{where} {shown} is refused ({why}); {_SWEEP_ADVICE}"
 
 
 # --- the configs a run records ----------------------------------------------------------------------------------------
