@@ -73,3 +73,15 @@ def test_one_variant_or_no_figures_adds_no_section(tmp_path: Path) -> None:
         _run(sweep, ["variant=dense", f"seed={seed}"], 1000.0, 6e6, DENSE)
     _, md = compare(sweep)
     assert not (sweep / "compare_speed.csv").exists() and "FLOP/s" not in md
+
+
+def test_a_runs_recorded_speed_is_tokens_per_s_times_its_flops_per_token() -> None:
+    """summary.json's model_flops_per_s and mfu (lmlab.run.perf.Throughput.figures), counted by hand: 2,000 tokens/s
+    x 3e6 FLOPs per token on 2 devices of peak 1e10 each."""
+    from lmlab.run.perf import Throughput
+
+    got = Throughput(3e6, peak=1e10).figures(2000.0, world_size=2)
+    assert got["model_flops_per_s"] == pytest.approx(6e9) and got["mfu"] == pytest.approx(6e9 / 2e10)
+    assert Throughput(3e6).figures(2000.0, 1)["mfu"] is None and Throughput(3e6).figures(None, 1)[
+        "model_flops_per_s"] is None
+    assert model_flops_per_s({"model_flops_per_s": got["model_flops_per_s"]}) == pytest.approx(6e9)
