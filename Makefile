@@ -9,7 +9,7 @@ THIS_LMLAB = $(PYTHON) -c "import os, sys, importlib.util as u; os.chdir('/'); s
 HAS = $(PYTHON) -c "import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))"
 RUN_DEPS = torch lightning hydra omegaconf wandb datasets tokenizers matplotlib tensorboardX
 DEV_DEPS = $(RUN_DEPS) pytest xdist transformers hydra_plugins.hydra_submitit_launcher hydra_plugins.hydra_optuna_sweeper \
-	lm_eval accelerate tensorboard playwright hypothesis
+	lm_eval accelerate tensorboard playwright hypothesis torchao
 
 .PHONY: install dev train test test-all bench
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.bench.report import write_json
+from lmlab.model.moe import expert_counts
 
 
 def _contestant(name: str, overrides: list[str], device: torch.device, bf16: bool) -> Any:
@@ -80,7 +81,7 @@ def router_seconds(model: Any, batch: tuple[torch.Tensor, torch.Tensor], repeats
             logits = F.linear(x, w)
             idx, weights, p = route(logits, m.top_k, m.score, m.norm_topk)
             chosen = idx.reshape(-1)
-            counts = torch.bincount(chosen, minlength=m.n_experts)
+            counts = expert_counts(chosen, m.n_experts)
             torch.argsort(chosen, stable=True)
             total = weights.sum() + balance_loss(counts.float(), p.sum(0), x.size(0), m.top_k)
             (total + torch.logsumexp(logits, -1).square().mean()).backward()

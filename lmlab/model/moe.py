@@ -22,10 +22,12 @@ The losses are the module's terms of the side channel (lmlab.model.side: `moe_ba
 over the MoE layers (Switch, ST-MoE) and added to the objective by the GPT; their values before the coefficients are
 logged apart from the LM loss.
 
-Compute: one gather and one scatter per layer. The N·k assignments are sorted by expert (a stable sort), the tokens
-gathered in that order, each expert's rows multiplied by its own matrices in one grouped matmul (`F.grouped_mm`
-where torch can run it on this device and dtype, else a loop over the experts over their contiguous rows, never
-over tokens), weighted and added back to their tokens with one index_add. The experts' weights are stacked in
+Compute: one gather and one scatter per layer, all of it tensor ops of static shapes: no `.item()`, no bincount, no
+loop over experts, nothing read back to the host, so a GPU never waits and torch.compile keeps the layer in one graph.
+The N·k assignments are sorted by expert (a stable sort), the tokens gathered in that order, each expert's rows
+multiplied by its own matrices in one grouped matmul (`F.grouped_mm` where torch runs it on this device and dtype;
+else a batched matmul over E padded groups of N rows, `padded_linear`), weighted and added back to their tokens with one
+index_add; capacity drops an assignment by giving it weight 0. The experts' weights are stacked in
 `nn.Linear`s of E row blocks (`fused`, so fan-based inits treat each expert's matrices separately): c_fc (E·h, d) or
 (E·2h, d) ([gate; up] per expert, as transformers' Mixtral stores gate_up_proj), c_proj (E·d, h). `active_share`
 = k/E on them tells the FLOP count (lmlab.model.flops) how much of them a token uses.
@@ -114,27 +116,51 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (M, in), rows sorted by expert (`counts` (E) rows each, `offs` their int32 ends); w (E, out, in) ->
-    (M, out): each expert's rows times its own matrix transposed. F.grouped_mm wants rows of a multiple of 16 bytes
-    (in and out of 4 fp32 numbers, 8 bf16): other widths take the loop."""
-    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])  # grouped_mm's rows: 16-byte strides
-    if aligned and x.device.type != "meta" and _grouped_mm_runs(x.device.type, x.dtype):
-        return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-    outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):  # a loop over experts, each over its contiguous rows
-        if n:
-            outs.append(x[start:start + n] @ w[e].t())
-        start += n
-    return torch.cat(outs) if outs else x.new_zeros(0, w.size(1))
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) the assignments of each expert: a scatter-add, not torch.bincount, which reads its input's maximum back
+    to the host to size its output (a device sync on a GPU, a graph break under torch.compile)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=chosen.device).scatter_add_(0, chosen,
+                                                                                         torch.ones_like(chosen))
 
 
-@functools.cache
-def eager_grouped_linear() -> Callable[..., torch.Tensor]:
-    """grouped_linear, run eagerly under torch.compile (dynamo traces neither grouped_mm on CPU nor the loop). Wrapped
-    when the first MoE is built, not at import: torch.compiler.disable imports dynamo, a second of every start that
-    eval.py and generate.py, building no MoE, do not pay."""
-    return torch.compiler.disable(grouped_linear)
+@torch.compiler.assume_constant_result
+def _grouped_here(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the grouped matmul takes this call: where F.grouped_mm runs, and under torch.compile only in bf16 (its
+    meta kernel, which the compiler traces, accepts bf16 alone in torch 2.13). A constant to the compiler: the probe
+    runs eagerly once, never traced."""
+    if device_type == "meta":
+        return False
+    return _grouped_mm_runs(device_type, dtype) and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+
+
+def _aligned(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """t zero-padded at the end of `dims` to a 16-byte multiple (F.grouped_mm's row strides): zeros add nothing to a
+    product, so the result's first columns are the unpadded one's."""
+    per = 16 // t.element_size()
+    pad = [0] * (2 * t.dim())
+    for d in dims:
+        pad[2 * (t.dim() - 1 - d) + 1] = -t.size(d) % per
+    return F.pad(t, pad) if any(pad) else t
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (M, in), rows sorted by expert (`offs` (E) the int32 end of each expert's rows, the last = M); w (E, out, in)
+    -> (M, out): each expert's rows times its own matrix transposed, in one F.grouped_mm. Widths that are not a
+    16-byte multiple are zero-padded (the tests' small models; real widths are aligned)."""
+    out = w.size(1)
+    y = F.grouped_mm(_aligned(x, (1,)), _aligned(w, (1, 2)).transpose(1, 2), offs=offs)
+    return y[:, :out] if y.size(1) != out else y
+
+
+def padded_linear(x: torch.Tensor, w: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+    """The grouped matmul where F.grouped_mm does not run (fp32 under torch.compile, older devices): each expert's
+    rows placed in its `slots` rows of an (E, slots, in) batch (row i at `slot[i]` = e·slots + its rank in e's rows;
+    E·slots: a row past its expert's slots, which adds nothing), one batched matmul, the rows read back. Static
+    shapes and no host sync, at the price of E·slots rows' work (dropless: slots = N, every token once per expert)."""
+    E, out, inp = w.shape
+    batch = x.new_zeros(E * slots + 1, inp).index_copy(0, slot, x)[:-1].view(E, slots, inp)
+    y = torch.bmm(batch, w.transpose(1, 2)).reshape(E * slots, out)
+    return torch.cat([y, y.new_zeros(1, out)]).index_select(0, slot)
 
 
 class Experts(nn.Linear):
@@ -186,7 +212,6 @@ class MoE(nn.Module):
         self.capacity_factor, self.balance_coef, self.z_coef = capacity_factor, balance_loss, router_z_loss
         self.bias_update_rate, self.routed_scale = bias_update_rate, routed_scale
         self.glu = issubclass(kind, GLU)  # three matrices per expert: [gate; up] and down
-        self.grouped = eager_grouped_linear()
         self.hidden = hidden
         self.act = Activation({"name": kind.gate} if getattr(kind, "gate", None) else activation)
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -235,18 +260,20 @@ class MoE(nn.Module):
         idx, w, p = route(logits, k, self.score, self.norm_topk, self.expert_bias)  # b = 0 chooses as s does
 
         chosen = idx.reshape(-1)  # (N·k,) the expert of each assignment, token-major
-        counts = torch.bincount(chosen, minlength=E)  # (E,) before any drop: the router's load
+        counts = expert_counts(chosen, E)  # (E,) before any drop: the router's load
         order = torch.argsort(chosen, stable=True)  # assignments grouped by expert, token order kept in each group
-        kept = counts
+        experts = chosen[order]  # (N·k,) sorted
+        rank = torch.arange(order.numel(), device=order.device) - (counts.cumsum(0) - counts)[experts]  # in its group
+        token = order // k  # (N·k,) the token of each assignment, grouped by expert
+        weight = w.reshape(-1)[order] * self.routed_scale  # (N·k,)
         cap = capacity(N, k, E, self.capacity_factor) if self.training else None  # eval, generation: dropless
-        if cap is not None:  # the first `cap` assignments of each expert in token order stay
-            starts = counts.cumsum(0) - counts
-            rank = torch.arange(order.numel(), device=order.device) - starts[chosen[order]]
-            order = order[rank < cap]
-            kept = counts.clamp(max=cap)
-        token = order // k  # (M,) the token of each kept assignment, grouped by expert
-        weight = w.reshape(-1)[order] * self.routed_scale  # (M,)
-        y = self._experts(flat[token], kept, chosen[order])  # (M, d)
+        slots = N if cap is None else min(cap, N)  # an expert's rows at most: a token reaches an expert once
+        if cap is not None:  # the first `cap` assignments of each expert in token order stay; the others add nothing
+            kept = rank < cap  # (a weight of 0, not a shorter batch: shapes stay static, nothing read to the host)
+            weight, dropped = weight * kept, (~kept).sum()
+        else:
+            dropped = torch.zeros((), dtype=torch.long, device=flat.device)
+        y = self._experts(flat[token], counts, experts, rank, slots)  # (N·k, d)
         out = torch.zeros(N, shape[-1], dtype=y.dtype, device=y.device).index_add(0, token, y * weight[:, None].to(
             y.dtype))
         if self.shared is not None:
@@ -256,19 +283,26 @@ class MoE(nn.Module):
             out = out + shared.to(out.dtype)
 
         if self.training:
-            self._record(logits, p, counts, N * k - order.numel())
+            self._record(logits, p, counts, dropped)
         return out.reshape(shape).to(x.dtype)
 
-    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """xs (M, d) grouped by expert (`counts` rows each, `experts` (M,) their expert) -> each row through its
-        expert's FFN (M, d)."""
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, rank: torch.Tensor,
+                 slots: int) -> torch.Tensor:
+        """xs (M, d) grouped by expert (`counts` rows each; `experts` (M,) their expert, `rank` their place among its
+        rows) -> each row through its expert's FFN (M, d): two grouped matmuls, or two padded batched ones of `slots`
+        rows per expert where F.grouped_mm does not run (lmlab.model.moe.padded_linear)."""
         device = xs.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else xs.dtype
-        offs = counts.cumsum(0).to(torch.int32)
+        if _grouped_here(device, dtype):
+            offs = counts.cumsum(0).to(torch.int32)
+            matmul = functools.partial(grouped_linear, offs=offs)
+        else:
+            slot = torch.where(rank < slots, experts * slots + rank, self.n_experts * slots)
+            matmul = functools.partial(padded_linear, slot=slot, slots=slots)
         w_fc, b_fc = self.c_fc.stack()
         w_proj, b_proj = self.c_proj.stack()
         with torch.autocast(device, enabled=False):
-            h = self.grouped(xs.to(dtype), w_fc.to(dtype), counts, offs)  # (M, h) or (M, 2h)
+            h = matmul(xs.to(dtype), w_fc.to(dtype))  # (M, h) or (M, 2h)
             if b_fc is not None:
                 h = h + b_fc.to(dtype)[experts]
             if self.glu:
@@ -276,13 +310,12 @@ class MoE(nn.Module):
                 h = self.act(gate) * up
             else:
                 h = self.act(h)
-            y = self.grouped(h, w_proj.to(dtype), counts, offs)  # (M, d)
+            y = matmul(h, w_proj.to(dtype))  # (M, d)
             if b_proj is not None:
                 y = y + b_proj.to(dtype)[experts]
         return y
 
-    def _record(self, logits: torch.Tensor, p: torch.Tensor, counts: torch.Tensor, dropped: int | torch.Tensor
-                ) -> None:
+    def _record(self, logits: torch.Tensor, p: torch.Tensor, counts: torch.Tensor, dropped: torch.Tensor) -> None:
         """The balancing losses of this forward (for the objective), the load for the bias update, the statistics."""
         N = logits.size(0)
         lse = torch.logsumexp(logits, dim=-1)  # (N,)
@@ -292,8 +325,8 @@ class MoE(nn.Module):
         self._load = load if self._load is None else self._load + load
         with torch.no_grad():
             entropy = -(p * p.clamp_min(1e-30).log()).sum()
-            tail = torch.stack([entropy, torch.tensor(float(N), device=p.device),
-                                torch.as_tensor(dropped, device=p.device).float(), lse.square().sum()])
+            tokens = torch.full((), float(N), device=p.device)  # a fill, not a copy from the host (a GPU sync)
+            tail = torch.stack([entropy, tokens, dropped.float(), lse.square().sum()])
             self.stats = torch.cat([load, p.sum(0), tail]).detach()
 
     @torch.no_grad()

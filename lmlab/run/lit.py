@@ -85,6 +85,7 @@ class LitGPT(L.LightningModule):
         self.model = GPT(GPTConfig(**model))
         self._windowed = windowed(self.model)  # attention layers whose window moves (attention.window_schedule, ...)
         self.divergence = Divergence(**(divergence or {}))
+        self._unjudged: list[tuple[int, torch.Tensor]] = []  # (step, loss) the divergence rule has not read yet
         # spike_skip.enabled (lmlab.run.spikes): a spiking step's update is skipped; None: off, the loop as before
         self.spikes = SpikeSkip(**spike_skip) if (spike_skip or {}).get("enabled") else None
         self.update_skipped = False  # this step's update is skipped (spike_skip, or the divergence rule under it)
@@ -156,7 +157,7 @@ class LitGPT(L.LightningModule):
             objective, loss, _ = self(x, y, z_loss=z_loss, parts=True)
         else:
             objective = loss = self(x, y)
-        if self.spikes is None and self.divergence.check(self.global_step, loss.item()):  # (spike_skip: see _judge)
+        if self.spikes is None and self._diverged(loss):  # (spike_skip: judged before each update, see _judge)
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
@@ -180,6 +181,24 @@ class LitGPT(L.LightningModule):
             self.log("lr", torch.tensor(groups[0]["lr"], dtype=torch.float64))
             self.log(names.TOKENS, torch.tensor(self.tokens_seen, dtype=torch.float64))
         return objective
+
+    def _diverged(self, loss: torch.Tensor) -> bool:
+        """The divergence rule (lmlab.run.monitor.Divergence) over every step's loss, read to the host at the steps
+        that log (and before a validation or a checkpoint) in one read: a read at every step would make a GPU wait for
+        its queue at every step. The rule judges the steps in order, so it names the step a read per step names; a
+        run that diverges between two logging steps stops at the next one, its updates in between done."""
+        self._unjudged.append((self.global_step, loss.detach()))
+        return self.logs_now() and self.judge_losses()
+
+    def judge_losses(self) -> bool:
+        """The divergence rule over the losses not read yet, in step order; whether the run has failed."""
+        if self._unjudged:
+            steps, losses = zip(*self._unjudged)
+            self._unjudged = []
+            for step, value in zip(steps, torch.stack(losses).float().tolist()):
+                if self.divergence.check(step, value):
+                    break
+        return self.divergence.step is not None
 
     def logs_now(self) -> bool:
         """Whether Lightning hands this step's metrics to the loggers (every trainer.log_every_n_steps, and the last
@@ -216,6 +235,9 @@ class LitGPT(L.LightningModule):
                 self.ema.load_state_dict(self._ema_saved)
             self._ema_saved = None
 
+    def on_train_end(self) -> None:
+        self.judge_losses()  # a run stopped between two logging steps (a wall-time budget, a signal): its last losses
+
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self._groups_kept is not None:  # a skipped update: the optimizer's own step counters as they were, no EMA
@@ -233,6 +255,8 @@ class LitGPT(L.LightningModule):
         return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
 
     def on_validation_start(self) -> None:
+        if self.judge_losses():  # the losses since the last logging step, before this validation's checkpoint
+            self.trainer.should_stop = True
         self._set_step()  # validation reads the schedule's window at this step, or attention.eval_window
         if (opt := self._modal_optimizer()) is not None:
             opt.eval()  # after the callbacks' on_validation_start, before any batch
@@ -319,6 +343,7 @@ class LitGPT(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.judge_losses()  # the rule's state saved with every loss so far judged
         # Lightning adds one to its logging step when it restarts, because its own mid-epoch checkpoints are
         # written before that counter moves. Checkpoints written after fit() returns or on Ctrl-C are written
         # after it moved; store every checkpoint in the mid-epoch form so a resumed run logs the next step.

@@ -1,5 +1,5 @@
 """ffn=moe: the router's choice and weights against a hand computation; dropless routing equals a per-token loop over
-the chosen experts (grouped matmul and the expert loop alike); capacity drops the late assignments and counts them;
+the chosen experts (grouped matmul and the padded batched matmul alike); capacity drops the late assignments and counts them;
 the balance loss, router z-loss, the loss-free bias update and the monitor's figures against their formulas; the
 parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key;
 compile=true trains as eager does (slow)."""

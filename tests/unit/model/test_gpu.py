@@ -1,6 +1,6 @@
 """The GPU's own paths, on a CUDA device (`pytest -m gpu`; skipped, saying why, on a machine without one): the model's
 logits and gradients on CUDA against the CPU's, FlexAttention (the GPU's path for windows, documents and softcaps,
-with its backward) against lmlab's banded path, MoE's grouped matmul in bf16 against the loop over experts, and
+with its backward) against lmlab's banded path, MoE's grouped matmul in bf16 against the padded batched matmul, and
 torch.compile against eager. The CPU tests check the same paths where the CPU runs them (tests/unit/model/attention/test_flex.py,
 tests/unit/model/test_moe.py, tests/unit/model/test_compile.py); scripts/bench_gpu.sh measures their speed."""
 
@@ -74,7 +74,7 @@ def test_flexattention_trains_as_the_banded_path_does(attention: dict, monkeypat
         torch.testing.assert_close(grads_f[name], g, rtol=1e-3, atol=1e-4, msg=name)
 
 
-def test_moe_grouped_matmul_in_bf16_equals_the_loop_over_experts(monkeypatch) -> None:
+def test_moe_grouped_matmul_in_bf16_equals_the_padded_batched_matmul(monkeypatch) -> None:
     assert moe_mod._grouped_mm_runs("cuda", torch.bfloat16)  # the path the GPU trains MoEs on
     torch.manual_seed(0)
     m = build("ffn", FFNS, {"name": "moe", "n_experts": 8, "top_k": 2, "expert": "swiglu", "n_shared": 1}, 64, 128,

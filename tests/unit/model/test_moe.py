@@ -1,5 +1,6 @@
 """ffn=moe: the router's choice and weights against a hand computation; dropless routing equals a per-token loop over
-the chosen experts (grouped matmul and the expert loop alike); capacity drops the late assignments and counts them;
+the chosen experts, in outputs and gradients (grouped matmul and padded batched matmul alike), and compiles in one
+graph; capacity drops the late assignments and counts them;
 the balance loss, router z-loss, the loss-free bias update and the monitor's figures against their formulas; the
 parameter counts (total, active, per expert matched as its kind) and active FLOPs; bad input refused by key;
 compile=true trains as eager does (slow)."""
@@ -64,12 +65,18 @@ def _expert_by_hand(m: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
     return F.linear(h, w_proj[e], None if b_proj is None else b_proj[e])
 
 
-def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The definition: each token alone, its k chosen experts' outputs weighted, plus the shared FFN (gated)."""
-    out = []
+def _per_token(m: MoE, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """The definition: each token alone, its k chosen experts' outputs weighted, plus the shared FFN (gated). With a
+    `capacity`, an expert takes the first `capacity` tokens (in token order) that chose it; the later ones skip it."""
+    out, taken = [], [0] * m.n_experts
     for t in x.reshape(-1, D):
         idx, w, _ = route((m.router.weight @ t)[None], m.top_k, m.score, m.norm_topk, m.expert_bias)
-        y = m.routed_scale * sum(w[0, j] * _expert_by_hand(m, int(idx[0, j]), t) for j in range(m.top_k))
+        y = torch.zeros(D)
+        for j in range(m.top_k):
+            e = int(idx[0, j])
+            taken[e] += 1
+            if capacity is None or taken[e] <= capacity:
+                y = y + m.routed_scale * w[0, j] * _expert_by_hand(m, e, t)
         if m.shared is not None:
             s = m.shared(t)
             y = y + (torch.sigmoid(m.shared_gate(t)) * s if m.shared_gate is not None else s)
@@ -86,7 +93,7 @@ def _per_token(m: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_dropless_routing_equals_a_per_token_loop(expert: str, bias: bool, extra: dict, grouped: bool,
                                                    monkeypatch) -> None:
     if not grouped:
-        monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)  # the sorted loop over experts
+        monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)  # the padded batched matmul
     m = _moe_bias(bias, expert=expert, **extra)
     m.expert_bias.normal_(0, 0.3)  # a balancing bias that changes choices: it steers, the weights stay s
     x = torch.randn(3, 5, D)
@@ -97,16 +104,35 @@ def test_dropless_routing_equals_a_per_token_loop(expert: str, bias: bool, extra
         assert moe_mod._grouped_mm_runs("cpu", torch.float32)  # torch 2.13 runs F.grouped_mm on CPU
 
 
-def test_grouped_matmul_gradients_equal_the_loop(monkeypatch) -> None:
-    m = _moe_bias(True, expert="swiglu", n_shared=1)
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_gradients_equal_the_per_token_loop(grouped: bool, capacity_factor: float | None, monkeypatch) -> None:
+    """Both paths (F.grouped_mm; the padded batched matmul where it does not run) against the definition, each token
+    through its chosen experts one by one: the same gradient for every weight. With a capacity the dropped
+    assignments (weight 0 in the sorted batch, or no slot in the padded one) give nothing, as in the loop that skips
+    them."""
+    if not grouped:
+        monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)
+    m = _moe_bias(True, expert="swiglu", n_shared=1, capacity_factor=capacity_factor).train()
     x = torch.randn(4, 6, D)
     m(x).square().sum().backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda *a: False)
-    m(x).square().sum().backward()
+    _per_token(m, x, capacity=capacity(24, 2, 4, capacity_factor)).square().sum().backward()
     for n, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_in_one_graph_as_eager(dtype: torch.dtype) -> None:
+    """No graph break (fullgraph): nothing read to the host, no loop. fp32 takes the padded batched matmul under the
+    compiler (F.grouped_mm's traced kernel is bf16 only in torch 2.13), bf16 the grouped one."""
+    torch._dynamo.reset()
+    m = _moe_bias(False, expert="swiglu", capacity_factor=1.0).to(dtype).train()
+    x = torch.randn(2, 8, D, dtype=dtype)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(compiled(x), m(x), **tol)
 
 
 def test_capacity_keeps_the_first_assignments_in_token_order_and_counts_the_drops() -> None:
