@@ -38,6 +38,8 @@ OPTIONAL_GROUPS = ("attention", "ffn")  # groups a block kind may not read (lmla
 @dataclass
 class GPTConfig:
     vocab_size: PositiveInt
+    vocab_pad: PositiveInt = 1  # the embedding's and head's rows rounded up to a multiple of this (a GPU's matmuls:
+                                # 64 or 128); the extra rows' logits are left out of the loss, softmax and export
     n_layer: PositiveInt = 4
     d_model: PositiveInt = 128
     n_head: PositiveInt = 4
@@ -103,6 +105,11 @@ class GPTConfig:
         """The ffn group as its option takes it: without the sizing keys (FFN_SIZES), which give `ffn_hidden`, and the
         layers' (FFN_LAYERS), which the block kind reads."""
         return {k: v for k, v in self.ffn.items() if k not in FFN_SIZES and k not in FFN_LAYERS}
+
+    @property
+    def padded_vocab(self) -> int:
+        """The embedding's and head's rows: vocab_size rounded up to a multiple of vocab_pad."""
+        return -(-self.vocab_size // self.vocab_pad) * self.vocab_pad
 
     @property
     def resolved(self) -> bool:

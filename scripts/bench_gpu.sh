@@ -67,7 +67,7 @@ else
     DEVICE=cuda DEADLINE=${DEADLINE:-720}
     BENCH_SIZE=(model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024 model.vocab_size=50304)
     BENCH=(--batch 32 --repeats 5 --block-s 0.5)
-    TRAIN_SIZE=(data.batch_size=16 trainer.max_steps=150 trainer.val_check_interval=1000 trainer.log_every_n_steps=10
+    TRAIN_SIZE=(data.batch_size=32 trainer.max_steps=150 trainer.val_check_interval=1000 trainer.log_every_n_steps=10
                 perf.peak_flops=${PEAK}e12)
     ATTENTION=(--device cuda --lengths 4096 16384 --window 256 --steps 5)
     MOE=(--device cuda --experts 8 --set model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024

@@ -38,7 +38,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg = resolve(cfg)  # the derived sizes, once (a resolved record is only checked)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wte = nn.Embedding(cfg.padded_vocab, cfg.d_model)  # model.vocab_pad's rows past vocab_size: never read
         self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
         if bad := sorted(i for i in getattr(self.pos, "nope_layers", ()) if not 0 <= i < cfg.n_layer):
@@ -64,8 +64,9 @@ class GPT(nn.Module):
         self.param.scale_attention(self)
         block = type(self.h[0])
         self.ln_f = build("norm", NORMS, cfg.norm, cfg.d_model) if block.final_norm else NoNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.lm_head.is_readout = True  # the output layer: lmlab.optim's `readout` role (AdamW under Muon, µP)
+        self.lm_head.active_share = cfg.vocab_size / cfg.padded_vocab  # model FLOPs count the real vocabulary's rows
         if cfg.untie_at_step is not None and not cfg.tie_embeddings:
             raise ValueError(f"model.untie_at_step={cfg.untie_at_step} unties a tied head; model.tie_embeddings=false "
                              f"has none: set model.tie_embeddings=true, or model.untie_at_step=null")
@@ -189,8 +190,13 @@ class GPT(nn.Module):
         """The output head's logits (B, T, vocab) of normed hidden states h: µP's readout multiplier, the softcap."""
         if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh)
             h = h * self.param.output_mult
-        logits = F.linear(h, self.head_weight)
+        logits = self.vocab_logits(F.linear(h, self.head_weight))
         return logits if self.softcap is None else self.softcap(logits)
+
+    def vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the vocabulary's ids: model.vocab_pad's extra columns left out (a view, no copy), so neither
+        the softmax nor the loss ever sees them."""
+        return logits if self.cfg.vocab_pad == 1 else logits[..., :self.cfg.vocab_size]
 
     @property
     def causal(self) -> bool:
@@ -211,9 +217,11 @@ class GPT(nn.Module):
         if self.param.output_mult != 1.0:  # µP's readout multiplier, on h: (αW)h = W(αh), chunked loss included
             h = h * self.param.output_mult
         cap = self.softcap
-        if self.cfg.chunked_loss:
-            return linear_cross_entropy(h, self.head_weight, targets, softcap=cap, z_loss=z_loss, parts=parts)
-        return cross_entropy(F.linear(h, self.head_weight), targets, softcap=cap, z_loss=z_loss, parts=parts)
+        if self.cfg.chunked_loss:  # the vocabulary's rows of the head (model.vocab_pad's are left out)
+            return linear_cross_entropy(h, self.head_weight[:self.cfg.vocab_size], targets, softcap=cap,
+                                        z_loss=z_loss, parts=parts)
+        return cross_entropy(self.vocab_logits(F.linear(h, self.head_weight)), targets, softcap=cap, z_loss=z_loss,
+                             parts=parts)
 
     @property
     def softcap(self) -> Softcap | None:
@@ -227,6 +235,14 @@ class GPT(nn.Module):
         under norm=ngpt its rows times the logits' scale s_z (s_z ⊙ (W h) = (s_z ⊙ W) h, on every loss path)."""
         w = self.lm_head.weight if self._untied else self.wte.weight
         return w if self.norm_model is None else self.norm_model.head_weight(w)
+
+    @property
+    def vocab_rows(self) -> dict[str, int]:
+        """The state-dict entries with a row per vocabulary id (padded to model.vocab_pad), and the vocabulary's
+        rows of them."""
+        names = ["wte.weight", "lm_head.weight", *(f"norm_model.{n}" for n in getattr(self.norm_model, "vocab_rows",
+                                                                                     ()))]
+        return dict.fromkeys(names, self.cfg.vocab_size)
 
     @property
     def tied(self) -> bool:
@@ -249,10 +265,13 @@ class GPT(nn.Module):
         if not self.head.predicts_next:
             raise ValueError(f"head={cfg.head['name']} does not predict the next token (a bidirectional encoder's "
                              f"objective), so it has no next-token model to export or generate with")
-        if cfg.head.get("name") == "next" and cfg.untie_at_step is None:
+        if cfg.head.get("name") == "next" and cfg.untie_at_step is None and cfg.vocab_pad == 1:
             return self
-        plain = dataclasses.replace(cfg, head={"name": "next"}, untie_at_step=None, tie_embeddings=self.tied)
+        plain = dataclasses.replace(cfg, head={"name": "next"}, untie_at_step=None, tie_embeddings=self.tied,
+                                    vocab_pad=1)
         state = {k: v for k, v in self.state_dict().items() if not k.startswith("head.") and k != "untied"}
+        for name, rows in self.vocab_rows.items():  # model.vocab_pad's extra rows: not exported
+            state[name] = state[name][:rows]
         if self.tied:  # the embedding is the head (the head's own matrix is a copy to come)
             state["lm_head.weight"] = state["wte.weight"]
         with torch.device(self.wte.weight.device):
@@ -310,7 +329,9 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if active:
             n -= sum(m.inactive_params() for m in self._routed)
-        return n - self.wte.weight.numel() if exclude_embeddings else n
+        pad = (self.cfg.padded_vocab - self.cfg.vocab_size) * self.cfg.d_model  # model.vocab_pad's rows: not weights
+        n -= pad * len({id(self.wte.weight), id(self.lm_head.weight)})  # of the model, only of its matmuls' shapes
+        return n - self.cfg.vocab_size * self.cfg.d_model if exclude_embeddings else n
 
 
 def validate(cfg: GPTConfig) -> GPTConfig:

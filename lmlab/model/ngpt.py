@@ -160,7 +160,7 @@ class NGPT(nn.Module):
             attn.no_qk_clip = "norm=ngpt puts q and k on the unit sphere; rescaling W_q and W_k changes nothing"
             parts = getattr(ffn.c_fc, "fused", None) or (ffn.c_fc.out_features,)  # GLU: (gate, up); MLP: (hidden,)
             ffn.hidden_scale = HiddenScale(parts, d, init["suv"], scale["suv"])
-        return Sphere(cfg.vocab_size, init["sz"], scale["sz"])
+        return Sphere(cfg.padded_vocab, init["sz"], scale["sz"])
 
 
 class EigenUpdate(nn.Module):
@@ -221,6 +221,7 @@ class Sphere(nn.Module):
     kept on."""
 
     decays = False  # weight decay has nothing to shrink on matrices renormalised after every step
+    vocab_rows = ("s_z",)  # a scale per vocabulary id (model.vocab_pad's rows left out of the export)
 
     def __init__(self, vocab_size: int, init: float, scale: float) -> None:
         super().__init__()
