@@ -125,7 +125,11 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
 
     key = (window, g, causal, T, S, offset, str(q.device), B if doc is not None else None, _tensor_key(q_doc),
            _tensor_key(k_doc))
+    # built by a compiled graph on the GPU (FlexAttention's own advice: eager, create_block_mask evaluates mask_mod
+    # on a dense (T, S) grid), except inside a compiled model, whose graph takes the build in
+    compiled = q.device.type == "cuda" and not torch.compiler.is_compiling()
     block_mask = _block_mask(key, lambda: create_block_mask(mask_mod, B if doc is not None else None, None, T, S,
-                                                            device=q.device), reads_data=doc is not None)
+                                                            device=q.device, _compile=compiled),
+                             reads_data=doc is not None)
     return _kernel(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                   enable_gqa=q.size(1) != k.size(1))
