@@ -9,13 +9,15 @@ split into positions inside the trained length and beyond it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from lmlab.analysis.cells import Cells, Interrupted, Progress
 from lmlab.run.attn_entropy import attention_entropy
 from lmlab.config import GPTConfig
 from lmlab.data.tasks import module_class
@@ -83,33 +85,40 @@ def extension_model(model_cfg: dict[str, Any], weights: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
-def position_losses(model: GPT, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
-    """Mean next-token loss at each position over the windows, (length,), from one full-length forward each."""
+def position_losses(model: GPT, windows: torch.Tensor, batch_size: int = 8,
+                    tick: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Mean next-token loss at each position over the windows, (length,), from one full-length forward each; `tick`
+    is told the tokens of each batch done (lmlab.analysis.cells.Progress)."""
     total = torch.zeros(windows.size(1) - 1, dtype=torch.float64)
     for chunk in windows.split(batch_size):
         x, y = chunk[:, :-1], chunk[:, 1:]
         logits = model(x).float()  # (B, T, V)
         loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
         total += loss.sum(0).double()
+        if tick is not None:
+            tick(x.numel())
     return total / windows.size(0)
 
 
 @torch.no_grad()
-def dynamic_position_losses(model: GPT, windows: torch.Tensor, trained: int, step: int, batch_size: int = 8
-                            ) -> torch.Tensor:
+def dynamic_position_losses(model: GPT, windows: torch.Tensor, trained: int, step: int, batch_size: int = 8,
+                            tick: Callable[[int], None] | None = None) -> torch.Tensor:
     """Per-position loss as a dynamic scaling sees the text while it grows: positions < trained from one forward
     of length `trained` (s = 1, exactly the unscaled model), then each block of `step` positions from a forward of
     the prefix that ends with it (s = prefix / trained). One full-length forward would apply the final s to
     every position, which is static scaling, not dynamic."""
     T = windows.size(1) - 1
     out = torch.empty(T, dtype=torch.float64)
-    ends = [min(trained, T)] + list(range(min(trained, T) + step, T + step, step))
     start = 0
-    for end in ends:
-        end = min(end, T)
-        out[start:end] = position_losses(model, windows[:, : end + 1], batch_size)[start:end]
+    for end in _dynamic_ends(T, trained, step):
+        out[start:end] = position_losses(model, windows[:, : end + 1], batch_size, tick)[start:end]
         start = end
     return out
+
+
+def _dynamic_ends(T: int, trained: int, step: int) -> list[int]:
+    """The prefixes dynamic scaling is evaluated at: the trained length, then every `step` positions up to T."""
+    return [min(end, T) for end in [min(trained, T), *range(min(trained, T) + step, T + step, step)]]
 
 
 def default_scalings(position: str) -> list[str]:
@@ -189,36 +198,74 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
     if (run_dir / "tokenizer.json").is_file():  # one past the model's vocabulary: refused naming both sizes
         load_tokenizer(run_dir / "tokenizer.json", model_cfg["vocab_size"])
     dm = run_data(run_dir, run_cfg, seq_len=trained)
-    rows = []
-    curves: dict[str, dict[int, list[float]]] = {}
     own = model_cfg.get("rope_scaling") or {"name": "none"}
     step = dynamic_step or max(1, trained // 4)
-    for length in lengths:
-        windows = dm.val_windows(length)[:max_windows]  # the same windows for every method: a paired comparison
-        for s in scalings:
-            spec = own if s == own["name"] else scaling_spec(s)  # a run fine-tuned with a scaling keeps its settings
-            model = extension_model(model_cfg, state, length, spec)
-            if getattr(ROPE_SCALINGS[spec["name"]], "dynamic", False) and length > trained:
-                per_pos = dynamic_position_losses(model, windows, trained, step, batch_size)
-            else:
-                per_pos = position_losses(model, windows, batch_size)
-            inside, beyond = per_pos[:trained], per_pos[trained:]
-            rows.append({
-                "length": length, "rope_scaling": s, "windows": int(windows.size(0)),
-                "loss": float(per_pos.mean()), "ppl": math.exp(min(float(per_pos.mean()), 50)),
-                "loss_inside": float(inside.mean()),
-                "loss_beyond": float(beyond.mean()) if beyond.numel() else None,
-                "attn_entropy": attention_entropy(model, windows[:ENTROPY_WINDOWS]),
-            })
-            curves.setdefault(s, {})[length] = per_pos.tolist()
+    spec = {s: own if s == own["name"] else scaling_spec(s) for s in scalings}  # a fine-tuned run keeps its settings
+    windows = {length: dm.val_windows(length)[:max_windows] for length in lengths}  # the same for every method
+    dynamic = {s: getattr(ROPE_SCALINGS[spec[s]["name"]], "dynamic", False) for s in scalings}
+    cost = {(length, s): windows[length].size(0) * sum(_dynamic_ends(length, trained, step) if dynamic[s]
+                                                       and length > trained else [length])
+            for length in lengths for s in scalings}  # tokens through the model: the progress lines' measure
+    cells = None if out_dir is None else Cells(Path(out_dir), {
+        "run": str(run_dir.resolve()), "step": saved.step, "checkpoint": _stamp(RunDir(run_dir).last),
+        "weights": weights, "max_windows": max_windows, "batch_size": batch_size, "dynamic_step": step})
+    progress = Progress(sum(cost.values()), f"eval {run_dir.name}")
+    rows, curves = [], {}
+    try:
+        for length in lengths:
+            for s in scalings:
+                if cells is not None and (kept := cells.get((length, s))) is not None:
+                    row, curve = kept["row"], kept["curve"]
+                    progress.skip(cost[length, s])
+                else:
+                    row, curve = _cell(model_cfg, state, length, s, spec[s], windows[length], trained, step,
+                                       batch_size, dynamic[s], progress.tick)
+                    if cells is not None:
+                        cells.add((length, s), row=row, curve=curve)
+                    progress.cell(f"length {length} rope_scaling={s} loss {row['loss']:.4f}")
+                rows.append(row)
+                curves.setdefault(s, {})[length] = curve
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (eval.py turns it into one): what was kept, how to finish
+        if cells is None:
+            raise
+        left = len(cost) - len(cells.done)
+        raise Interrupted(f"interrupted: {len(cells.done)} of {len(cost)} cells kept in {cells.path}; the same "
+                          f"command computes the other {left}") from None
+    if cells is not None and cells.kept:
+        print(f"eval {run_dir.name}: {cells.kept} of {len(cost)} cells from the interrupted evaluation "
+              f"({cells.path.name}), {len(cost) - cells.kept} computed now", file=sys.stderr)
     result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows,
               "run_status": run_status, "note": note, **({"weights": weights} if weights != "live" else {})}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
+        cells.finish()
         from lmlab.record.tracking import log_eval
 
         log_eval(result, Path(out_dir), run_dir, run_cfg, COLUMNS)  # when the run logged to W&B
     return result
+
+
+def _cell(model_cfg: dict[str, Any], state: dict[str, Any], length: int, s: str, spec: dict[str, Any],
+          windows: torch.Tensor, trained: int, step: int, batch_size: int, dynamic: bool,
+          tick: Callable[[int], None]) -> tuple[dict[str, Any], list[float]]:
+    """One cell of the sweep: the run at `length` under the scaling `s`, its table row and per-position losses."""
+    model = extension_model(model_cfg, state, length, spec)
+    if dynamic and length > trained:
+        per_pos = dynamic_position_losses(model, windows, trained, step, batch_size, tick)
+    else:
+        per_pos = position_losses(model, windows, batch_size, tick)
+    inside, beyond = per_pos[:trained], per_pos[trained:]
+    row = {"length": length, "rope_scaling": s, "windows": int(windows.size(0)),
+           "loss": float(per_pos.mean()), "ppl": math.exp(min(float(per_pos.mean()), 50)),
+           "loss_inside": float(inside.mean()), "loss_beyond": float(beyond.mean()) if beyond.numel() else None,
+           "attn_entropy": attention_entropy(model, windows[:ENTROPY_WINDOWS])}
+    return row, per_pos.tolist()
+
+
+def _stamp(path: Path) -> list[int]:
+    """A checkpoint's size and modification time: a cell kept from another checkpoint is not reused."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 def write_eval(result: dict[str, Any], curves: dict[str, dict[int, list[float]]], out: Path) -> None:

@@ -72,13 +72,27 @@ def main(cfg: DictConfig) -> None:
 
         harness_cli(cfg)
         return
+    import signal
+
+    from lmlab.analysis.cells import Interrupted
     from lmlab.analysis.evaluate import evaluate
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
     out = Path(cfg.out or Path(cfg.run) / ("eval" if cfg.weights == "live" else f"eval_{cfg.weights}"))
-    result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
-                      allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
-                      max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step, weights=cfg.weights)
+    got: list[int] = []
+
+    def terminate(signum: int, frame: object) -> None:  # SIGTERM (a cluster's, kill): as Ctrl-C, cells kept
+        got.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
+                          allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
+                          max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step, weights=cfg.weights)
+    except Interrupted as stop:
+        print(f"{PROG['eval'].removeprefix('python ')}: {stop.line}", file=sys.stderr)
+        raise SystemExit(128 + (got[0] if got else signal.SIGINT)) from None
     print((f"note: {result['note']}\n\n" if result["note"] else "") + (out / "eval.md").read_text() + f"\n-> {out}/")
 
 

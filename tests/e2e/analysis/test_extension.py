@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ from lmlab import compose
 from lmlab.analysis.evaluate import RunRefused, evaluate
 from lmlab.model.rope_scaling import ROPE_SCALINGS
 from lmlab.run.training import train
-from tests.runs import tiny
+from tests.runs import ROOT, tiny
 
 L = 32
 
@@ -92,3 +96,42 @@ def test_init_from_refuses_another_architecture(rope_run: Path, corpus: Path, tm
     with pytest.raises(ValueError, match=r"init_from=.*model/norm"):
         train(compose(tiny(corpus, tmp_path / "cache", "position=rope", "norm=rms", f"init_from={rope_run}")),
               tmp_path / "x")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_length_sweep_keeps_its_finished_cells_and_a_rerun_does_the_rest(
+        rope_run: Path, tmp_path: Path, signum: int) -> None:
+    """eval.py prints a line per finished cell; a signal after the first keeps it (one line, exit 128 + signal), and
+    the same command computes only the cells left, to the same table as an uninterrupted sweep."""
+    out = tmp_path / "eval"
+    args = [sys.executable, str(ROOT / "eval.py"), f"run={rope_run}", f"out={out}", "lengths=[32,64,128,256]",
+            "methods=[none,linear,dynamic_ntk,yarn]", "allow_extrapolation=true", "max_windows=16", "batch_size=2"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # progress lines: `eval run: 3%, about 41s left: length 32 rope_scaling=none loss ...`
+        lines.append(line)
+        if "rope_scaling=" in line:
+            proc.send_signal(signum)
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    kept = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    assert 1 <= len(kept) < 16 and f"{len(kept)} of 16 cells kept" in err
+    assert not (out / "eval.json").exists()
+
+    res = subprocess.run(args, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{len(kept)} of 16 cells from the interrupted evaluation" in res.stderr
+    assert sum("rope_scaling=" in line for line in res.stderr.splitlines()) == 16 - len(kept)  # only the rest
+    assert not (out / "cells.jsonl").exists()
+    rows = {(r["length"], r["rope_scaling"]): r for r in json.loads((out / "eval.json").read_text())["rows"]}
+    assert len(rows) == 16
+    first = json.loads(kept[0]["key"])
+    assert rows[tuple(first)] == kept[0]["row"]  # the kept cell, as it was
+    whole = evaluate(rope_run, lengths=[32, 64, 128, 256], scalings=["none", "linear", "dynamic_ntk", "yarn"],
+                     allow_extrapolation=True, max_windows=16, batch_size=2)
+    for r in whole["rows"]:
+        assert rows[(r["length"], r["rope_scaling"])]["loss"] == pytest.approx(r["loss"], abs=1e-6)
