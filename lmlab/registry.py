@@ -106,24 +106,46 @@ def parameter_types(fn: Callable, kinds: tuple[str, ...] = ("KEYWORD_ONLY",)) ->
     Only the parameters asked for are evaluated: positional ones may name types imported for type checkers only
     (`cfg: GPTConfig` under TYPE_CHECKING), which would not evaluate at run time.
     """
-    target = fn.__init__ if inspect.isclass(fn) else fn
-    namespace = getattr(inspect.unwrap(target), "__globals__", None) or vars(sys.modules[fn.__module__])
     out = {}
-    for p in inspect.signature(fn).parameters.values():
+    for p, owner in _parameters(fn):
         if p.kind.name in kinds:
+            target = owner.__init__ if inspect.isclass(owner) else owner
+            namespace = getattr(inspect.unwrap(target), "__globals__", None) or vars(sys.modules[owner.__module__])
             # `from __future__ import annotations` keeps annotations as strings; evaluate them where they were written.
             out[p.name] = eval(p.annotation, namespace) if isinstance(p.annotation, str) else p.annotation
     return out
 
 
+def _parameters(fn: Callable) -> list[tuple[inspect.Parameter, Callable]]:
+    """The parameters of `fn` (a function, or a class: its __init__), each with what declares it. A class whose
+    __init__ takes `**shared` passes those keys to its base: the base's keyword-only parameters are its keys too (a
+    variant inherits its base's keys, attention=mla takes every key attention=mha takes), its own first."""
+    if not inspect.isclass(fn):
+        return [(p, fn) for p in inspect.signature(fn).parameters.values()]
+    out, seen = [], set()
+    for cls in fn.__mro__:
+        if "__init__" not in vars(cls) or cls is object:
+            continue
+        params = inspect.signature(cls.__init__).parameters.values()
+        for p in params:
+            if p.name not in seen and p.kind is not inspect.Parameter.VAR_KEYWORD and (not out or p.kind.name ==
+                                                                                          "KEYWORD_ONLY"):
+                seen.add(p.name)
+                out.append((p, cls))
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return [(p, owner) for p, owner in out if p.name != "self"]
+
+
 def option_types(fn: Callable) -> dict[str, Any]:
-    """The annotation of each option parameter (the keyword-only ones, named like the YAML keys)."""
+    """The annotation of each option parameter (the keyword-only ones, named like the YAML keys; a variant's
+    `**shared` ones are its base's)."""
     return parameter_types(fn)
 
 
 def option_defaults(fn: Callable) -> dict[str, Any]:
     """The default of each option parameter that has one (the keyword-only ones, named like the YAML keys)."""
-    return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+    return {p.name: p.default for p, _ in _parameters(fn)
             if p.kind.name == "KEYWORD_ONLY" and p.default is not inspect.Parameter.empty}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,7 @@ from torch import nn
 from lmlab.model.attention.mha import MHA, Geometry
 from lmlab.model.attention.paired_heads import paired_attend
 from lmlab.model.attention.score import attend
-from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
+from lmlab.registry import PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -41,30 +40,14 @@ class CosineAttention(MHA):
     scaled_dot_product = False  # its own formula: τ·cos (tests/unit/model/attention/test_cosine_attention.py)
     no_qk_clip = "its logits are τ·cos, bounded by the learnt τ already; rescaling W_q and W_k changes nothing"
 
-    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
-                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0, tau_init: PositiveFloat = 10.0,
-                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
-                 eval_window: int | list | None = None,
-                 xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
-        if score != "softmax":
-            raise ValueError(f"attention=cosine weighs τ·cos(q, k) with the softmax: attention.score={score!r} does "
-                             f"not apply; use score=softmax")
-        for key, value, default in (("logn_scaling", logn_scaling, False), ("temperature", temperature, 1.0)):
-            if value != default:
-                raise ValueError(f"attention=cosine learns its logits' scale (τ, from attention.tau_init): "
-                                 f"attention.{key}={value} does not apply; leave it at {default}")
+    refuses = dict.fromkeys(("score", "logn_scaling", "temperature"),
+                            "attention=cosine weighs τ·cos(q, k) with the softmax, its logits' scale learnt (τ, from "
+                            "attention.tau_init)")
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, *, tau_init: PositiveFloat = 10.0, **shared: Any) -> None:
         if tau_init > MAX_TAU:
             raise ValueError(f"attention.tau_init={tau_init} is above τ's clamp of {MAX_TAU:g} (Swin V2's)")
-        super().__init__(cfg, layer, score=score, qk_norm=qk_norm, window=window, pattern=pattern, softcap=softcap,
-                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
-                         doc_mask=doc_mask, gate=gate, sinks=sinks, qk_norm_eps=qk_norm_eps, forget_gate=forget_gate,
-                         forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa, key_offset=key_offset,
-                         paired_heads=paired_heads, gate_channels=gate_channels)
+        super().__init__(cfg, layer, **shared)
         self.log_tau = nn.Parameter(torch.full((self.n_head,), math.log(tau_init)))  # s_h: τ_h = exp(s_h)
 
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +11,6 @@ from torch import nn
 
 from lmlab.model.attention.mha import MHA
 from lmlab.model.attention.score import attend, explicit_weights
-from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -33,32 +31,17 @@ class DiffAttention(MHA):
     no_qk_clip = "each head's weights are a difference of two maps, whose logits a per-head scale does not bound"
     no_paired_heads = "attention=diff pairs its heads already, (2j, 2j + 1) into the two maps of a differential head"
 
-    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
-                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0,
-                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
-                 eval_window: int | list | None = None,
-                 xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
-        super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
-                         window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, forget_gate=forget_gate, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
+    refuses = {**dict.fromkeys(("score", "sinks", "gate"), "attention=diff is a difference of two softmax maps, "
+                               "without sinks or a gate"),
+               **dict.fromkeys(("forget_gate", "mem_kv"), "attention=diff pairs two maps per differential head, "
+                               "where a per-head forget gate or memory keys have no form (Ye et al., 2024 has "
+                               "neither)")}
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, **shared: Any) -> None:
+        super().__init__(cfg, layer, **shared)
         if self.n_head % 2:
             raise ValueError(f"attention=diff pairs its heads into differential heads: model.n_head={self.n_head} "
                              f"must be even")
-        if score != "softmax" or sinks or gate:
-            raise ValueError("attention=diff is a difference of two softmax maps: it takes attention.score=softmax, "
-                             "without sinks or a gate")
-        for key, value in (("forget_gate", forget_gate), ("mem_kv", mem_kv)):
-            if value:  # each differential head is two maps over paired heads: neither has a form from the papers
-                raise ValueError(f"attention=diff pairs two maps per differential head, where a per-head forget gate "
-                                 f"or memory keys have no form (Ye et al., 2024 has neither): attention.{key}={value} "
-                                 f"does not apply; leave it at its default")
         if (name := cfg.position.get("name")) in ("alibi", "t5", "fire"):
             raise ValueError(f"attention=diff with position={name}: its bias is per head, a differential head has "
                              f"two maps; use position=rope")

@@ -17,7 +17,7 @@ from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_c
                                         per_query, scale_queries)
 from lmlab.model.attention.window import FollowsStep, layer_windows
 from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
-from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, build
+from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, build, option_defaults
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -35,6 +35,20 @@ class Geometry:
     cache_width: int  # numbers the KV cache holds per token
     attn_width: int  # the scores' query/key width plus the width they weigh (values), over the heads
     n_params: int  # weights (gains aside)
+
+
+def refuse(cls: type, given: dict[str, Any]) -> None:
+    """A variant's `refuses` (keys it inherits from MHA without a form for them): each must be at MHA's default."""
+    defaults = option_defaults(MHA)
+    for key, why in cls.refuses.items():
+        if given[key] != defaults[key]:
+            raise ValueError(f"{why}: attention.{key}={yaml_value(given[key])} does not apply; leave it at "
+                             f"{yaml_value(defaults[key])}")
+
+
+def yaml_value(value: Any) -> str:
+    """A value as a command line writes it: true, null, 'relu2', 4."""
+    return "true" if value is True else "false" if value is False else "null" if value is None else repr(value)
 
 
 class MHA(FollowsStep, nn.Module):
@@ -86,6 +100,9 @@ class MHA(FollowsStep, nn.Module):
     # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
     scaled_dot_product = True
     no_paired_heads: str | None = None  # why attention.paired_heads has no form in this option (None: it has)
+    # MHA's keys a variant (which inherits them all through `**shared`: lmlab.registry) has no form for, each with
+    # why: any value but the default is refused in one place, before anything is built (`refuse`)
+    refuses: dict[str, str] = {}
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:
@@ -101,6 +118,7 @@ class MHA(FollowsStep, nn.Module):
                  eval_window: int | list | None = None,
                  xsa: XSA | None = None, key_offset: bool = False,
                  paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
+        refuse(type(self), locals())
         super().__init__()
         if forget_bias != 0.0 and not forget_gate:
             raise ValueError(f"attention.forget_bias={forget_bias} needs attention.forget_gate=true (it is the "

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry, extra_params, gate_width
-from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
+from lmlab.registry import PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -37,41 +36,25 @@ class MLA(MHA):
     no_paired_heads = ("attention=mla caches a latent and one rotated key part shared by every head, which pairing "
                        "would rotate at two positions per token (its heads' slots)")
 
-    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
-                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 kv_lora_rank: PositiveInt | None = None, q_lora_rank: PositiveInt | None = None,
-                 qk_rope_head_dim: PositiveInt | None = None, qk_nope_head_dim: PositiveInt | None = None,
-                 v_head_dim: PositiveInt | None = None, qk_norm_eps: PositiveFloat | None = None,
-                 forget_gate: bool = False, forget_bias: float = 0.0, mem_kv: NonNegativeInt = 0,
-                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
-                 eval_window: int | list | None = None,
-                 xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
-        if qk_norm_eps is not None:  # a group-wide key (conf/attention_base) MLA has no use for
-            raise ValueError(f"attention=mla has no q/k norm (it normalises its latents): attention.qk_norm_eps="
-                             f"{qk_norm_eps} does not apply; leave it null")
-        if key_offset:  # its keys are [k_nope; k_rope], k_rope one rotated part shared by every head
-            raise ValueError("attention=mla builds its keys from a latent, their rotated part shared by every head: "
-                             "attention.key_offset=true (the speedrun's shift of a head's unrotated key dims) has no "
-                             "form here; use attention=mha|gqa|mqa, or key_offset=false")
+    refuses = {**dict.fromkeys(("qk_norm", "qk_norm_eps"), "attention=mla normalises its latents (RMSNorm on "
+                               "c_kv and c_q) and has no q/k norm"),
+               "key_offset": "attention=mla builds its keys from a latent, their rotated part shared by every head: "
+                             "the speedrun's shift of a head's unrotated key dims has no form here (use "
+                             "attention=mha|gqa|mqa)"}
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, *, kv_lora_rank: PositiveInt | None = None,
+                 q_lora_rank: PositiveInt | None = None, qk_rope_head_dim: PositiveInt | None = None,
+                 qk_nope_head_dim: PositiveInt | None = None, v_head_dim: PositiveInt | None = None,
+                 **shared: Any) -> None:
         if cfg.position.get("window_yarn"):  # its rotated part is a slice of each query: a scale there is partial
             raise ValueError("attention=mla rotates only a slice of each query (q_rope): position.window_yarn=true, "
                              "which scales the whole attention logit through the rotation, has no form here; use "
                              "attention=mha|gqa|mqa, or position.window_yarn=false")
-        if qk_norm:
-            raise ValueError("attention=mla normalises its latents (RMSNorm on c_kv and c_q): attention.qk_norm=true "
-                             "does not apply; use qk_norm=false")
         # read by `project`, which the base class calls (a plain attribute may be set before nn.Module.__init__)
         self.sizes = mla_sizes(cfg, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank,
                                qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
                                v_head_dim=v_head_dim)
-        super().__init__(cfg, layer, score=score, logn_scaling=logn_scaling, temperature=temperature, window=window,
-                         pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate, sinks=sinks,
-                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
-                         forget_gate=forget_gate, forget_bias=forget_bias, mem_kv=mem_kv, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
+        super().__init__(cfg, layer, **shared)
 
     @staticmethod
     def kv_heads(n_head: int, n_kv_head: int | None) -> int:

@@ -14,15 +14,13 @@ windows, documents, softcap and the KV cache are MHA's. Explicit: every head's (
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
 from lmlab.model.attention.score import explicit_weights
-from lmlab.model.attention.xsa import XSA
-from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -35,31 +33,12 @@ class TalkingHeads(MHA):
     no_qk_clip = "its logits are mixed across heads before the softmax: a head's own scale is not its mixed logit's"
     no_paired_heads = "attention=talking_heads mixes the heads' logits over one key axis per head, which pairing merges"
 
-    def __init__(self, cfg: GPTConfig, layer: int = 0, *, score: str = "softmax", qk_norm: bool = False,
-                 logn_scaling: bool = False, temperature: PositiveFloat = 1.0, window: int | None = None,
-                 pattern: list | None = None, softcap: PositiveFloat | None = None, doc_mask: bool = False,
-                 gate: Literal["elementwise", "headwise"] | None = None, sinks: bool = False,
-                 qk_norm_eps: PositiveFloat | None = None, forget_gate: bool = False, forget_bias: float = 0.0,
-                 mem_kv: NonNegativeInt = 0,
-                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
-                 eval_window: int | list | None = None,
-                 xsa: XSA | None = None, key_offset: bool = False,
-                 paired_heads: bool | list[NonNegativeInt] = False, gate_channels: NonNegativeInt = 0) -> None:
-        """MHA's keys; `sinks`, `forget_gate` and `mem_kv` refused (a column or a bias of one head has no place in
-        the mixes of the heads' logits and weights)."""
-        if sinks:
-            raise ValueError("attention=talking_heads mixes the heads' weights, where a sink logit per head has no "
-                             "place: attention.sinks=true does not apply; use sinks=false")
-        for key, value in (("forget_gate", forget_gate), ("mem_kv", mem_kv)):
-            if value:
-                raise ValueError(f"attention=talking_heads mixes the heads' logits over one key axis, where a head's "
-                                 f"forget gate or memory keys have no place: attention.{key}={value} does not apply; "
-                                 f"leave it at its default")
-        super().__init__(cfg, layer, score=score, qk_norm=qk_norm, logn_scaling=logn_scaling, temperature=temperature,
-                         window=window, pattern=pattern, softcap=softcap, doc_mask=doc_mask, gate=gate,
-                         window_schedule=window_schedule, window_block=window_block, eval_window=eval_window,
-                         qk_norm_eps=qk_norm_eps, forget_bias=forget_bias, xsa=xsa,
-                         key_offset=key_offset, paired_heads=paired_heads, gate_channels=gate_channels)
+    refuses = {"sinks": "attention=talking_heads mixes the heads' weights, where a sink logit per head has no place",
+               **dict.fromkeys(("forget_gate", "mem_kv"), "attention=talking_heads mixes the heads' logits over one "
+                               "key axis, where a head's forget gate or memory keys have no place")}
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0, **shared: Any) -> None:
+        super().__init__(cfg, layer, **shared)
         self.logit_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_l − I
         self.weight_mix = nn.Parameter(torch.zeros(self.n_head, self.n_head))  # P_w − I
 

@@ -74,7 +74,10 @@ def _option_spec(group: str, spec: dict) -> dict:
 
 
 def _keyword_only(fn) -> list[str]:
-    return sorted(p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY)
+    """An option's keys: its keyword-only parameters and, through `**shared`, its base's (lmlab.registry)."""
+    from lmlab.registry import option_types
+
+    return sorted(option_types(fn))
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))

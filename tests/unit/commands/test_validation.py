@@ -107,13 +107,14 @@ def test_values_of_the_right_type_pass(overrides: list[str]) -> None:
 @pytest.mark.parametrize(("group", "name"), OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
 def test_every_option_keyword_has_a_checkable_type(group: str, name: str) -> None:
     """Every keyword-only parameter of every option is annotated with a type the checker understands."""
-    from lmlab.registry import check_value, option_types
+    from lmlab.registry import check_value, option_defaults, option_types
 
     fn = REGISTRIES[group][name]
+    defaults = option_defaults(fn)  # a variant's `**shared` keys: its base's defaults
     for key, annotation in option_types(fn).items():
         assert annotation is not inspect.Parameter.empty and not isinstance(annotation, str), (group, name, key)
-        if (default := inspect.signature(fn).parameters[key].default) is not inspect.Parameter.empty:
-            check_value(f"{group}.{key}", default, annotation)  # the default fits its own annotation
+        if key in defaults:
+            check_value(f"{group}.{key}", defaults[key], annotation)  # the default fits its own annotation
 
 
 def test_registry_check_value_handles_omegaconf_lists_and_unions() -> None:

@@ -83,7 +83,7 @@ def test_tau_is_learned_per_head_and_clamped() -> None:
 @pytest.mark.parametrize(("keys", "message"), [
     ({"score": "relu2"}, r"attention\.score='relu2' does not apply"),
     ({"temperature": 2.0}, r"attention\.temperature=2\.0 does not apply"),
-    ({"logn_scaling": True}, r"attention\.logn_scaling=True does not apply"),
+    ({"logn_scaling": True}, r"attention\.logn_scaling=true does not apply"),
     ({"tau_init": 500.0}, r"attention\.tau_init=500\.0 is above"),
 ])
 def test_the_keys_that_do_not_apply_are_refused_by_name(keys: dict, message: str) -> None:

@@ -166,8 +166,8 @@ def test_every_path_is_the_explicit_one(T_, offset, S, window, docs, kv, positio
 
 
 @pytest.mark.parametrize("keys, message", [
-    ({"name": "diff"}, r"attention=diff .* attention\.forget_gate=True does not apply"),
-    ({"name": "talking_heads"}, r"attention=talking_heads .* attention\.forget_gate=True does not apply"),
+    ({"name": "diff"}, r"attention=diff .* attention\.forget_gate=true does not apply"),
+    ({"name": "talking_heads"}, r"attention=talking_heads .* attention\.forget_gate=true does not apply"),
     ({"score": "relu2"}, r"attention\.forget_gate=true needs a softmax score"),
     ({"forget_gate": False, "forget_bias": 2.0}, r"attention\.forget_bias=2\.0 needs attention\.forget_gate=true"),
 ])
