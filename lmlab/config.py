@@ -23,6 +23,14 @@ from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, Range, ch
 ARCH_GROUPS = ("block", "norm", "placement", "activation", "ffn", "position", "rope_scaling", "attention", "init",
                "residual", "param", "head", "mixer")
 COMPUTE_KEYS = ("checkpointing", "chunked_loss")  # how the model computes, not what it is: free to change on resume
+GROUP_COMPUTE_KEYS = {"mixer": ("backend",)}  # the same within a group: mixer.backend (its kernel or PyTorch form)
+
+
+def what_it_is(record: dict[str, Any]) -> dict[str, Any]:
+    """A model record without its groups' compute keys (GROUP_COMPUTE_KEYS): what two records must share to be the
+    same architecture."""
+    return {k: {kk: vv for kk, vv in v.items() if kk not in GROUP_COMPUTE_KEYS[k]} if k in GROUP_COMPUTE_KEYS
+            and isinstance(v, dict) else v for k, v in record.items()}
 # Keys of the ffn group that GPTConfig turns into the hidden size (the FFN class never sees them), typed like an
 # option's own keys.
 # `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).

@@ -44,9 +44,10 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def slow_paths(config: Mapping[str, Any], device: str | None) -> list[str]:
+def slow_paths(config: Mapping[str, Any], device: str | None, mixer_backend: str | None = None) -> list[str]:
     """The paths `config` (a run's resolved config) takes where lmlab's implementation, not the architecture, may set
-    the speed, each named with the path it runs on `device` (the run's device type: cuda, cpu; None: unknown)."""
+    the speed, each named with the path it runs on `device` (the run's device type: cuda, cpu; None: unknown); a
+    recurrent mixer's by the path the run recorded it ran (`mixer_backend`: torch, fla, ...), else by its key."""
     paths = []
     attention = config.get("attention") or {}
     masks = []
@@ -68,7 +69,11 @@ def slow_paths(config: Mapping[str, Any], device: str | None) -> list[str]:
     mixer = config.get("mixer") or {}
     mixers = sorted({str(m) for m in [mixer.get("name"), *(mixer.get("pattern") or [])]} - {"attention", "None"})
     if mixers:
-        backend = mixer.get("backend") or "lmlab's PyTorch chunked path"
+        ran = {"torch": "lmlab's PyTorch chunked path", "fla": "fla's kernels", "mamba_ssm": "mamba-ssm's kernel"}
+        recorded = mixer_backend if isinstance(mixer_backend, str) else ""  # summary.json is data: any type
+        forced = mixer.get("backend") not in (None, "auto", "torch")  # an older run: its key, not its path
+        backend = ", ".join(ran.get(b, b) for b in recorded.split(",") if b) or (
+            f"mixer.backend={mixer['backend']}" if forced else ran["torch"])
         paths.append(f"mixer ({', '.join(mixers)}): {backend}")
     return paths
 
@@ -91,7 +96,7 @@ def speed(sweep: Sweep) -> str:
         rows.append({"variant": name, "runs": len(figures), "device": device or "",
                      "tokens_per_s": statistics.mean(tokens) if tokens else None,
                      "model_flops_per_s": statistics.mean(f for _, f in figures),
-                     "paths": "; ".join(slow_paths(summary.get("config") or {}, device))})
+                     "paths": "; ".join(slow_paths(summary.get("config") or {}, device, summary.get("mixer_backend")))})
     if len(rows) < 2:
         return ""
     base_name = pick_baseline([r["variant"] for r in rows], sweep.baseline)

@@ -209,6 +209,8 @@ def model_config(state: dict[str, Any]) -> dict[str, Any]:
     it differs from today's rule and pinned as `ffn.hidden`: such runs still load.
     """
     cfg = dict(state["hyper_parameters"]["model"])
+    if isinstance(cfg.get("mixer"), dict) and cfg["mixer"].get("backend") not in (None, "auto"):
+        cfg["mixer"] = {**cfg["mixer"], "backend": "auto"}  # rebuilt anywhere: its kernel where it runs, else PyTorch
     if cfg.get("ffn_hidden") is not None:
         return cfg
     ffn = dict(cfg.get("ffn") or {})

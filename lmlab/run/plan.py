@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.run import budget
 from lmlab.cli import continue_command
-from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config
+from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config, what_it_is
 from lmlab.data import build_datamodule
 from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
@@ -192,7 +192,7 @@ def check_same_arch(what: str, new: dict[str, Any], saved: dict[str, Any], may_d
     """Refuse a checkpoint whose architecture differs from the config, naming every differing key. Both are compared
     resolved and without their derived sizes: a record saved before the derived sizes were declared (or with a
     RoPE scaling's `original_max_len` left null) is the same architecture as today's record of it."""
-    new, saved = (resolve(GPTConfig(**d)).inputs() for d in (new, saved))
+    new, saved = (what_it_is(resolve(GPTConfig(**d)).inputs()) for d in (new, saved))
     differ = sorted(k for k in new if k not in may_differ and new[k] != saved.get(k))
     if differ:
         detail = ", ".join(f"model/{k}: checkpoint has {saved.get(k)!r}, config has {new[k]!r}" for k in differ)

@@ -19,7 +19,9 @@ Contract of a mixer option (one file each, ending in its `OPTIONS`, gathered her
 like an attention (it reads no positions); `geometry(cfg, **keys)` a `MixerGeometry` from the sizes alone (its
 weights, its generation state's numbers, its recurrence's FLOPs); with a `LayerCache` it continues from
 `cache.state` and writes its new state there; `figures()` what the monitor shows of it (state norm, gate
-statistics). It resets its state at document starts under `attention.doc_mask`. Shared pieces: `base.py`.
+statistics). It resets its state at document starts under `attention.doc_mask`. Shared pieces: `base.py`. Its
+recurrence runs on lmlab's PyTorch form or a kernel package's (`mixer.backend`, chosen per device in `backend.py`);
+`backend_used` names the path its last forward ran.
 """
 
 from __future__ import annotations

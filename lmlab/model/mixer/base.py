@@ -9,6 +9,7 @@ the text.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,35 @@ def recurrent_inputs(x: torch.Tensor, cache: object | None, doc: torch.Tensor | 
     offset, state = (0, {}) if cache is None else (cache.offset, cache.state)
     starts = segment_starts(doc, offset, x.size(1)) if doc_reset else None
     return state, starts, torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def log_uniform_dt_bias(n: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:
+    """n biases whose softplus is a step dt drawn log-uniformly in [dt_min, dt_max] (clamped below at `floor`): Mamba's
+    init of dt_bias, softplus⁻¹(dt) = dt + log(-expm1(-dt))."""
+    log_dt = torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
+    dt = torch.exp(log_dt).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def varlen(starts: torch.Tensor, state: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The B rows of T tokens cut at their document starts `starts` (B, T) into N segments of the B·T tokens laid end
+    to end, as the varlen kernels take them (FlashAttention's `cu_seqlens`, fla's). Returns cu_seqlens (N + 1,), the
+    segments' initial states (N, ...): each row's first segment continues the row's `state` (B, ...) unless a document
+    starts at its first token, the others start empty (None without a state), and `last` (B,): each row's last
+    segment, whose final state is the row's. Counting the segments reads them to the host (one sync)."""
+    B, T = starts.shape
+    begins = starts.clone()
+    begins[:, 0] = True  # every row begins a segment
+    at = begins.flatten().nonzero().squeeze(1)  # (N,): each segment's first token, in the flattened B·T
+    cu_seqlens = torch.cat((at, at.new_tensor([B * T])))
+    per_row = begins.sum(1)
+    ends = per_row.cumsum(0)  # (B,): the segments up to each row's end
+    if state is None:
+        return cu_seqlens, None, ends - 1
+    kept = state * (~starts[:, 0]).to(state.dtype).view(B, *(1,) * (state.dim() - 1))
+    initial = state.new_zeros(at.numel(), *state.shape[1:]).index_copy(0, ends - per_row, kept)
+    return cu_seqlens, initial, ends - 1
 
 
 class ShortConv(nn.Module):

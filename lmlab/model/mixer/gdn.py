@@ -9,11 +9,14 @@ L2-normalised per head (x · rsqrt(Σx² + 1e-6), FLA's and HF's form) and q sca
 
 Layout (HF's Qwen3NextGatedDeltaNet): in_proj_qkvz d -> [q (Hk·dk), k (Hk·dk), v (Hv·dv), z (Hv·dv)], in_proj_ba
 d -> [b (Hv), a (Hv)], a short causal conv + SiLU over [q, k, v] (no bias), A_log and dt_bias (Hv), each key head
-repeated to the Hv / Hk value heads after it, then the gated RMSNorm over dv per head, rmsnorm(o) · weight ·
-silu(z), and out_proj Hv·dv -> d. Our fused rows are blocked by part (q of every head, then k, ...), so the inits
-can read them as parts (`fused`); HF's are grouped per key head ([q_h, k_h, v_h, z_h] for each key head h, and
-[b_h, a_h] likewise): `from_hf_state` / `hf_state` reorder them, a reshape (the conv's channels, [q, k, v] by part,
-are the same in both). Init as HF's: A = U(0.01, 16), A_log = log A, dt_bias = 1, the norm's gain 1.
+repeated to the Hv / Hk value heads after it (value head i reads key head i // (Hv / Hk)), then the gated RMSNorm
+over dv per head, rmsnorm(o) · weight · silu(z), and out_proj Hv·dv -> d. Our fused rows are blocked by part (q of
+every head, then k, ...), so the inits can read them as parts (`fused`); HF's are grouped per key head ([q_h, k_h,
+v_h, z_h] for each key head h, and [b_h, a_h] likewise): `from_hf_state` / `hf_state` reorder them, a reshape (the
+conv's channels, [q, k, v] by part, are the same in both). Init as HF's: A = U(0.01, 16), A_log = log A, the norm's
+gain 1, and `dt_init`: `constant`, Qwen3-Next's dt_bias = 1 (a step softplus(1) ≈ 1.3, so a head keeps exp(-1.3·A)
+of its state per token at the start: e^-10 for A = 8, the state nearly wiped every token), or `log_uniform`, the GDN
+paper's code (Mamba's): dt log-uniform in [1e-3, 0.1] (floored at 1e-4), dt_bias = softplus⁻¹(dt): slow decays.
 
 Training runs the chunked form (`gated_delta_rule`): within a chunk the delta rule's pseudo-values U solve the
 unit-lower-triangular system (I + tril(β k kᵀ ⊙ decay, -1)) U = βV - β exp(γ) K S_0 (the WY/UT representation,
@@ -21,19 +24,26 @@ DeltaNet's), then the chunk's outputs and its state are matmuls and the state is
 does not depend on the chunk. Generation continues the same form from `cache.state` ({"conv": (B, conv channels,
 conv_size - 1), "ssm": (B, Hv, dk, dv)}). The recurrence runs in float32 (float64 for a float64 input) whatever the
 autocast dtype.
+
+`backend` (lmlab.model.mixer.backend): `fla` runs the recurrence on flash-linear-attention's chunk_gated_delta_rule
+(fused_recurrent_gated_delta_rule for one-token steps without autograd), in its (B, T, heads, d) layout with the same
+state (B, Hv, dk, dv): q, k, v in the activations' dtype (bf16 under autocast), g, β and the state in float32; the L2
+norm (same epsilon) and 1/√dk inside the kernel, the key heads read by value head i // (Hv / Hk) as here; document
+starts as its varlen segments. It computes every config but head sizes over 256 or odd ones.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, recurrent_inputs
+from lmlab.model.mixer.backend import MixerBackend, kernel
+from lmlab.model.mixer.base import MixerGeometry, ShortConv, log_uniform_dt_bias, recurrent_inputs, varlen
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -41,11 +51,15 @@ if TYPE_CHECKING:
     from lmlab.model.attention.cache import LayerCache
 
 
+DT_RANGE = (1e-3, 0.1, 1e-4)  # dt_init=log_uniform: dt in [1e-3, 0.1], floored at 1e-4 (the GDN paper's code)
+
+
 class GatedDeltaNet(nn.Module):
     """Keys: n_heads (key heads Hk, null: model.n_head), n_v_heads (value heads Hv, a multiple of n_heads; null:
     n_heads; Qwen3-Next: 16 and 32), head_dim (dk, null: model.d_model / n_heads), v_head_dim (dv, null: head_dim),
-    conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's). Under `attention.doc_mask` the
-    state (and the conv window) resets at each document start."""
+    conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's), dt_init (dt_bias's init: constant
+    1 or log_uniform), backend (auto, torch, fla). Under `attention.doc_mask` the state (and the conv window) resets
+    at each document start."""
 
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
@@ -55,10 +69,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, pattern: list | None = None,
                  n_heads: PositiveInt | None = None, n_v_heads: PositiveInt | None = None,
                  head_dim: PositiveInt | None = None, v_head_dim: PositiveInt | None = None,
-                 conv_size: PositiveInt = 4, chunk_size: PositiveInt = 64, norm_eps: PositiveFloat = 1e-6) -> None:
+                 conv_size: PositiveInt = 4, chunk_size: PositiveInt = 64, norm_eps: PositiveFloat = 1e-6,
+                 dt_init: Literal["constant", "log_uniform"] = "constant",
+                 backend: Literal["auto", "torch", "fla"] = "auto") -> None:
         super().__init__()
         self.n_heads, self.n_v_heads, self.head_dim, self.v_head_dim = head_sizes(cfg, n_heads, n_v_heads, head_dim,
                                                                                v_head_dim)
+        self.backend = MixerBackend("gdn", backend, "fla", fla_refuses(self.head_dim, self.v_head_dim))
         self.chunk_size, self.norm_eps = chunk_size, norm_eps
         self.doc_reset = bool(cfg.attention.get("doc_mask"))
         kd, vd, Hv = self.n_heads * self.head_dim, self.n_v_heads * self.v_head_dim, self.n_v_heads
@@ -70,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba.fused = (Hv, Hv)  # b (the write strength's logit), a (the decay's step)
         self.conv = ShortConv(self.conv_dim, conv_size, bias=False)
         self.A_log = nn.Parameter(torch.empty(Hv).uniform_(0.01, 16).log())  # HF's init: A ~ U(0.01, 16)
-        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.dt_bias = nn.Parameter(torch.ones(Hv) if dt_init == "constant" else log_uniform_dt_bias(Hv, *DT_RANGE))
         self.norm_weight = nn.Parameter(torch.ones(self.v_head_dim))  # the gated RMSNorm's gain (HF: norm.weight)
         self.out_proj = nn.Linear(vd, cfg.d_model, bias=cfg.bias)
         self.out_proj.is_residual_proj = True  # read by the init schemes (GPT-2's 1/sqrt(2L) scaling)
@@ -96,23 +113,34 @@ class GatedDeltaNet(nn.Module):
         return MixerGeometry(n_params=n, state_numbers=Hv * dk * dv + (conv_size - 1) * conv_dim,
                              flops_per_token=flops)
 
+    @property
+    def backend_used(self) -> str | None:
+        """The path the last forward ran (torch or fla; None before any): what a run reports of the mixer."""
+        return self.backend.used
+
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         Hk, Hv, dk, dv = self.n_heads, self.n_v_heads, self.head_dim, self.v_head_dim
+        path = self.backend.choose(x)
         state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
         qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, Hv * dv), dim=-1)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         qkv, conv_state = self.conv(qkv, state.get("conv"), starts)
         with torch.autocast(x.device.type, enabled=False):
-            q, k, v = qkv.to(dtype).split((Hk * dk, Hk * dk, Hv * dv), dim=-1)
-            q, k = (l2norm(t.unflatten(-1, (Hk, dk))).repeat_interleave(Hv // Hk, dim=2).transpose(1, 2)
-                    for t in (q, k))  # (B, Hv, T, dk): value head i reads key head i // (Hv / Hk)
-            v = v.unflatten(-1, (Hv, dv)).transpose(1, 2)  # (B, Hv, T, dv)
-            beta = torch.sigmoid(b.to(dtype)).transpose(1, 2)  # (B, Hv, T)
-            g = (-torch.exp(self.A_log.to(dtype)) * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))).transpose(1, 2)
-            o, S = gated_delta_rule(q / math.sqrt(dk), k, v, g, beta, self.chunk_size, state.get("ssm"), starts)
-            o = o.transpose(1, 2)  # (B, T, Hv, dv): the gated RMSNorm per head
+            beta = torch.sigmoid(b.to(dtype))  # (B, T, Hv)
+            g = -torch.exp(self.A_log.to(dtype)) * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))  # (B, T, Hv)
+            q, k, v = qkv.split((Hk * dk, Hk * dk, Hv * dv), dim=-1)
+            q, k, v = q.unflatten(-1, (Hk, dk)), k.unflatten(-1, (Hk, dk)), v.unflatten(-1, (Hv, dv))  # (B, T, H, d)
+            if path == "fla":
+                o, S = fla_gated_delta_rule(q, k, v, g, beta, 1 / math.sqrt(dk), state.get("ssm"), starts)
+            else:
+                q, k = (l2norm(t.to(dtype)).repeat_interleave(Hv // Hk, dim=2).transpose(1, 2)
+                        for t in (q, k))  # (B, Hv, T, dk): value head i reads key head i // (Hv / Hk)
+                o, S = gated_delta_rule(q / math.sqrt(dk), k, v.to(dtype).transpose(1, 2), g.transpose(1, 2),
+                                        beta.transpose(1, 2), self.chunk_size, state.get("ssm"), starts)
+                o = o.transpose(1, 2)
+            o, S = o.to(dtype), S.to(dtype)  # o (B, T, Hv, dv): the gated RMSNorm per head
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(dtype)
             o = (o * F.silu(z.to(dtype).unflatten(-1, (Hv, dv)))).flatten(2)
         state.update(conv=conv_state, ssm=S)
@@ -124,6 +152,39 @@ class GatedDeltaNet(nn.Module):
         """The last forward's mean final-state norm ‖S‖_F (over sequences and value heads), mean decay exp(g) and
         mean write strength β (over tokens and heads): detached scalars, no sync."""
         return dict(self._figures)
+
+
+def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         scale: float, state: torch.Tensor | None, starts: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule on fla's kernels, in their layout: q, k (B, T, Hk, dk) before the L2 norm (the kernel's,
+    x · rsqrt(Σx² + 1e-6) as `l2norm`), v (B, T, Hv, dv), g (log decays) and beta (B, T, Hv), from `state` (B, Hv, dk,
+    dv) or zeros; `starts` (B, T): document starts, where the state is emptied (fla's varlen segments). Returns o (B,
+    T, Hv, dv) and the final state."""
+    ops = "fla.ops.gated_delta_rule"
+    keys = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if q.size(1) == 1 and not torch.is_grad_enabled():  # a generation step: the recurrent kernel, no chunk to fill
+        if starts is not None and state is not None:
+            state = state * (~starts).to(state.dtype)[:, :, None, None]
+        return kernel(ops, "fused_recurrent_gated_delta_rule")(q=q, k=k, v=v, g=g, beta=beta, initial_state=state,
+                                                               **keys)
+    chunk = kernel(ops, "chunk_gated_delta_rule")
+    if starts is None:
+        return chunk(q, k, v, g, beta, initial_state=state, **keys)
+    B, T = starts.shape
+    cu_seqlens, initial, last = varlen(starts, state)
+    o, S = chunk(*(t.flatten(0, 1)[None] for t in (q, k, v, g, beta)), initial_state=initial, cu_seqlens=cu_seqlens,
+                 **keys)  # one row of the B·T tokens, cut into segments
+    return o.view(B, T, *o.shape[2:]), S[last]
+
+
+def fla_refuses(head_dim: int, v_head_dim: int) -> str | None:
+    """Why fla's gated delta rule cannot compute these head sizes (None: it can)."""
+    if head_dim > 256:
+        return f"its kernels take key heads of at most 256 (mixer.head_dim={head_dim})"
+    if head_dim % 2 or v_head_dim % 2:
+        return f"its 16-bit backward takes even head sizes (mixer.head_dim={head_dim}, v_head_dim={v_head_dim})"
+    return None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -9,17 +9,25 @@ dot product φ(q)·φ(k), so causal attention becomes a recurrence over a fixed-
 later literature, with `normalize=false`). Training runs the chunked form (within a chunk the masked (c × c) product,
 across chunks the state), generation the same code one token at a time from `cache.state`. The cheap baseline a
 hybrid study needs: its state is all it remembers, with no forgetting gate.
+
+`backend` (lmlab.model.mixer.backend): `fla` runs the numerator φ(q)ᵀ S_t on flash-linear-attention's
+chunk_linear_attn (normalize off, scale 1: no 1/√d here), in its (B, T, h, d) layout with the same state S (B, h, d,
+d_v), φ applied before it and φ(q), φ(k), v in the activations' dtype; the normaliser φ(q)·z_t + ε stays here, a
+cumulative sum: fla's own normalize divides by φ(q)·z_t + 1e-10, not by `eps`, so it is not this formula. Document
+starts are its varlen segments. It computes every config but odd head sizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, recurrent_inputs
+from lmlab.model.mixer.backend import MixerBackend, kernel
+from lmlab.model.mixer.base import MixerGeometry, recurrent_inputs, varlen
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -30,6 +38,10 @@ FEATURES = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x:
 
 
 class LinearAttention(nn.Module):
+    """Keys: n_heads (null: model.n_head), head_dim (null: model.d_model / n_heads), feature (φ), normalize, eps,
+    chunk_size (the training form's chunk), backend (auto, torch, fla). Under `attention.doc_mask` the state resets at
+    each document start."""
+
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
     # head=mlm refuses it: a recurrence over the past
@@ -38,9 +50,12 @@ class LinearAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0, *, pattern: list | None = None,
                  n_heads: PositiveInt | None = None, head_dim: PositiveInt | None = None,
                  feature: Literal["elu", "relu", "identity"] = "elu", normalize: bool = True,
-                 eps: PositiveFloat = 1e-6, chunk_size: PositiveInt = 64) -> None:
+                 eps: PositiveFloat = 1e-6, chunk_size: PositiveInt = 64,
+                 backend: Literal["auto", "torch", "fla"] = "auto") -> None:
         super().__init__()
         self.n_heads, self.head_dim = _sizes(cfg, n_heads, head_dim)
+        odd = f"its 16-bit backward takes even head sizes (mixer.head_dim={self.head_dim})"
+        self.backend = MixerBackend("linear", backend, "fla", odd if self.head_dim % 2 else None)
         self.feature, self.normalize, self.eps, self.chunk_size = FEATURES[feature], normalize, eps, chunk_size
         self.doc_reset = bool(cfg.attention.get("doc_mask"))
         width = self.n_heads * self.head_dim
@@ -63,19 +78,31 @@ class LinearAttention(nn.Module):
         return MixerGeometry(n_params=n, state_numbers=h * (d * d + d),
                              flops_per_token=2 * h * (chunk_size * 2 * d + 2 * d * d))
 
+    @property
+    def backend_used(self) -> str | None:
+        """The path the last forward ran (torch or fla; None before any): what a run reports of the mixer."""
+        return self.backend.used
+
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
+        path = self.backend.choose(x)
         state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
-        q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-                   for t in self.c_attn(x).split(self.c_attn.fused, dim=-1))  # (B, h, T, d)
-        q, k, v = self.feature(q.to(dtype)), self.feature(k.to(dtype)), v.to(dtype)
-        S = state["S"] if state else q.new_zeros(B, self.n_heads, self.head_dim, self.head_dim)
-        z = state["z"] if state else q.new_zeros(B, self.n_heads, self.head_dim)
-        y, S, z = chunked(q, k, v, S, z, self.chunk_size, starts, self.normalize, self.eps)
+        q, k, v = (t.view(B, T, self.n_heads, self.head_dim)
+                   for t in self.c_attn(x).split(self.c_attn.fused, dim=-1))  # (B, T, h, d)
+        if path == "fla":
+            y, S, z = fla_linear_attention(q, k, v, self.feature, state.get("S"), state.get("z"), starts,
+                                           self.normalize, self.eps, dtype)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, d)
+            q, k, v = self.feature(q.to(dtype)), self.feature(k.to(dtype)), v.to(dtype)
+            S = state["S"] if state else q.new_zeros(B, self.n_heads, self.head_dim, self.head_dim)
+            z = state["z"] if state else q.new_zeros(B, self.n_heads, self.head_dim)
+            y, S, z = chunked(q, k, v, S, z, self.chunk_size, starts, self.normalize, self.eps)
+            y = y.transpose(1, 2)  # (B, T, h, d)
         state.update(S=S, z=z)
         self._state_norm = S.detach().flatten(2).norm(dim=-1).mean()
-        return self.c_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
+        return self.c_proj(y.to(x.dtype).reshape(B, T, -1))
 
     def figures(self) -> dict[str, torch.Tensor]:
         """The last forward's mean final-state norm ‖S‖_F over sequences and heads."""
@@ -111,6 +138,43 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, 
         S = S + kept.transpose(-1, -2) @ vc
         z = z + kept.sum(2)
     return torch.cat(out, dim=2), S, z
+
+
+def fla_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature: Callable, S: torch.Tensor | None,
+                         z: torch.Tensor | None, starts: torch.Tensor | None, normalize: bool, eps: float,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunked` with its numerator on fla's kernel, in its layout: q, k, v (B, T, h, d) before φ, from the state S (B,
+    h, d, d_v) and z (B, h, d) (zeros when None); `starts` (B, T): document starts (fla's varlen segments). Returns the
+    outputs (B, T, h, d_v) and the final S, z, in `dtype`."""
+    B, T = q.shape[:2]
+    fq, fk = feature(q.to(dtype)), feature(k.to(dtype))
+    inputs, keys = (fq.to(v.dtype), fk.to(v.dtype), v), dict(scale=1.0, output_final_state=True, normalize=False)
+    attend = kernel("fla.ops.linear_attn", "chunk_linear_attn")
+    if starts is None:
+        y, S = attend(*inputs, initial_state=S, **keys)
+    else:
+        cu_seqlens, initial, last = varlen(starts, S)
+        y, S = attend(*(t.flatten(0, 1)[None] for t in inputs), initial_state=initial, cu_seqlens=cu_seqlens, **keys)
+        y, S = y.view(B, T, *y.shape[2:]), S[last]
+    sums = _key_sums(fk, z, starts)  # (B, T, h, d): z_t of each token
+    y = y.to(dtype)
+    if normalize:
+        y = y / ((fq * sums).sum(-1, keepdim=True) + eps)
+    return y, S.to(dtype), sums[:, -1]
+
+
+def _key_sums(k: torch.Tensor, z: torch.Tensor | None, starts: torch.Tensor | None) -> torch.Tensor:
+    """z_t (B, T, h, d) for φ-mapped keys k (B, T, h, d): the keys summed over t's document up to t, plus the state's
+    z (B, h, d) for the tokens before any document start among these."""
+    sums = k.cumsum(1)
+    if starts is not None:
+        idx = torch.arange(k.size(1), device=k.device)
+        latest = torch.where(starts, idx, 0).cummax(1).values  # (B, T): t's latest document start (0: none)
+        sums = sums - (sums - k).gather(1, latest[:, :, None, None].expand_as(k))  # less the sums before it
+    if z is None:
+        return sums
+    fresh = 1.0 if starts is None else (starts.cumsum(1) == 0)[:, :, None, None].to(k.dtype)  # no start yet
+    return sums + fresh * z[:, None]
 
 
 def _sizes(cfg: GPTConfig, n_heads: int | None, head_dim: int | None) -> tuple[int, int]:

@@ -18,19 +18,27 @@ Training runs the chunked SSD form (`ssd`): within a chunk of c tokens the maske
 the decay exp(Σ_{j<k≤i} dt_k A), across chunks the state passed on; the result does not depend on c. Generation
 continues the same form from `cache.state` ({"conv": (B, conv channels, k - 1), "ssm": (B, H, head_dim, N)}). The
 scan runs in float32 (float64 for a float64 input) whatever the autocast dtype.
+
+`backend` (lmlab.model.mixer.backend): `mamba_ssm` runs the scan on mamba-ssm's mamba_chunk_scan_combined (the
+reference SSD kernel; `auto` takes it on CUDA where mamba_ssm imports), in the same layout: x (B, T, H, head_dim), B
+and C (B, T, G, N) per group, the state (B, H, head_dim, N); x, B, C in the activations' dtype, dt (softplus and
+clamp done here), A, D and the state in float32; D's skip inside the kernel, the gated norm here; document starts as
+its `seq_idx` (each token's document number among these tokens, 0 before the first start: the tokens that read the
+carried state). It computes every config. (fla has no Mamba-2 op of that name; its simple_gla computes the same scan
+with C, B, x·dt, dt·A as q, k, v, g: a possible second kernel.)
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, recurrent_inputs
+from lmlab.model.mixer.backend import MixerBackend, kernel
+from lmlab.model.mixer.base import MixerGeometry, ShortConv, log_uniform_dt_bias, recurrent_inputs
 from lmlab.registry import PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
@@ -42,7 +50,8 @@ class Mamba2(nn.Module):
     """Keys: d_state (N), expand (d_inner = expand·d_model), head_dim (H = d_inner / head_dim heads), n_groups (G
     groups of heads sharing B and C), conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's),
     norm_before_gate, dt_min / dt_max / dt_init_floor (dt_bias's init range), dt_limit ([low, high or null]: dt's
-    clamp). Under `attention.doc_mask` the state (and the conv window) resets at each document start."""
+    clamp), backend (auto, torch, mamba_ssm). Under `attention.doc_mask` the state (and the conv window) resets at each
+    document start."""
 
     sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
     mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
@@ -54,9 +63,11 @@ class Mamba2(nn.Module):
                  n_groups: PositiveInt = 1, conv_size: PositiveInt = 4, chunk_size: PositiveInt = 64,
                  norm_eps: PositiveFloat = 1e-5, norm_before_gate: bool = False, dt_min: PositiveFloat = 1e-3,
                  dt_max: PositiveFloat = 0.1, dt_init_floor: PositiveFloat = 1e-4,
-                 dt_limit: Annotated[tuple[float, float | None], Range(ge=0)] = (0.0, None)) -> None:
+                 dt_limit: Annotated[tuple[float, float | None], Range(ge=0)] = (0.0, None),
+                 backend: Literal["auto", "torch", "mamba_ssm"] = "auto") -> None:
         super().__init__()
         self.d_inner, self.n_heads = _sizes(cfg, expand, head_dim, n_groups)
+        self.backend = MixerBackend("mamba2", backend, "mamba_ssm")
         self.d_state, self.head_dim, self.n_groups, self.chunk_size = d_state, head_dim, n_groups, chunk_size
         self.norm_eps, self.norm_before_gate, self.dt_limit = norm_eps, norm_before_gate, tuple(dt_limit)
         self.doc_reset = bool(cfg.attention.get("doc_mask"))
@@ -67,9 +78,7 @@ class Mamba2(nn.Module):
         self.in_proj.value_parts = (False, True, False, False, False)  # x carries the values (DeepNet's gain)
         self.conv = ShortConv(self.conv_dim, conv_size, bias=True)
         nn.init.zeros_(self.conv.conv.bias)  # as HF's _init_weights
-        log_dt = torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
-        dt = torch.exp(log_dt).clamp(min=dt_init_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.dt_bias = nn.Parameter(log_uniform_dt_bias(H, dt_min, dt_max, dt_init_floor))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))  # A = -exp(A_log) = -1..-H
         self.D = nn.Parameter(torch.ones(H))
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner))  # the gated RMSNorm's gain (HF: norm.weight)
@@ -93,21 +102,34 @@ class Mamba2(nn.Module):
         return MixerGeometry(n_params=n, state_numbers=H * head_dim * d_state + (conv_size - 1) * conv_dim,
                              flops_per_token=flops)
 
+    @property
+    def backend_used(self) -> str | None:
+        """The path the last forward ran (torch or mamba_ssm; None before any): what a run reports of the mixer."""
+        return self.backend.used
+
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, P, N, G = self.n_heads, self.head_dim, self.d_state, self.n_groups
+        path = self.backend.choose(x)
         state, starts, dtype = recurrent_inputs(x, cache, doc, self.doc_reset)
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, H), dim=-1)
         xBC, conv_state = self.conv(xBC, state.get("conv"), starts)
         with torch.autocast(x.device.type, enabled=False):
-            xs, Bm, Cm = xBC.to(dtype).split((self.d_inner, G * N, G * N), dim=-1)
-            xs = xs.reshape(B, T, H, P)
-            Bm, Cm = (t.reshape(B, T, G, N).repeat_interleave(H // G, dim=2) for t in (Bm, Cm))  # (B, T, H, N)
             dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype)).clamp(*self.dt_limit)  # (B, T, H)
             A = -torch.exp(self.A_log.to(dtype))
-            y, ssm = ssd(xs, dt, A, Bm, Cm, self.chunk_size, state.get("ssm"), starts)
-            y = (y + self.D.to(dtype)[:, None] * xs).reshape(B, T, self.d_inner)
+            if path == "mamba_ssm":
+                xs, Bm, Cm = xBC.split((self.d_inner, G * N, G * N), dim=-1)
+                y, ssm = mamba_ssm_scan(xs.reshape(B, T, H, P), dt, A, Bm.reshape(B, T, G, N),
+                                        Cm.reshape(B, T, G, N), self.D.to(dtype), self.chunk_size,
+                                        state.get("ssm"), starts)
+                y, ssm = y.to(dtype).reshape(B, T, self.d_inner), ssm.to(dtype)
+            else:
+                xs, Bm, Cm = xBC.to(dtype).split((self.d_inner, G * N, G * N), dim=-1)
+                xs = xs.reshape(B, T, H, P)
+                Bm, Cm = (t.reshape(B, T, G, N).repeat_interleave(H // G, dim=2) for t in (Bm, Cm))  # (B, T, H, N)
+                y, ssm = ssd(xs, dt, A, Bm, Cm, self.chunk_size, state.get("ssm"), starts)
+                y = (y + self.D.to(dtype)[:, None] * xs).reshape(B, T, self.d_inner)
             y = self.gated_norm(y, z.to(dtype))
         state.update(conv=conv_state, ssm=ssm)
         self._figures = {"state_norm": ssm.detach().flatten(2).norm(dim=-1).mean(),
@@ -167,6 +189,18 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     decay_in = torch.exp(a.cumsum(-1)) * carry  # (b, h, n, c): decay from the chunk's start to i
     y = y + (C @ torch.stack(incoming, 2).transpose(-1, -2)) * decay_in[..., None]
     return y.movedim(1, 3).reshape(b, n * c, h, p)[:, :T], S
+
+
+def mamba_ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, chunk: int, state: torch.Tensor | None, starts: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan with D's skip on mamba-ssm's kernel: x (b, T, h, p), dt (b, T, h) (softplus and clamp applied), A
+    and D (h,), B and C (b, T, G, N) per group, from `state` (b, h, p, N) or zeros; `starts` (b, T): document starts,
+    as the kernel's seq_idx (0 before the first: only those tokens read the state). Returns y + D·x and the final
+    state."""
+    scan = kernel("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+    seq_idx = None if starts is None else starts.cumsum(1, dtype=torch.int32)
+    return scan(x, dt, A, B, C, chunk, D=D, initial_states=state, seq_idx=seq_idx, return_final_states=True)
 
 
 # our name -> HF's (Mamba2Mixer, NemotronHMamba2Mixer, BambaMixer); the biases exist where model.bias / use_bias

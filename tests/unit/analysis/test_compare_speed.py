@@ -65,6 +65,7 @@ def test_the_figure_and_the_paths_of_each_kind_of_run() -> None:
               "attention": {**DENSE["attention"], "doc_mask": True, "softcap": 30.0}}
     assert slow_paths(hybrid, "cuda") == ["mask (documents, softcap 30.0): FlexAttention",
                                           "mixer (gdn): lmlab's PyTorch chunked path"]
+    assert slow_paths(hybrid, "cuda", "fla")[-1] == "mixer (gdn): fla's kernels"  # the path the run recorded
 
 
 def test_one_variant_or_no_figures_adds_no_section(tmp_path: Path) -> None:
