@@ -100,6 +100,8 @@ class RunSummary(TypedDict, total=False):
     budget_spent: dict[str, Any]  # what the run spent of it: tokens, flops (and the wall time)
     stages: list[dict[str, Any]]  # data.batch_schedule / seq_schedule only (lmlab.data.stages.table): from_step,
     #   batch_size, seq_len, tokens_per_step, flops_per_token of each stage
+    mixer_backend: str  # a model with recurrent mixers only: the path they ran (torch, fla, mamba_ssm; lmlab.model.mixer)
+    fp8: list[str]  # precision.fp8 set only: the Linear layers trained in FP8, by qualified name (lmlab.run.fp8)
     overrides: list[str]
     error: str | None
     model: dict[str, Any]  # the GPTConfig record (lmlab.config), derived sizes included

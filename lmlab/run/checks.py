@@ -19,6 +19,7 @@ from lmlab.data.keys import DATA_KEYS
 from lmlab.data.sources import check_sources
 from lmlab.model.gpt import meta_model
 from lmlab.record.targets import check_targets
+from lmlab.run.fp8 import check as check_fp8
 from lmlab.run.spikes import check_spike_skip
 
 
@@ -115,6 +116,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         check_sources(OmegaConf.to_container(cfg.data, resolve=True))
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
     check_precision(cfg.trainer.get("precision"))
+    check_fp8(cfg)  # precision.fp8: its kinds, floor and recipe, torchao, an FP8 GPU (lmlab.run.fp8)
     if gcfg.untie_at_step is not None and gcfg.untie_at_step >= int(cfg.trainer.max_steps):
         warnings.warn(f"model.untie_at_step={gcfg.untie_at_step} >= trainer.max_steps={cfg.trainer.max_steps}: the "
                       f"head stays tied for the whole run (lower model.untie_at_step, or raise trainer.max_steps)",

@@ -82,6 +82,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.model.flops import flops_per_token
+    from lmlab.model.mixer.backend import paths_taken
+    from lmlab.run.fp8 import apply as apply_fp8
     from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, StopAtOnce, requeue_on_slurm
     from lmlab.run.lit import LitGPT
     from lmlab.run.lit_data import lightning_data
@@ -113,6 +115,9 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                  stages=plan.stages)  # data.batch_schedule / seq_schedule (lmlab.data.stages): None without
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
+    # precision.fp8: the Linear layers it names become torchao's Float8Linear (lmlab.run.fp8), before the first forward
+    # (LitGPT's torch.compile traces then) and before trainer=fsdp2 shards the model (LitGPT.configure_model)
+    fp8_layers = apply_fp8(lit.model, cfg)
     if saved is not None:
         lit.on_load_checkpoint(saved)  # the run's figures so far, even if this attempt fails before fit restores
     monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
@@ -202,6 +207,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary.update(throughput.figures(summary["tokens_per_s"], summary["world_size"]))  # FLOP/s, MFU, device
         if staged is not None:  # compare's *_to_target count through them
             summary["stages"] = staged
+        if OmegaConf.select(cfg, "precision.fp8", default=None):  # the layers FP8 took (off: the summary as before)
+            summary["fp8"] = fp8_layers
+        if mixer_paths := paths_taken(lit.model):  # the recurrent mixers' path: torch, or their kernel (a hybrid only)
+            summary["mixer_backend"] = ",".join(mixer_paths)
         if downstream is not None:  # the last downstream/ values (downstream.tasks=[]: the summary as before)
             summary.update(downstream.figures())
         if trainer.is_global_zero:
