@@ -20,6 +20,10 @@
 #   fsdp2           the same with trainer=fsdp2 trainer.devices=1, compiled (210 s)         -> train-fsdp2.json
 #   attention       full causal / window 256 / documents / MLA at T 4096 and 16384 (240 s) -> attention.json
 #   moe             ffn=moe (8 experts, top 1 and top 2) vs dense at GPT-2 124M sizes (150 s) -> moe.json
+#   mixers          one GDN layer on its kernel (mixer.backend=auto: fla where installed) and on lmlab's PyTorch
+#                   form against full attention (SDPA), T 2048 / 8192 / 32768, bf16 (240 s)  -> mixers.json
+#   fp8             train-compiled with precision.fp8=[mlp,attn_qkv,attn_proj] over 768 features (210 s)
+#                                                                                          -> train-fp8.json
 # Optional (name them in --stages): chunked, chunked-compiled (model.chunked_loss=true), loop (the Lightning loop's
 # cost over the bare step), llama, llama-compiled (the llama-like model vs LlamaForCausalLM).
 # Settings: PEAK (TFLOP/s of the card's dense bf16 peak, default 989: H100/H200 SXM), DEADLINE (seconds for the whole
@@ -28,12 +32,12 @@
 set -u
 OUT=${OUT:-bench-gpu}
 DRY=0
-STAGES=${STAGES:-env eager compiled train-eager train-compiled fsdp2 attention moe}
+STAGES=${STAGES:-env eager compiled train-eager train-compiled fsdp2 attention moe mixers fp8}
 while (( $# )); do
     case $1 in
         --dry-run) DRY=1 ;;
         --stages) STAGES=$2; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         -*) echo "bench_gpu.sh: unknown option $1" >&2; exit 2 ;;
         *) OUT=$1 ;;
     esac
@@ -63,6 +67,8 @@ if (( DRY )); then  # every stage's command line, config keys and JSON, at sizes
     MOE=(--device cpu --experts 4 --set model.n_layer=1 model.d_model=32 model.n_head=2 model.max_seq_len=32
          --batch 2 --steps 1 --repeats 1)
     LOOP=(--loop-steps 2 --loop-repeats 1)
+    MIXERS=(--device cpu --lengths 64 --steps 1)
+    FP8=(precision.fp8=[mlp,attn_qkv,attn_proj] precision.fp8_min_features=32)
 else
     DEVICE=cuda DEADLINE=${DEADLINE:-720}
     BENCH_SIZE=(model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024 model.vocab_size=50304)
@@ -73,6 +79,8 @@ else
     MOE=(--device cuda --experts 8 --set model.n_layer=12 model.d_model=768 model.n_head=12 model.max_seq_len=1024
          --batch 8 --steps 3 --repeats 3)
     LOOP=(--loop-repeats 3)
+    MIXERS=(--device cuda --lengths 2048 8192 32768 --steps 3)
+    FP8=(precision.fp8=[mlp,attn_qkv,attn_proj] precision.fp8_min_features=768)
 fi
 # the train.py runs: GPT-2 124M on the default corpus through its 50k BPE, as the README's scale-out section runs it
 # (logger=csv: a GPU machine lent offline has no wandb, and its dependencies cannot be installed there)
@@ -120,6 +128,9 @@ want train-compiled && train compiled 210 trainer=gpu "${TRAIN[@]}" compile=true
 want fsdp2 && train fsdp2 210 trainer=fsdp2 trainer.devices=1 "${TRAIN[@]}" compile=true
 want attention && run_stage attention 240 $PY -m lmlab.bench attention "${ATTENTION[@]}" --json "$OUT/attention.json"
 want moe && run_stage moe 150 $PY -m lmlab.bench moe --precision bf16 "${MOE[@]}" --json "$OUT/moe.json"
+want mixers && run_stage mixers 240 $PY -m lmlab.bench mixer "${MIXERS[@]}" --kinds attention gdn \
+    --backends auto torch --no-generation --json "$OUT/mixers.json"
+want fp8 && train fp8 210 trainer=gpu "${TRAIN[@]}" compile=true "${FP8[@]}"
 # optional stages
 want chunked && bench gpt2-124m-chunked 150 "${GPT2[@]}" model.chunked_loss=true
 want chunked-compiled && bench gpt2-124m-chunked-compiled 240 "${GPT2[@]}" model.chunked_loss=true --compile

@@ -34,8 +34,8 @@ from lmlab.bench.report import write_json
 D_MODEL, HEADS = 256, 4
 
 
-def _spec(kind: str) -> dict[str, Any]:
-    return {"name": "attention"} if kind == "attention" else {"name": kind}
+def _spec(kind: str, backend: str = "torch") -> dict[str, Any]:
+    return {"name": "attention"} if kind == "attention" else {"name": kind, "backend": backend}
 
 
 def _peak_rss() -> tuple[list[int], threading.Event]:
@@ -56,8 +56,12 @@ def _peak_rss() -> tuple[list[int], threading.Event]:
     return peak, done
 
 
-def case(T: int, kind: str, steps: int) -> dict[str, Any]:
-    """One layer's forward + backward at length T, in this process (run by `run_case` in a fresh one)."""
+def case(T: int, kind: str, steps: int, device: str = "cpu", backend: str = "torch") -> dict[str, Any]:
+    """One layer's forward + backward at length T, in this process (run by `run_case` in a fresh one): on the CPU in
+    float32 (peak memory: the RSS), on CUDA under bf16 autocast as bf16-mixed trains (peak: CUDA's allocator); a
+    mixer on `backend` (mixer.backend: torch, auto, fla, ...), its path as it ran recorded."""
+    import contextlib
+
     import torch
 
     from lmlab.bench.timing import matmul_gflops
@@ -70,7 +74,7 @@ def case(T: int, kind: str, steps: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     cfg = resolve(GPTConfig(vocab_size=16, n_layer=1, d_model=D_MODEL, n_head=HEADS, max_seq_len=T,
-                            mixer=_spec(kind)))
+                            mixer=_spec(kind, backend)))
     if kind == "attention":
         layer = build("attention", ATTENTIONS, cfg.attention, cfg)
         forward_extra = T * (T + 1) // 2 * 2 * cfg.attn_width  # the scores and the weighted sum, causal pairs
@@ -79,36 +83,55 @@ def case(T: int, kind: str, steps: int) -> dict[str, Any]:
         name, params = option_params("mixer", MIXERS, cfg.mixer)
         geometry = MIXERS[name].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"})
         forward_extra = geometry.flops_per_token * T
-    pos = POSITIONS["rope"](D_MODEL, cfg.attn_head_dim, HEADS, T, T, {"name": "none"})
-    x = torch.randn(1, T, D_MODEL, requires_grad=True)
+    cuda = device == "cuda"
+    dev = torch.device(device)
+    pos = POSITIONS["rope"](D_MODEL, cfg.attn_head_dim, HEADS, T, T, {"name": "none"}).to(dev)
+    layer = layer.to(dev)
+    x = torch.randn(1, T, D_MODEL, requires_grad=True, device=dev)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
 
     def step() -> None:
-        layer(x, pos).sum().backward()
+        with autocast():
+            y = layer(x, pos)
+        y.float().sum().backward()
 
-    step()  # warm-up
-    ceiling = matmul_gflops(512, torch.float32, torch.device("cpu"), sync=lambda: None) * 1e9
-    peak, done = _peak_rss()
-    base = peak[0]
+    step()  # warm-up (a kernel's autotuning, the first allocations)
+    ceiling = matmul_gflops(4096 if cuda else 512, torch.bfloat16 if cuda else torch.float32, dev, sync=sync) * 1e9
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        peak, done = _peak_rss()
+        base = peak[0]
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    sync()
     seconds = (time.perf_counter() - start) / steps
-    done.set()
+    if cuda:
+        growth = torch.cuda.max_memory_allocated() - base
+    else:
+        done.set()
+        growth = peak[0] - base
     weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
     flops = 6 * weights * T + 3 * forward_extra
-    return {"tokens_per_s": T / seconds, "step_s": seconds, "peak_growth_mb": (peak[0] - base) / 2**20,
+    return {"tokens_per_s": T / seconds, "step_s": seconds, "peak_growth_mb": growth / 2**20,
             "train_flops": flops, "gflops_per_s": flops / seconds / 1e9, "matmul_gflops": ceiling / 1e9,
-            "vs_matmul_bound": seconds / (flops / ceiling)}
+            "vs_matmul_bound": seconds / (flops / ceiling), "device": device,
+            "backend": "sdpa" if kind == "attention" else getattr(layer, "backend_used", None) or "torch"}
 
 
-def run_case(T: int, kind: str, steps: int) -> dict[str, Any]:
+def run_case(T: int, kind: str, steps: int, device: str = "cpu", backend: str = "torch") -> dict[str, Any]:
     """`case` in a fresh process (its own peak memory), one thread."""
-    code = f"import json; from lmlab.bench.mixer import case; print(json.dumps(case({T}, {kind!r}, {steps})))"
+    code = (f"import json; from lmlab.bench.mixer import case; "
+            f"print(json.dumps(case({T}, {kind!r}, {steps}, {device!r}, {backend!r})))")
     res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
-        raise RuntimeError(f"mixer bench case T={T} {kind} failed: {res.stderr[-2000:]}")
-    return {"T": T, "kind": kind, **json.loads(res.stdout.strip().splitlines()[-1])}
+        raise RuntimeError(f"mixer bench case T={T} {kind} ({backend}) failed: {res.stderr[-2000:]}")
+    return {"T": T, "kind": kind, "requested": backend, **json.loads(res.stdout.strip().splitlines()[-1])}
 
 
 def generation(kind: str, prompt: int, new: int) -> dict[str, Any]:
@@ -145,23 +168,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kinds", nargs="+", choices=kinds, default=kinds)
     p.add_argument("--prompt", type=int, default=4096, help="the generation case's prompt")
     p.add_argument("--new", type=int, default=32, help="tokens generated one at a time after it")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast, as bf16-mixed")
+    p.add_argument("--backends", nargs="+", default=["torch"],
+                   help="mixer.backend of each mixer case (torch, auto, fla, mamba_ssm): auto takes the kernel where "
+                        "it runs; attention runs once, on SDPA")
+    p.add_argument("--no-generation", action="store_true", help="the training cases only")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     rows = []
     for T in args.lengths:
         for kind in args.kinds:
-            row = run_case(T, kind, args.steps)
-            rows.append(row)
-            print(f"T={T:>6}  {kind:<10} {row['tokens_per_s']:>9,.0f} tok/s  {row['step_s'] * 1e3:>8.1f} ms/step  "
-                  f"{row['vs_matmul_bound']:>5.2f}x its matmul bound  peak +{row['peak_growth_mb']:,.0f} MB",
-                  flush=True)
+            for backend in ["sdpa"] if kind == "attention" else args.backends:
+                row = run_case(T, kind, args.steps, args.device, backend)
+                rows.append(row)
+                print(f"T={T:>6}  {kind:<10} {row['backend']:<9} {row['tokens_per_s']:>9,.0f} tok/s  "
+                      f"{row['step_s'] * 1e3:>8.1f} ms/step  {row['vs_matmul_bound']:>5.2f}x its matmul bound  "
+                      f"peak +{row['peak_growth_mb']:,.0f} MB", flush=True)
+    for row in rows:  # each case against full attention at its length: the issue's measure for the kernels
+        full = next((r for r in rows if r["T"] == row["T"] and r["kind"] == "attention"), None)
+        row["vs_attention"] = None if full is None else row["step_s"] / full["step_s"]
     gen = []
-    for kind in args.kinds:
+    for kind in [] if args.no_generation else args.kinds:
         gen.append(g := generation(kind, args.prompt, args.new))
         print(f"generate after {args.prompt} tokens  {kind:<10} {g['tokens_per_s']:>7,.1f} tok/s  cache "
               f"{g['cache_bytes_per_layer_after_prompt'] / 2**10:>8,.0f} KiB/layer -> "
               f"{g['cache_bytes_per_layer_at_end'] / 2**10:,.0f} KiB", flush=True)
-    out = {"date": time.strftime("%Y-%m-%d"), "rows": rows, "generation": gen}
+    out = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "rows": rows, "generation": gen}
     write_json(args.json, out)
     return out
 

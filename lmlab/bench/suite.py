@@ -37,12 +37,17 @@ FILES = {
     "fsdp2": ("train-fsdp2.json", TRAIN),
     "attention": ("attention.json", ("date", "rows", "kv_cache")),
     "moe": ("moe.json", ("date", "device", "precision", "rows")),
+    "mixers": ("mixers.json", ("date", "device", "rows")),
+    "fp8": ("train-fp8.json", TRAIN),
 }
 ROW_KEYS = {"attention": ("T", "kind", "tokens_per_s", "step_s", "peak_growth_mb", "train_flops", "vs_full_per_flop"),
-            "moe": ("name", "train_tok_s", "step_vs_dense", "fwd_bwd_vs_dense", "peak_mem_mb", "router_share")}
+            "moe": ("name", "train_tok_s", "step_vs_dense", "fwd_bwd_vs_dense", "peak_mem_mb", "router_share"),
+            "mixers": ("T", "kind", "requested", "backend", "tokens_per_s", "step_s", "peak_growth_mb",
+                       "vs_attention")}
 # The GPU targets: MFU of the compiled step, the compiled lead over HF, masked attention per FLOP against full
 # causal, an MoE step against the dense one at equal active FLOPs.
-TARGETS = {"mfu_compiled": 0.50, "vs_hf_compiled": 1.30, "masked_vs_full_per_flop": 1.20, "moe_vs_dense": 1.50}
+TARGETS = {"mfu_compiled": 0.50, "vs_hf_compiled": 1.30, "masked_vs_full_per_flop": 1.20, "moe_vs_dense": 1.50,
+           "gdn_kernel_long": 1.0, "gdn_kernel_short": 2.0, "train_vs_bare": 0.90}
 
 
 def _git(*args: str) -> str | None:
@@ -120,7 +125,8 @@ def summarize(out_dir: Path) -> dict[str, Any]:
         elif file.startswith("train-"):
             stages[stage] = {"tokens_per_s": data.get("tokens_per_s"), "mfu": data.get("mfu"),
                              "peak_mem_gib": data.get("max_memory_gib"),
-                             "status": (data.get("summary") or {}).get("status"), "rc": data.get("rc")}
+                             "status": (data.get("summary") or {}).get("status"), "rc": data.get("rc"),
+                             "val_loss": (data.get("summary") or {}).get("final_val_loss")}  # fp8: loss at equal steps
             if data.get("rc") != 0:
                 problems.setdefault(stage, f"train.py exit {data.get('rc')}")
         elif stage in ROW_KEYS:
@@ -140,6 +146,20 @@ def summarize(out_dir: Path) -> dict[str, Any]:
         if row["name"].startswith("moe"):
             checks.append({"target": f"{row['name']} step <= {TARGETS['moe_vs_dense']}x dense", "met":
                            row["step_vs_dense"] <= TARGETS["moe_vs_dense"], "value": row["step_vs_dense"]})
+    for row in (stages.get("mixers") or {}).get("rows", []):
+        if row["kind"] == "gdn" and row["backend"] != "torch" and row.get("vs_attention") is not None:
+            long = row["T"] >= 8192  # the kernel faster than full attention from 8k on, within 2x of it at 2k
+            limit = TARGETS["gdn_kernel_long" if long else "gdn_kernel_short"]
+            checks.append({"target": f"gdn on {row['backend']} at T={row['T']} {'<' if long else '<='} {limit}x full "
+                                     f"attention's step", "value": row["vs_attention"],
+                           "met": row["vs_attention"] < limit if long else row["vs_attention"] <= limit})
+    if (train := stages.get("train-compiled")) and (bare := stages.get("compiled")) and bare["tokens_per_s"]:
+        ratio = (train["tokens_per_s"] or 0) / bare["tokens_per_s"]
+        checks.append({"target": f"train.py compiled >= {TARGETS['train_vs_bare']}x the bare compiled step's tok/s",
+                       "value": ratio, "met": ratio >= TARGETS["train_vs_bare"]})
+    if (fp8 := stages.get("fp8")) and (train := stages.get("train-compiled")) and train["tokens_per_s"]:
+        stages["fp8"]["speedup_vs_bf16"] = (fp8["tokens_per_s"] or 0) / train["tokens_per_s"]
+        stages["fp8"]["val_loss_bf16"] = train.get("val_loss")  # the same steps: FP8's loss beside bf16's
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "out_dir": str(out_dir),
             "stages": stages, "targets": checks, "problems": problems, "missing": missing}
 

@@ -63,9 +63,9 @@ def train_run(name: str, overrides: list[str], runs: Path, limit: float | None =
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     keep = ("status", "steps", "tokens", "final_val_loss", "n_params", "n_active_params", "flops_per_token",
             "tokens_per_s", "wall_time_s", "world_size", "error")
+    kept = {k: summary.get(k) for k in keep} | {k: summary[k] for k in ("fp8", "mixer_backend") if k in summary}
     return {"name": name, "overrides": overrides, "command": " ".join(cmd), "rc": rc, "wall_s": wall,
-            "run_dir": str(run_dir), **perf_figures(run_dir / "metrics.csv"),
-            "summary": {k: summary.get(k) for k in keep}}
+            "run_dir": str(run_dir), **perf_figures(run_dir / "metrics.csv"), "summary": kept}
 
 
 def render(out: dict[str, Any]) -> str:

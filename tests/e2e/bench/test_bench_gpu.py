@@ -36,7 +36,7 @@ def test_the_dry_run_writes_every_stage_json(tmp_path: Path) -> None:
         b = bench["breakdown"]["lmlab"]
         assert b["seconds"].keys() == {"matmul", "attention", "optimizer", "other"} and b["seconds"]["matmul"] > 0
         assert bench["mfu_vs_spec_peak"]["lmlab"] > 0 and bench["ratios"]["train_vs_gpt2"]["median"] > 0
-    for name in ("eager", "compiled", "fsdp2"):
+    for name in ("eager", "compiled", "fsdp2", "fp8"):
         run = json.loads((out / f"train-{name}.json").read_text())
         assert run["rc"] == 0 and run["summary"]["status"] == "completed" and run["summary"]["steps"] == 4
         assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["max_memory_gib"] > 0
@@ -47,6 +47,14 @@ def test_the_dry_run_writes_every_stage_json(tmp_path: Path) -> None:
     assert rows[0]["vs_full_per_flop"] == 1.0 and rows[1]["pairs"] < rows[0]["pairs"] == 64 * 65 // 2
     moe = json.loads((out / "moe.json").read_text())["rows"]
     assert [r["name"].split(" ")[0] for r in moe] == ["dense", "moe", "moe"]
-    assert {t["target"].split(" ")[0] for t in summary["targets"]} == {"MFU", "compiled", "window", "docs", "moe"}
+    mixers = json.loads((out / "mixers.json").read_text())["rows"]
+    assert [(r["kind"], r["requested"], r["backend"]) for r in mixers] == [
+        ("attention", "sdpa", "sdpa"), ("gdn", "auto", "torch"), ("gdn", "torch", "torch")]  # auto: torch on a CPU
+    assert mixers[0]["vs_attention"] == 1.0 and mixers[1]["vs_attention"] > 0
+    fp8 = json.loads((out / "train-fp8.json").read_text())
+    assert fp8["rc"] == 0 and fp8["summary"]["status"] == "completed" and len(fp8["summary"]["fp8"]) > 0
+    assert summary["stages"]["fp8"]["speedup_vs_bf16"] > 0 and summary["stages"]["fp8"]["val_loss_bf16"] > 0
+    assert {t["target"].split(" ")[0] for t in summary["targets"]} == {"MFU", "compiled", "window", "docs", "moe",
+                                                                       "train.py"}
     log = (out / "log.txt").read_text()
     assert "=== summary" in log and "=== failed" not in log
