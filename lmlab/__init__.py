@@ -147,7 +147,7 @@ _MOVED = {
     "evaluate": "analysis", "compare": "analysis", "compare_gaps": "analysis", "compare_stats": "analysis",
     "fits": "analysis", "ladder": "analysis", "significance": "analysis", "studies": "analysis",
     "generate": "analysis",
-    "interop.harness": "analysis", "model.mask": "model.attention", "model.flex": "model.attention",
+    "interop.harness": "analysis", "model.attention.mask": "model", "model.flex": "model.attention",
     "model.cache": "model.attention", "model.score": "model.attention",
 }
 

@@ -80,6 +80,7 @@ NonNegativeFloat = Annotated[float, Range(ge=0)]
 Fraction = Annotated[float, Range(ge=0, le=1)]
 PositiveInt = Annotated[int, Range(ge=1)]
 NonNegativeInt = Annotated[int, Range(ge=0)]
+Betas = Annotated[tuple[float, float], Range(ge=0, lt=1)]  # an optimizer's moving-average coefficients, each in [0, 1)
 
 
 def check_value(key: str, value: Any, annotation: Any) -> None:

@@ -35,7 +35,7 @@ _CASE = r"""
 import json, sys, threading, time, torch
 from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS
-from lmlab.model.attention.mask import documents
+from lmlab.model.mask import documents
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.registry import build

@@ -106,7 +106,7 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
 
 def layer_windows(cfg: GPTConfig) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as lmlab's attention builds it."""
-    from lmlab.model.attention.mask import layer_window
+    from lmlab.model.mask import layer_window
 
     attn = cfg.attention
     return [layer_window(attn.get("window"), attn.get("pattern"), i, cfg.n_layer, cfg.max_seq_len)

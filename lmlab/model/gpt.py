@@ -17,13 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmlab.config import GPTConfig
-from lmlab.model.loss import Z_LOSS, Softcap, cross_entropy, linear_cross_entropy
-from lmlab.model.memory import check_model_fits
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.attention.flex import mask_plan
 from lmlab.model.head import HEADS, MTP_LOSS
 from lmlab.model.init import INITS
-from lmlab.model.attention.mask import documents
+from lmlab.model.loss import Z_LOSS, Softcap, cross_entropy, linear_cross_entropy
+from lmlab.model.mask import documents
+from lmlab.model.memory import check_model_fits
 from lmlab.model.norm import NORMS, NoNorm
 from lmlab.model.param import PARAMS
 from lmlab.model.placement import PLACEMENTS

@@ -19,7 +19,7 @@ class LayerCache:
     name, e.g. the conv window and the recurrent state), and no keys or values. `inputs`: what the block's input
     transforms keep between forwards, by name (a canon layer's last inputs; lmlab.model.residual.canon), beside
     either. `forget`: with attention.forget_gate, each cached key's cumulative log forget gate c_j (B, nh, length),
-    which the decay of the next queries' logits reads (lmlab.model.attention.mask.forget_bias)."""
+    which the decay of the next queries' logits reads (lmlab.model.mask.forget_bias)."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None

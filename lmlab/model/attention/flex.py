@@ -4,10 +4,10 @@ window of W costs O(T·W) and documents cost their own blocks, with no (T, T) te
 score modification inside the same kernel.
 
 torch 2.13 has no FlexAttention backward on the CPU, so training on the CPU keeps lmlab's banded SDPA path
-(lmlab.model.attention.mask.banded_sdpa) and the explicit softcap; `use_flex` says where this path runs: CUDA tensors
+(lmlab.model.mask.banded_sdpa) and the explicit softcap; `use_flex` says where this path runs: CUDA tensors
 (compiled
 once per shape, as FlexAttention is meant to run; eager it would materialise the scores). The masks are the ones
-`lmlab.model.attention.mask.allowed` and `doc_allowed` build densely, and the tests check this path against them
+`lmlab.model.mask.allowed` and `doc_allowed` build densely, and the tests check this path against them
 (forward, on
 the CPU without gradients).
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lmlab.model.attention.mask import granule
+from lmlab.model.mask import granule
 
 # Devices whose tensors take this path (tests add "cpu" to check the masks without gradients).
 FLEX_DEVICES = {"cuda"}

@@ -13,10 +13,19 @@ from torch import nn
 
 from lmlab.model.attention.key_offset import check_key_offset, shift_keys
 from lmlab.model.attention.paired_heads import paired_attend, paired_layer, paired_weights, rotate_paired
-from lmlab.model.attention.score import (SCORES, attend, explicit_weights, key_counts, log_ratio, memory_first,
-                                        per_query, scale_queries)
-from lmlab.model.attention.window import FollowsStep, layer_windows
+from lmlab.model.attention.score import (
+    SCORES,
+    attend,
+    explicit_weights,
+    key_counts,
+    log_ratio,
+    memory_first,
+    per_query,
+    scale_queries,
+)
+from lmlab.model.attention.window import layer_windows
 from lmlab.model.attention.xsa import XSA, ExclusiveSelfAttention
+from lmlab.model.steps import FollowsStep
 from lmlab.registry import NonNegativeInt, PositiveFloat, PositiveInt, build, option_defaults
 
 if TYPE_CHECKING:
@@ -65,7 +74,7 @@ class MHA(FollowsStep, nn.Module):
       model is unchanged; score=softmax_plus trains with the factor at every length instead (not both at once);
     - temperature: logits / temperature (on top of 1/sqrt(head_dim));
     - window: each query reads only its last W keys, itself included (sliding-window attention: Child et al., 2019;
-      Beltagy et al., 2020; Mistral), in O(T·W) (lmlab.model.attention.mask); the KV cache keeps the last W - 1 keys;
+      Beltagy et al., 2020; Mistral), in O(T·W) (lmlab.model.mask); the KV cache keeps the last W - 1 keys;
     - pattern: the layers' windows, cycled over the layers (Gemma 2/3, gpt-oss, OLMo-core's local/global layers):
       each entry `local` (the window), `global` (the whole context) or a layer's own window, e.g.
       [local,local,local,global]; its length divides n_layer;

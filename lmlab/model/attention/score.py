@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.model.attention.flex import flex_attend, use_flex
-from lmlab.model.attention.mask import (allowed, banded_sdpa, doc_allowed, forget_bias, key_counts,  # noqa: F401
-                                        read_memory)  # (key_counts: as before)
+from lmlab.model.mask import (allowed, banded_sdpa, doc_allowed, forget_bias, key_counts,  # noqa: F401
+                              read_memory)  # (key_counts: as before)
 
 if TYPE_CHECKING:
     from lmlab.model.position import Position
@@ -100,12 +100,12 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, n_mem + S, d), n_mem memory keys then the
     S keys ending with the last query (key heads already repeated to the query heads) -> (B, h, T, n_mem + S) each.
     `q` already carries `score.query_scale`. `window`: each query reads its last W keys
-    (lmlab.model.attention.mask); `softcap` c: the logits become c·tanh(logits / c) before the position bias and the
+    (lmlab.model.mask); `softcap` c: the logits become c·tanh(logits / c) before the position bias and the
     mask (Gemma 2's attention-logit softcap); `doc`: the queries' and the keys' document numbers, each query reading
-    its own document's keys only (lmlab.model.attention.mask.doc_allowed); `sink` (h,): each head's learned sink
+    its own document's keys only (lmlab.model.mask.doc_allowed); `sink` (h,): each head's learned sink
     logit, a column the softmax normalises over and that weighs no value (gpt-oss), so a row sums to less than one and
     a head can attend to nothing; `forget`: the forget gate's cumulative log gates, whose decay c_i - c_j adds to the
-    logits like a position bias (lmlab.model.attention.mask.forget_bias); `n_mem`: the memory keys in front
+    logits like a position bias (lmlab.model.mask.forget_bias); `n_mem`: the memory keys in front
     (`attention.mem_kv`), which every query reads, with neither bias nor decay. A position scheme's `score_bias`
     (CoPE's) reads q and the S keys, or `heads`, the heads' own queries and keys where q·k is not one head's
     (talking heads' mixed logits), and adds to the logits as `attn_bias` does."""
@@ -151,12 +151,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
-    block by block, lmlab.model.attention.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others,
+    block by block, lmlab.model.mask.banded_sdpa, in O(T·W); documents as a (B, 1, T, S) mask); the others,
     and softcapped logits and sinks, are computed explicitly. On the GPU (lmlab.model.attention.flex.use_flex),
     softmax under a window, documents or a softcap runs through FlexAttention instead: one kernel, its mask a
     function, never dense. `mem`: learned memory keys and values (hkv, M, d), (hkv, M, dv) that every query reads
     (`attention.mem_kv`); `forget`: the forget gate's cumulative log gates (`attention.forget_gate`;
-    lmlab.model.attention.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention, as
+    lmlab.model.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention, as
     does a position scheme's `score_bias` (CoPE's (B, h, T, S) bias from q and k, a materialised mask)."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)

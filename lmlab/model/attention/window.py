@@ -1,5 +1,5 @@
 """Which window a layer reads when: windows counted in blocks, a schedule over training, windows for evaluation only
-(the GPT-2 speedrun's attention-window schedules). The masks themselves are lmlab.model.attention.mask's.
+(the GPT-2 speedrun's attention-window schedules). The masks themselves are lmlab.model.mask's.
 
 Keys (conf/attention_base/shared.yaml), beside attention.window and attention.pattern, which stay the model's windows
 (what a model reads with no step set: eval.py, generation, export):
@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from lmlab.model.attention.mask import BlockWindow, layer_window
+from lmlab.model.mask import BlockWindow, layer_window
 
 Value = int | tuple[int | None, ...]  # a window value: a number, or a window (None: global) per pattern entry
 ROUNDS = ("down", "nearest", "up")
@@ -186,32 +186,6 @@ def layer_windows(window: int | None, pattern: list | None, layer: int, n_layer:
                              f"(the longest layers'; or the pattern's windows, as a list), or change attention.window")
     ev = None if eval_window is None else value("attention.eval_window", eval_window)
     return LayerWindows(out.built, out.longest, entry, g, stages, linear, ev)
-
-
-class FollowsStep:
-    """For a module (mixed in before nn.Module) whose state is a function of the training step and the mode: an
-    attention layer's window, RoPE's frequencies under window_yarn. The training loop hands it the step before each
-    step and each validation (`set_step`; None after training), `train`/`eval` the mode; both call `_follow_step`,
-    which reads `step_at` and `self.training`."""
-
-    window_step: tuple[int, int] | None = None  # (step, max_steps) the schedule reads; None: after training
-
-    def set_step(self, step: int | None, max_steps: int | None = None) -> None:
-        """The training step the window schedule reads, of max_steps; None: after training (the model's own)."""
-        self.window_step = None if step is None else (step, max_steps)
-        self._follow_step()
-
-    def train(self, mode: bool = True) -> FollowsStep:
-        super().train(mode)  # type: ignore[misc]
-        self._follow_step()  # attention.eval_window's stage when not training
-        return self
-
-    @property
-    def step_at(self) -> tuple[int | None, int | None]:
-        return self.window_step or (None, None)
-
-    def _follow_step(self) -> None:
-        raise NotImplementedError
 
 
 def windowed(model: nn.Module) -> list[nn.Module]:

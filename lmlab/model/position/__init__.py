@@ -12,7 +12,7 @@ hooks, each a no-op unless the scheme overrides it, so `gpt.py` never asks which
 KV cache when generating. `cache_key(length)` says when cached keys go stale: it changes with the text's length
 only for schemes whose frequencies do (dynamic RoPE scalings), and a cache built under another key is rebuilt.
 `extrapolates` says whether the scheme can run past the length it was trained at without a scaling method.
-`doc` (B, offset + T) numbers the documents of a packed block (lmlab.model.attention.mask.documents) when the model has
+`doc` (B, offset + T) numbers the documents of a packed block (lmlab.model.mask.documents) when the model has
 an end-of-document token; the schemes with `per_document=true` (sinusoidal, learned, RoPE) then count positions from
 each document's first token instead of the block's.
 `scaling` is the `rope_scaling` config; only RoPE accepts anything but `none`.

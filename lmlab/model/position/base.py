@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmlab.model.attention.mask import doc_positions
+from lmlab.model.mask import doc_positions
 
 
 class Position(nn.Module):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import torch
 from torch import nn
 
-from lmlab.model.attention.mask import allowed
+from lmlab.model.mask import allowed
 from lmlab.model.position.base import Position
 from lmlab.registry import Range
 

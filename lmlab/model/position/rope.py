@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from lmlab.model.attention.window import FollowsStep
 from lmlab.model.position.base import Position
 from lmlab.model.rope_scaling import ROPE_SCALINGS, rope_frequencies, window_yarn
+from lmlab.model.steps import FollowsStep
 from lmlab.registry import PositiveFloat, Range, option_params
 
 

@@ -18,7 +18,7 @@ from lmlab import compose
 from lmlab.config import GPTConfig, arch_config
 from lmlab.data.token_bin import TokenBinDataModule, write_shard
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import doc_positions, documents
+from lmlab.model.mask import doc_positions, documents
 from lmlab.model.gpt import GPT, validate
 
 TOL = dict(rtol=1e-5, atol=1e-5)

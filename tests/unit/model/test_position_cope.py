@@ -16,7 +16,7 @@ from lmlab.config import GPTConfig
 from lmlab.interop.hf_config import NotRepresentable, family
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import allowed, doc_allowed
+from lmlab.model.mask import allowed, doc_allowed
 from lmlab.model.attention.score import SCORES, attend
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS

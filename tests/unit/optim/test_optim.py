@@ -288,7 +288,7 @@ def test_adamw_independent_wd_keeps_adams_step() -> None:
 
 
 def test_amos_scale_rule() -> None:
-    from lmlab.optim import Amos
+    from lmlab.optim.amos import Amos
 
     assert Amos.scale(torch.empty(6, 16)) == pytest.approx(0.25)  # 1/sqrt(fan_in), fan_in = in_features = 16
     assert Amos.scale(torch.empty(3, 4, 9)) == pytest.approx(1 / 3)  # last dim is the input dim

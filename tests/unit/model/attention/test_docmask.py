@@ -14,7 +14,7 @@ import torch
 from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import documents, key_counts
+from lmlab.model.mask import documents, key_counts
 from lmlab.model.attention.score import SCORES, attend
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
@@ -154,7 +154,7 @@ def test_document_masking_without_an_end_of_document_token_is_refused_by_key() -
 
 
 def test_positions_restart_at_each_document() -> None:
-    from lmlab.model.attention.mask import doc_positions
+    from lmlab.model.mask import doc_positions
 
     doc = torch.tensor([[0, 0, 1, 1, 1, 2, 3, 3]])
     assert doc_positions(doc, 8).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]

@@ -12,7 +12,7 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.model import flex
-from lmlab.model.attention.mask import allowed, doc_allowed, documents
+from lmlab.model.mask import allowed, doc_allowed, documents
 from lmlab.model.gpt import GPT, validate
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lmlab import build_model, compose
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import documents
+from lmlab.model.mask import documents
 from lmlab.model.attention.score import SCORES, attend
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS

@@ -12,7 +12,7 @@ import torch
 from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import allowed, banded_sdpa, key_counts, layer_window
+from lmlab.model.mask import allowed, banded_sdpa, key_counts, layer_window
 from lmlab.model.attention.score import SCORES, attend, explicit_weights
 from lmlab.model.flops import flops_per_token
 from lmlab.model.gpt import GPT, validate

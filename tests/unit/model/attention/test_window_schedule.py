@@ -16,7 +16,7 @@ from lmlab import compose
 from lmlab.config import GPTConfig
 from lmlab.model.attention import flex
 from lmlab.model.attention.cache import KVCache
-from lmlab.model.attention.mask import BlockWindow, allowed, banded_sdpa, doc_allowed, documents, key_counts
+from lmlab.model.mask import BlockWindow, allowed, banded_sdpa, doc_allowed, documents, key_counts
 from lmlab.model.attention.score import SCORES, attend
 from lmlab.model.attention.window import layer_windows, windowed
 from lmlab.model.gpt import GPT, validate
