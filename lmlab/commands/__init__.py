@@ -41,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     if name == "compare":  # lmlab compare A [B ...] [key=value ...]: the directories are compare='s
         dirs = [a for a in rest if "=" not in a and not a.startswith("-")]
+        if not dirs and not any(a.startswith("compare=") for a in rest):
+            print("lmlab compare: name the sweep or run directories to compare: lmlab compare <sweep dir> "
+                  "[<sweep dir> ...] [baseline=... target=...]", file=sys.stderr)
+            raise SystemExit(2)
         if dirs:
             quoted = ["'" + d.replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs]  # Hydra's quoting
             rest = [f"compare={quoted[0]}" if len(dirs) == 1 else f"compare=[{','.join(quoted)}]",

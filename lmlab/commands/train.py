@@ -89,8 +89,7 @@ def main(cfg: DictConfig) -> float:
             traceback.print_exc()
         FAILED_JOBS.append(f"{hc.runtime.output_dir}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         return math.inf  # the worst value a search can see, not an error that ends it; the sweep goes on
-    print(f"{summary['status']}: step {summary['steps']}, val loss {summary['final_val_loss']} "
-          f"(unigram {summary['unigram_val_loss']:.4f}) -> {hc.runtime.output_dir}/summary.json")
+    print(f"{summary['status']}: step {summary['steps']}, {_val_line(summary)} -> {hc.runtime.output_dir}/summary.json")
     from lmlab.env import is_rank_zero
 
     if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
@@ -134,3 +133,11 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
 
 if __name__ == "__main__":  # how Lightning's DDP launcher starts the other ranks of `lmlab train` (lmlab/commands)
     run("lmlab train", sys.argv[1:])
+
+
+def _val_line(summary: dict) -> str:
+    """`val loss 1.8652 (unigram 3.3426)` to 4 decimals, or what the run has instead (interrupted before any
+    validation: no val loss yet)."""
+    loss, unigram = summary.get("final_val_loss"), summary.get("unigram_val_loss")
+    head = "no val loss yet" if loss is None else f"val loss {loss:.4f}"
+    return head if unigram is None else f"{head} (unigram {unigram:.4f})"

@@ -117,3 +117,12 @@ def test_a_job_directory_that_links_outside_the_sweep_is_not_written_through(tmp
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "leads outside the sweep" in err, err
     assert list(outside.iterdir()) == []
+
+
+def test_compare_without_a_directory_says_what_to_name(capsys) -> None:
+    """`lmlab compare` alone: its own usage in one line, exit 2 (not eval's `run=`/`compare=` keys)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["compare"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("lmlab compare: name the sweep or run directories")
+    assert "lmlab eval" not in err and "run=" not in err
