@@ -33,6 +33,25 @@ def filter_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
 
 
+def plain_warnings(prog: str) -> None:
+    """lmlab's own warnings (a setting that does nothing, a run that is all warmup) as one line each on stderr,
+    `lmlab train: warning: <what>`, not Python's `file:line: UserWarning` with a source line under it; any other
+    package's warnings as Python prints them."""
+    import sys
+
+    shown, said = warnings.showwarning, set()
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not str(filename).startswith(root) or not issubclass(category, UserWarning):
+            return shown(message, category, filename, lineno, file, line)
+        if str(message) not in said:  # once (the config is checked before the run and again as it starts)
+            said.add(str(message))
+            print(f"{prog}: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
 def child_python(code: str) -> list[str]:
     """The command of a child interpreter that runs `code` isolated from the working directory and the environment's
     PYTHONPATH (`-I`), with an explicit sys.path: this lmlab's root first, then the parent's own entries. So a

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.cli import PROG, as_lists, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
-from lmlab.env import quick_exit
+from lmlab.env import plain_warnings, quick_exit
 
 # `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
 LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
@@ -19,6 +19,7 @@ LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...`."""
     quick_exit()  # lmlab.env: the process ends without the teardown's walks over torch's objects
+    plain_warnings(prog.removeprefix("python "))  # lmlab's own warnings: one line each
     PROG["eval"] = prog
     sys.argv = [sys.argv[0], *quote_paths(as_lists(argv, LISTS), ("run", "compare", "out", "hf"))]
     refuse_unknown("eval", "eval", sys.argv[1:])  # one line for a misspelt group, option or key

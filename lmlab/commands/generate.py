@@ -10,12 +10,13 @@ from omegaconf import DictConfig
 
 from lmlab.cli import PROG, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
-from lmlab.env import quick_exit
+from lmlab.env import plain_warnings, quick_exit
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',')."""
     quick_exit()  # lmlab.env: the process ends without the teardown's walks over torch's objects
+    plain_warnings(prog.removeprefix("python "))  # lmlab's own warnings: one line each
     PROG["generate"] = prog
     sys.argv = [sys.argv[0], *quote_paths(argv, ("run",))]
     refuse_unknown("generate", "generate", sys.argv[1:])  # one line for a misspelt group, option or key

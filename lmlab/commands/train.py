@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 import lmlab  # noqa: F401  (registers the config resolvers)
 from lmlab.cli import PROG, TYPED, dirname_exclusions, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
-from lmlab.env import quick_exit
+from lmlab.env import plain_warnings, quick_exit
 from lmlab.run.early_signals import catch_early
 
 
@@ -26,6 +26,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
     """The command line `prog argv...` (sweep job dirs hold '=' and ',', and non-ASCII paths are quoted for Hydra)."""
     catch_early()  # SIGUSR1/SIGTERM from here on: kept until train() installs its handler (lmlab.run.early_signals)
     quick_exit()  # lmlab.env: a refusal too ends without the teardown's walks over torch
+    plain_warnings(prog.removeprefix("python "))  # lmlab's own warnings: one line each
     PROG["train"] = prog
     # the interpreters it starts (DDP ranks: `python -m lmlab.commands.train` or the script) import nothing from the
     # working directory, which may be a shared run or sweep directory (Python >= 3.11; lmlab.env.child_python too)
