@@ -56,6 +56,12 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
+        if self.pos.logit_bias and any(True for _ in self.pos.parameters()) and not any(
+                getattr(m, "reads_positions", False) for m in self.h.modules()):
+            raise ValueError(f"position={cfg.position['name']} adds learned biases to attention logits, and no layer "
+                             f"of this model attends (every layer a recurrent mixer: mixer.pattern): its weights would "
+                             f"get no gradient (DDP stops on the unused parameters); use position=none or rope, or put "
+                             f"attention layers in mixer.pattern (e.g. mixer.pattern=[gdn,gdn,gdn,attention])")
         if (follow := getattr(self.pos, "follow", None)) is not None:  # RoPE's window_yarn: the attention windows
             follow([getattr(getattr(b, "attn", None), "windows", None) for b in self.h])
         self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)

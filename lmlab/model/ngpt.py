@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmlab.model.position.base import Position
 from lmlab.registry import PositiveFloat, option_defaults
 
 if TYPE_CHECKING:
@@ -235,7 +236,10 @@ class Sphere(nn.Module):
         """Every matrix along its d_model dimension: the rows of each embedding table (tokens, positions) and of each
         Linear that reads the stream, the columns of each that writes into it (`is_residual_proj`); a tied head once."""
         d = model.cfg.d_model
-        seen = set()
+        # a position scheme that adds nothing to the stream acts on the logits (T5's bucket biases, FIRE's MLP): its
+        # weights stay as they are; one that embeds (a learned table) is a stream matrix like the others
+        on_logits = type(model.pos).embed is Position.embed
+        seen = {id(m.weight) for m in model.pos.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and on_logits}
         for m in model.modules():
             if not isinstance(m, (nn.Linear, nn.Embedding)) or id(m.weight) in seen:
                 continue

@@ -53,6 +53,10 @@ def check_qk_clip(optim: dict, model: nn.Module, attention: str, strategy: str |
     if strategy == "FSDP2Strategy":
         raise ValueError(f"optim.qk_clip={tau} with trainer=fsdp2: the clip rescales rows of W_q and W_k, which FSDP2 "
                          f"shards; use trainer=ddp, or optim.qk_clip=null")
+    if why := getattr(getattr(model, "pos", None), "logit_bias", None):  # the max would count the bias W_q, W_k lack
+        raise ValueError(f"optim.qk_clip={tau} with {why}: the measured maximum logit includes that bias while the "
+                         f"clip rescales only W_q and W_k, so it would shrink them every step without bounding the "
+                         f"logits; use position=rope|none|learned, or optim.qk_clip=null")
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"optim.qk_clip={tau}: the model has no attention layer to clip (block=gau, or every "

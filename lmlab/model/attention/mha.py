@@ -105,6 +105,7 @@ class MHA(FollowsStep, nn.Module):
 
     sublayer = "attn"  # the monitor's name for it (grad/norm/layer_XX/attn)
     mixes_tokens = True  # called as (x, pos, cache) by the block
+    reads_positions = True  # the position scheme reaches it (its rotation, its logit bias)
     # Its weights are one map of the scaled dot products q·k/√d of the fused q, k, v projection (what
     # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
     scaled_dot_product = True

@@ -25,6 +25,8 @@ class ALiBi(Position):
     Bidirectional (`causal` False, head=mlm): -slope_h · |i − j|, the symmetric form encoders use (the paper defines
     the causal one only)."""
 
+    logit_bias = "position=alibi adds −m·distance to every logit"
+
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any]) -> None:
         super().__init__(dim, head_dim, n_head, max_seq_len, train_len, scaling)

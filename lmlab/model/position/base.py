@@ -21,6 +21,9 @@ class Position(nn.Module):
     # the GPT sets it from its head). The biases below are built for it.
     causal = True
     causal_only: str | None = None  # why the scheme has no bidirectional form (the GPT refuses head=mlm with it)
+    # how it reaches the attention logits besides q·k (None: it does not, it rotates or embeds): a bias added to them
+    # (T5, FIRE, CoPE, ALiBi), which optim.qk_clip's measured maximum would include while it rescales W_q, W_k only
+    logit_bias: str | None = None
 
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any]) -> None:

@@ -33,6 +33,8 @@ class CoPE(Position):
     learns one per layer); the table, a 2-D weight that is no Linear's, is decayed (optimizer role `other`). z reads
     the query's last head_dim numbers, the size the scheme is built for: a whole head, MLA's rotary part."""
 
+    logit_bias = "position=cope adds a learned bias of the gated key count to every logit"
+
     causal_only = ("position=cope counts the gated keys between a past key and its query (Golovneva et al., 2024), "
                    "which has no form for the keys after a query; use position=rope, alibi or t5")
 

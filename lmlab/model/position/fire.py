@@ -26,6 +26,8 @@ class FIRE(Position):
     leave the units with a negative weight dead for good. The output layer is a Linear like any other (the model's
     init, weight decay, optim=muon's hidden matrices)."""
 
+    logit_bias = "position=fire adds a learned function of the distance to every logit"
+
     causal_only = ("position=fire is a learned function of the normalised distance to a past key, "
                    "ψ(i − j)/ψ(max(L, i)) (Li et al., 2023), with no form for the keys after a query; use "
                    "position=rope, alibi or t5")

@@ -37,6 +37,8 @@ class T5Bias(Position):
     bidirectional=True), half of the buckets for the keys at or before the query and half for those after it, each
     half bucketed as above with num_buckets / 2."""
 
+    logit_bias = "position=t5 adds a learned bucket bias to every logit"
+
     def __init__(self, dim: int, head_dim: int, n_head: int, max_seq_len: int, train_len: int,
                  scaling: Mapping[str, Any], *, num_buckets: Annotated[int, Range(ge=2)] = 32,
                  max_distance: Annotated[int, Range(ge=2)] = 128) -> None:
