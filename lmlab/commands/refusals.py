@@ -6,10 +6,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from lmlab.cli import PROG
+
+_STARTED = time.time() - 1.0  # before Hydra made any directory of this command's (ctime's resolution: a margin)
 
 
 def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -39,6 +43,7 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
                       file=sys.stderr)
                 raise SystemExit(2) from None
             except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
+                drop_empty_run_dir()  # a refused start leaves nothing behind
                 if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
                     raise
                 print(f"{PROG[command].removeprefix('python ')}: {err}", file=sys.stderr)
@@ -47,6 +52,28 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
         return wrapped
 
     return decorate
+
+
+def drop_empty_run_dir() -> None:
+    """The run directory Hydra made for this command (outputs/<date>/<time>), removed when nothing was written into
+    it, and its date directory too when that is left empty: a refusal leaves no empty run behind."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):  # not under Hydra (a library call)
+        return
+    if hc.mode.name != "RUN":  # a sweep's job directories are the sweep's
+        return
+    out = Path(hc.runtime.output_dir)
+    named = any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)  # the user's: its parent is theirs too
+    for d in (out,) if named else (out, out.parent):  # Hydra's outputs/<date>/<time>: the date's too
+        try:
+            if d.stat().st_ctime < _STARTED:  # there before this command: the user's, kept
+                return
+            d.rmdir()  # only when empty
+        except OSError:
+            return
 
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"

@@ -70,7 +70,9 @@ def test_a_refusal_is_one_line_and_exit_code_2_without_a_traceback(tmp_path: Pat
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("train.py: optim.lr='abc' must be")
     assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR" not in res.stderr, res.stderr[-2000:]
     # refused before the training stack is imported: Lightning (most of the 5 s a refusal took) never was
+    assert not (tmp_path / "r").exists()  # a refused start leaves no empty run directory
     imports = cli("-X", "importtime", str(ROOT / "train.py"), "optim.lr=abc", "logger=none", cwd=tmp_path)
+    assert not any((tmp_path / "outputs").iterdir())  # Hydra's outputs/<date>/<time> removed with its date
     imported = {line.rsplit("|", 1)[-1].strip() for line in imports.stderr.splitlines()
                 if line.startswith("import time:")}
     assert imports.returncode == 2 and {"hydra", "torch"} <= imported  # at any depth of the import tree
