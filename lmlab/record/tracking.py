@@ -32,9 +32,30 @@ INIT_KEYS = ("project", "entity", "notes", "tags")
 
 # --- names ------------------------------------------------------------------------------------------------------
 
-def run_name(overrides: list[str]) -> str:
-    """A run is named by its overrides (Hydra's own `hydra.*` ones left out): `placement=post,seed=2`."""
-    return ",".join(o for o in overrides if not o.lstrip("+").startswith("hydra")) or "default"
+NAME_WIDTH = 64  # about what a dashboard's run list shows before it cuts the name
+
+
+def run_name(overrides: list[str], swept: list[str] | tuple[str, ...] = ()) -> str:
+    """A run is named by its overrides (Hydra's own `hydra.*` ones left out): `placement=post,seed=2`; in a sweep the
+    `swept` overrides (the keys that differ across its jobs) lead, so a run list cut short still tells the jobs
+    apart. A name longer than NAME_WIDTH is shortened from the key side, never in a value: each dotted key to its
+    last part (`mixer.pattern=[...]` to `pattern=[...]`), the swept ones last of all."""
+    own = [o for o in overrides if not o.lstrip("+").startswith("hydra")]
+    lead = [o for o in own if o in swept or o[:64] in swept]  # (a sweep's tags: W&B cuts a tag at 64 characters)
+    ordered = lead + [o for o in own if o not in lead]
+    name = ",".join(ordered)
+    if len(name) > NAME_WIDTH:
+        short = [o if o in lead else _last_key(o) for o in ordered]
+        name = ",".join(short)
+        if len(name) > NAME_WIDTH:
+            name = ",".join(_last_key(o) for o in short)
+    return name or "default"
+
+
+def _last_key(override: str) -> str:
+    """`mixer.pattern=[gdn,attention]` -> `pattern=[gdn,attention]`: the key's last part, the value whole."""
+    key, eq, value = override.partition("=")
+    return f"{key.rpartition('.')[2]}{eq}{value}" if eq else override
 
 
 def experiment_of(overrides: list[str]) -> str | None:
@@ -206,7 +227,7 @@ class Tracking:
             except ValueError as err:
                 warnings.warn(f"{err}: this attempt starts a new W&B run", stacklevel=2)
         experiment = experiment_of(overrides)
-        name, group = run_name(overrides), group or group_name(run_dir.path, experiment)
+        name, group = run_name(overrides, tags), group or group_name(run_dir.path, experiment)
         run_dir.wandb.mkdir(parents=True, exist_ok=True)
         run = _init(project=spec.get("project") or "lmlab", entity=spec.get("entity"), notes=spec.get("notes"),
                     dir=str(run_dir.path), name=name, group=group, job_type="train", config=config,

@@ -17,6 +17,14 @@ def test_run_and_group_names() -> None:
     assert run_name(["placement=post", "schedule.warmup_steps=0", "hydra.job.num=1"]) == \
         "placement=post,schedule.warmup_steps=0"
     assert run_name([]) == "default"
+    # a sweep's swept keys first; a long name shortened on the key side only, the values whole (TensorBoard and W&B
+    # cut a run list's names at the right: two hybrids both read `mixer.pattern=[mixer,mixer,mixer,attention],mixe...`)
+    pattern = "mixer.pattern=[mixer,mixer,mixer,attention]"
+    jobs = [[pattern, f"mixer={m}", "model.n_layer=8", "trainer.max_steps=2000"] for m in ("gdn", "mamba2")]
+    names = [run_name(job, [job[1]]) for job in jobs]
+    assert names == ["mixer=gdn,pattern=[mixer,mixer,mixer,attention],n_layer=8,max_steps=2000",
+                     "mixer=mamba2,pattern=[mixer,mixer,mixer,attention],n_layer=8,max_steps=2000"]
+    assert run_name(["norm=rms", "seed=1"], ["seed=1"]) == "seed=1,norm=rms"  # short: keys whole
     assert group_name("multirun/2026-11-30/23-40-12", "postnorm_warmup") == "postnorm_warmup-2026-11-30_23-40-12"
     assert group_name("multirun/2026-11-30/23-40-12", None) == "2026-11-30_23-40-12"
     assert group_name("outputs/2026-11-30/23-40-12", None) == "2026-11-30_23-40-12"  # a single run
