@@ -34,13 +34,13 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
     spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks
              if not hasattr(block, "mix") and _mixes_tokens(block)]
-    n, attn = matmul_params(model), sum(spans) * cfg.attn_width
+    n, mixing = matmul_params(model), 2 * sum(spans) * cfg.attn_width  # the mixing's forward FLOPs per token
     if mixers := sum(hasattr(block, "mix") for block in blocks):
         name, params = option_params("mixer", MIXERS, cfg.mixer)
         per = MIXERS[name].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"}).flops_per_token
-        attn += mixers * per / 2  # the `2 · attn` forward convention below: a mixer's forward FLOPs are `per`
+        mixing += mixers * per  # a mixer layer's forward FLOPs beyond its nn.Linear matmuls, once per layer
     n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
-    return {"train": 6 * n + 6 * attn, "eval": 2 * n + 2 * attn}
+    return {"train": 6 * n + 3 * mixing, "eval": 2 * n + mixing}  # training: forward + backward, 3 x the forward
 
 
 def _mixes_tokens(block: nn.Module) -> bool:
