@@ -30,7 +30,7 @@ def typed_command(command: str = "train") -> list[str]:
 # directory name leaves them out when the command sets them once for every job, so that the same sweep command with
 # more steps (or another logger) continues its jobs in place. Swept (`trainer.max_steps=100,200`) they stay in it.
 RESUMABLE_KEYS = ("trainer.max_steps", "trainer.val_check_interval", "trainer.log_every_n_steps", "logger", "logger.",
-                  "monitor.", "perf.", "threads", "resume", "malloc", "targets")
+                  "monitor.", "perf.", "threads", "resume", "malloc", "targets", "ledger")
 
 
 def resumable(key: str) -> bool:

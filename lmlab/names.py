@@ -12,6 +12,9 @@ TRAIN_PREFIX_LOSS = "train/prefix_loss"  # head=prefix's auxiliary loss, before 
 TRAIN_MTP_LOGITS_LOSS = "train/mtp_logits_loss"  # head=mtp_logits': Σ w_k·L_k at the step's weights
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
+# Bits per byte beside the loss (a next-token head on text only; lmlab.data.token_bytes): the nats summed over the
+# target tokens / (ln 2 x the UTF-8 bytes of text they stand for), comparable across tokenizers (nats per token are not)
+TRAIN_BPB, VAL_BPB = "train/bpb", "val/bpb"
 VAL_EMA_LOSS = "val/ema_loss"  # val/loss of the weight EMA (optim.ema > 0; lmlab.optim.ema), at every validation
 TOKENS = "tokens"  # tokens trained on so far
 GRAD_NORM = "grad/norm"  # global, before clipping; per part: grad_norm(part)

@@ -41,7 +41,8 @@ class Cells:
                     cell = json.loads(line)
                 except json.JSONDecodeError:  # the last line of a process killed mid-write
                     continue
-                if isinstance(cell, dict) and cell.get("identity") == self.identity and isinstance(cell.get("key"), str):
+                ours = isinstance(cell, dict) and cell.get("identity") == self.identity
+                if ours and isinstance(cell.get("key"), str):
                     self.done[cell["key"]] = cell
         self.kept = len(self.done)  # from an earlier, interrupted evaluation
         out.mkdir(parents=True, exist_ok=True)

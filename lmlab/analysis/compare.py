@@ -10,11 +10,11 @@ overrides (an architecture) with the lowest objective: best val loss, +inf for a
 Every run's steps, tokens, FLOPs and time to a target val loss (`target=`, default: the first of the runs' own
 `targets` when they share them, else the highest best val loss of the sweep, which every run reached;
 lmlab.record.targets)
-are columns of both tables. With seeds, compare_significance.{md,csv}
-tests each variant against a baseline variant (`baseline=key=value`, default: the first) over their shared seeds
-(lmlab.analysis.compare_stats). A ladder (runs that differ by model size or budget) gets its scaling fits, L(C) and,
-where it
-varies both N and D, L(N, D) (lmlab.analysis.ladder).
+are columns of both tables, and so is each run's val bits per byte (`final_val_bpb`, `best_val_bpb`): runs trained
+with different tokenizers are ranked by it, best first, and their objective is it (lmlab.analysis.compare_tokenizers).
+With seeds, compare_significance.{md,csv} tests each variant against a baseline variant (`baseline=key=value`,
+default: the first) over their shared seeds (lmlab.analysis.compare_stats). A ladder (runs that differ by model size
+or budget) gets its scaling fits, L(C) and, where it varies both N and D, L(N, D) (lmlab.analysis.ladder).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
-from lmlab.analysis import compare_speed, optimizer_benchmark  # noqa: F401  (their own sections register with it)
+from lmlab.analysis import compare_seeds, compare_speed, optimizer_benchmark  # noqa: F401  (their sections register)
 from lmlab.analysis.compare_gaps import CURVES, gaps, validations
+from lmlab.analysis.compare_seeds import seed_label
 from lmlab.analysis.compare_stats import significance
+from lmlab.analysis.compare_tokenizers import ranked_by
 from lmlab.analysis.ladder import matmul_weights, size_keys  # its own section registers with it
-from lmlab.analysis.sections import LR, SECTIONS, SEED, SWEEP, Sweep, section
+from lmlab.analysis.sections import LR, SECTIONS, SEEDS, SWEEP, Sweep, section
 from lmlab.data.tasks import TASKS
 from lmlab.record.plots import layer_profile, plot_curves, plot_expert_load, plot_init_profile, read_metrics
 from lmlab.record.rundir import CHECKPOINTS, LOCK, METRICS, SUMMARY, RunDir, RunLock, atomic_write
@@ -39,8 +41,8 @@ from lmlab.record.summary import objective, side
 from lmlab.record.tables import _fmt, write_table  # noqa: F401  (write_table: public here, as before)
 from lmlab.record.targets import TARGET_FIGURES, default_target, to_target
 
-FIGURES = ("final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s",
-           *TARGET_FIGURES)  # over seeds (a figure to target: over the seeds that reached it)
+FIGURES = ("final_val_loss", "best_val_loss", "final_val_bpb", "best_val_bpb", "loss_vs_unigram", "peak_grad_norm",
+           "tokens_per_s", *TARGET_FIGURES)  # over seeds (a figure to target: over the seeds that reached it)
 
 
 def find_runs(sweep_dir: Path) -> list[Path]:
@@ -56,9 +58,10 @@ def _incomplete(run: Path) -> dict[str, Any]:
     """What a run without a summary shows: its state (running / killed) and the last step in metrics.csv."""
     series = read_metrics(run / METRICS) if (run / METRICS).exists() else {}
     steps = max((s for points in series.values() for s, _ in points), default=None)
-    vals = series.get(names.VAL_LOSS, [])
+    vals, bpbs = series.get(names.VAL_LOSS, []), series.get(names.VAL_BPB, [])
     return {"status": RunDir(run).state(), "steps": steps, "final_val_loss": vals[-1][1] if vals else None,
-            "best_val_loss": min(v for _, v in vals) if vals else None, "overrides": []}
+            "best_val_loss": min(v for _, v in vals) if vals else None, "overrides": [],
+            **({"final_val_bpb": bpbs[-1][1], "best_val_bpb": min(v for _, v in bpbs)} if bpbs else {})}
 
 
 def _overrides(summary: dict[str, Any]) -> dict[str, str]:
@@ -66,7 +69,7 @@ def _overrides(summary: dict[str, Any]) -> dict[str, str]:
 
 
 _NUMBERS = ("steps", "diverged_at_step", "n_params", "final_val_loss", "best_val_loss", "unigram_val_loss",
-            "peak_grad_norm", "tokens_per_s")
+            "peak_grad_norm", "tokens_per_s", "final_val_bpb", "best_val_bpb")
 
 
 def _malformed(summary: dict[str, Any]) -> str | None:
@@ -180,7 +183,7 @@ def variants(rows: Sequence[dict[str, Any]], values: Sequence[float], keys: Sequ
         statuses = [r["status"] for r in runs]
         counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
         row = {**dict(zip(keys, key)), "n": len(runs),
-               "seeds": ",".join(sorted((str(r.get(SEED, "")) for r in runs), key=_sort_key)),
+               "seeds": ",".join(sorted((seed_label(r) for r in runs), key=_sort_key)),
                "status": statuses[0] if len(counts) == 1 else ", ".join(f"{s} {c}" for s, c in counts.items()),
                "n_params": runs[0].get("n_params"), "n_active_params": runs[0].get("n_active_params"),
                "ffn_params": runs[0].get("ffn_params")}
@@ -253,10 +256,13 @@ def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None =
                 overrides[r][SWEEP] = label
     keys = sorted({k for o in overrides.values() for k in o})
     varying = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1] or keys
-    varying.sort(key=lambda k: (k != SWEEP, k == LR, k == SEED))  # the sweep, the architecture, its lr, the seed
+    varying.sort(key=lambda k: (k != SWEEP, k == LR, k in SEEDS))  # the sweep, the architecture, its lr, the seed
     order = dict(zip(sweep_labels(dirs), range(len(dirs)))) if len(dirs) > 1 else {}  # the sweeps as given
     runs = sorted(runs, key=lambda r: [(order[overrides[r][k]],) if k == SWEEP else _sort_key(overrides[r].get(k, ""))
                                        for k in varying])  # by value: lr 1e-3 < 1e-2; the first sweep's runs first
+    figure, said = ranked_by(summaries.values())  # bits per byte across tokenizers (lmlab.analysis.compare_tokenizers)
+    if said:
+        runs = sorted(runs, key=lambda r: objective(summaries[r], figure))  # best first; ties in the order above
     summaries = {r: summaries[r] for r in runs}
     for r, s in summaries.items():
         if RunLock.holder(r) is not None:
@@ -270,6 +276,7 @@ def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None =
             "status": s["status"], "diverged_at_step": s.get("diverged_at_step"), "steps": s.get("steps"),
             **param_counts(s),
             "final_val_loss": final, "best_val_loss": s.get("best_val_loss"),
+            "final_val_bpb": s.get("final_val_bpb"), "best_val_bpb": s.get("best_val_bpb"),
             "loss_vs_unigram": final - unigram if final is not None and unigram is not None else None,
             "peak_grad_norm": s.get("peak_grad_norm"), "tokens_per_s": s.get("tokens_per_s"),
             "run": os.path.relpath(r.resolve(), root), "problem": s.get("problem", ""),
@@ -281,20 +288,22 @@ def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None =
         series = read_metrics(r / METRICS) if not curve and (r / METRICS).exists() and target is not None else {}
         row.update(to_target(series, summaries[r], target, row["flops_per_token"]) if target is not None and (
             curve or series) else dict.fromkeys(TARGET_FIGURES))
-    values = [objective(s) for s in summaries.values()]
+    values = [objective(s, figure) for s in summaries.values()]
     by_lr = ["best_lr"] if LR in varying else []
     if by_lr:
         mark_best_lr(rows, values, [k for k in varying if k != LR])
     routes = any(row["n_active_params"] != row["n_params"] for row in rows)  # MoE runs: fewer weights per token
     active_col = ["n_active_params"] if routes else []
+    bpb_cols = ["final_val_bpb", "best_val_bpb"] if any(row["final_val_bpb"] is not None for row in rows) else []
     cols = [*varying, *by_lr, "status", "diverged_at_step", "steps", "n_params", *active_col, "ffn_params",
-            "final_val_loss", "best_val_loss", "loss_vs_unigram", "peak_grad_norm", "tokens_per_s", "flops_per_token",
-            *TARGET_FIGURES, "run",
+            "final_val_loss", "best_val_loss", *bpb_cols, "loss_vs_unigram", "peak_grad_norm", "tokens_per_s",
+            "flops_per_token", *TARGET_FIGURES, "run",
             *(["problem"] if any(row["problem"] for row in rows) else [])]
     table = write_table(rows, cols, sweep_dir / "compare")
     md = (f"Target val loss for *_to_target: {_fmt(target)}\n\n" if target is not None else "") + table
 
-    sweep = Sweep(sweep_dir, runs, summaries, overrides, varying, rows, values, target, baseline, by_lr, active_col)
+    sweep = Sweep(sweep_dir, runs, summaries, overrides, varying, rows, values, target, baseline, by_lr, active_col,
+                  notes=[said] if said else [], ranked_by=figure)
     for _, _, fn in SECTIONS:  # each study's or figure's own (lmlab.analysis.sections)
         md += fn(sweep)
     if sweep.notes:  # above the tables, printed and in compare.md
@@ -310,21 +319,23 @@ def compare(sweep_dir: str | Path | Sequence[str | Path], baseline: str | None =
 def seeds(sweep: Sweep) -> str:
     """With the seed varying: one row per variant (mean ± sd over seeds), and each variant paired against the
     baseline over shared seeds."""
-    if SEED not in sweep.varying:
+    if not any(k in SEEDS for k in sweep.varying):
         return ""
     keys = sweep.variant_keys
     grouped, group_values = variants(sweep.rows, sweep.values, keys)
     if sweep.by_lr:
         mark_best_lr(grouped, group_values, [k for k in keys if k != LR])
     head = [*keys, *sweep.by_lr, "n", "seeds", "status", "n_params", *sweep.active_col, "ffn_params"]
+    figures = [f for f in FIGURES if "bpb" not in f or any(r.get(f) is not None for r in sweep.rows)]  # runs with bpb
     md = "\nPer variant (runs that differ only by seed): mean ± sd over seeds\n\n" + write_table(
-        grouped, [*head, *(f"{f}_{m}" for f in FIGURES for m in ("mean", "sd", "ci95"))], sweep.dir / "compare_variants",
-        md_cols=[*head, *FIGURES], md_cell=_mean_sd)
+        grouped, [*head, *(f"{f}_{m}" for f in figures for m in ("mean", "sd", "ci95"))],
+        sweep.dir / "compare_variants", md_cols=[*head, *figures], md_cell=_mean_sd)
     sizes = size_keys(keys)
     if len(grouped) > 1 and len(keys) > len(sizes):
         _, sig = significance(sweep.rows, [k for k in keys if k not in sizes], sweep.dir / "compare_significance",
-                              sweep.baseline, within=sizes)
-        md += "\nPaired against the baseline over shared seeds (best val loss, variant − baseline)\n\n" + sig
+                              sweep.baseline, figure=sweep.ranked_by, within=sizes)
+        what = sweep.ranked_by.replace("_", " ")  # best val loss; best val bpb across tokenizers
+        md += f"\nPaired against the baseline over shared seeds ({what}, variant − baseline)\n\n" + sig
     return md
 
 

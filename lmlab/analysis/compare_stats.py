@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmlab.analysis.compare_seeds import seed_label
 from lmlab.analysis.significance import holm, paired, seeds_needed, verdict
 from lmlab.record.tables import write_table
 
@@ -56,7 +57,7 @@ def significance(rows: Sequence[dict[str, Any]], keys: Sequence[str], stem: Path
         per_seed = groups.setdefault(at, {}).setdefault(variant_name(row, keys), {})
         value = row.get(figure)
         if isinstance(value, (int, float)) and math.isfinite(value) and row.get("status") == "completed":
-            per_seed[str(row.get("seed"))] = float(value)
+            per_seed[seed_label(row)] = float(value)  # paired by every seed key the runs set
     tests = {}
     for at, per_seed in groups.items():
         base = pick_baseline(list(per_seed), baseline)

@@ -18,19 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.analysis.cells import Cells, Interrupted, Progress
-from lmlab.run.attn_entropy import attention_entropy
 from lmlab.config import GPTConfig
 from lmlab.data.tasks import module_class
-from lmlab.model.memory import check_attention_fits
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.head import HEADS
+from lmlab.model.memory import check_attention_fits
 from lmlab.model.position import POSITIONS
 from lmlab.model.resolve import resolve
 from lmlab.model.rope_scaling import ROPE_SCALINGS
-from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
 from lmlab.record.rundir import RunDir, atomic_write, dumps, load_model, load_run  # noqa: F401  (load_model: public
-                                                                                   # here)
+
+# here)
 from lmlab.record.tables import write_table
+from lmlab.registry import PositiveInt, check_values, option_params, option_types, parameter_types
+from lmlab.run.attn_entropy import attention_entropy
 
 COLUMNS = ["length", "rope_scaling", "windows", "loss", "ppl", "loss_inside", "loss_beyond",
            "attn_entropy"]  # of each row (attn_entropy: lmlab.run.attn_entropy, on the first ENTROPY_WINDOWS windows)

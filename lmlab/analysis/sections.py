@@ -15,6 +15,7 @@ from typing import Any
 
 from lmlab.record.plots import read_metrics
 from lmlab.record.rundir import METRICS
+from lmlab.run.seeds import OVERRIDES as SEEDS  # seed, seeds.init, seeds.data, seeds.dropout: none tells variants apart
 
 SEED, LR = "seed", "optim.lr"
 SWEEP = "sweep"  # compare= over several sweeps: the sweep a run came from, one of its keys
@@ -28,22 +29,23 @@ class Sweep:
     overrides: dict[Path, dict[str, str]]
     varying: list[str]  # the override keys that differ between runs (the architecture first, then lr, then seed)
     rows: list[dict[str, Any]]  # the main table's, one per run
-    values: list[float]  # each run's objective (best val loss; +inf unfinished: lmlab.record.summary.objective)
+    values: list[float]  # each run's objective (`ranked_by`; +inf unfinished: lmlab.record.summary.objective)
     target: float | None  # the val loss the *_to_target columns count to
     baseline: str | None  # `baseline=key=value` of the significance tests
     by_lr: list[str]  # ["best_lr"] when optim.lr varies
     active_col: list[str]  # ["n_active_params"] when some run's active weights differ from its total (MoE)
     notes: list[str] = field(default_factory=list)  # printed above the tables and in compare.md
+    ranked_by: str = "best_val_loss"  # what `values` and the significance tests read (best_val_bpb across tokenizers)
 
     @property
     def variant_keys(self) -> list[str]:
-        """The keys that tell variants apart: every varying key but the seed."""
-        return [k for k in self.varying if k != SEED]
+        """The keys that tell variants apart: every varying key but the seeds (`seed` and the split's `seeds.*`)."""
+        return [k for k in self.varying if k not in SEEDS]
 
     def name(self, run: Path, by: Sequence[str]) -> str:
         """A run's label in the plots: its values of the keys `by`."""
         return (",".join(f"{k}={self.overrides[run].get(k, '')}" for k in by)
-                or ("all seeds" if SEED in self.varying else run.name))
+                or ("all seeds" if any(k in SEEDS for k in self.varying) else run.name))
 
     @cached_property
     def logged(self) -> dict[Path, dict[str, list[tuple[int, float]]]]:

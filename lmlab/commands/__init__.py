@@ -18,6 +18,8 @@ COMMANDS = {
                "(python eval.py compare=<dir>)",
     "sweep": "a sweep's jobs: lmlab sweep status <sweep dir> [--json|--watch], lmlab sweep resume <sweep dir>",
     "bench": "the benchmark: lmlab bench [...] (python -m lmlab.bench)",
+    "ledger": "a fixed-budget ledger (train.py ledger=<file>) best first, with the noise floor: lmlab ledger <file> "
+              "[--json]",
 }
 
 

@@ -2,15 +2,24 @@
 
 `main` returns the run's objective (lmlab.record.summary.objective: the best val loss, +inf for a run that diverged,
 collapsed
-or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`)."""
+or failed), which Hydra's sweepers optimise (`-m hparams_search=optuna`).
+
+`ledger=<file>` (lmlab.record.ledger): however the run ends — completed, diverged, collapsed, interrupted, failed, or
+refused before it started (a bad value or key; exit code 2 as always) — its row is appended to the file and printed as
+the last line of stdout, `LEDGER {...}` (one line per job of a sweep, before the sweep's closing lines)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -34,8 +43,24 @@ def run(prog: str, argv: Sequence[str]) -> None:
     argv = quote_paths(argv, ("init_from", "hydra.run.dir"))
     TYPED["train"] = list(argv)
     sys.argv = [sys.argv[0], *argv, *dirname_exclusions(argv)]
-    refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
-    main()
+    ledger_file = typed_ledger(argv)  # ledger=<file> as typed: a refusal before Hydra composes the config has a row
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said) if ledger_file else contextlib.nullcontext():
+            refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
+    except SystemExit:
+        print(said.getvalue(), end="", file=sys.stderr)
+        _ledger_row(ledger_file, typed_run_dir(argv), _typed_overrides(argv), "refused",
+                    error=said.getvalue().strip().removeprefix(f"{prog.removeprefix('python ')}: "))
+        raise
+    print(said.getvalue(), end="", file=sys.stderr)
+    try:
+        main()
+    except SystemExit as stop:  # Hydra's own refusal of the command line, before main ran (its words on stderr)
+        if ledger_file and not LEDGER_ROWS and stop.code not in (0, None):
+            _ledger_row(ledger_file, typed_run_dir(argv), _typed_overrides(argv), "refused",
+                        error=f"{prog} exited {stop.code} before the run started (Hydra's message is on stderr)")
+        raise
     if SWEEPS:  # a sweep's last lines (its jobs ran in this process): where it is, how its jobs ended, what next
         from lmlab.record.sweep import closing_lines
 
@@ -50,6 +75,10 @@ def run(prog: str, argv: Sequence[str]) -> None:
 # The jobs of this process's sweep that were refused or raised (directory: why); run() exits 1 when there are any.
 FAILED_JOBS: list[str] = []
 SWEEPS: list[str] = []  # the sweep directories whose jobs ran in this process: run() ends with their closing lines
+LEDGER_ROWS: list[str] = []  # the ledger rows this process wrote (ledger=<file>), as lines
+# What lmlab.commands.refusals.usage_errors turns into one line and exit code 2: a run that raised one of these before a
+# summary.json was written was refused, not failed
+REFUSALS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -62,23 +91,38 @@ def main(cfg: DictConfig) -> float:
     sweeping = hc.mode.name == "MULTIRUN"
     if sweeping and str(hc.sweep.dir) not in SWEEPS:
         SWEEPS.append(str(hc.sweep.dir))
+    from lmlab.record import ledger
     from lmlab.record.summary import objective
 
+    ledger_file = ledger.target(cfg)  # ledger=<file>: every end of this run appends its row (a bad path is refused)
+    started, horizon = time.time(), None
+    overrides = [str(o) for o in hc.overrides.task]
     try:
         cfg, overrides = continued(cfg, hc)
+        ledger_file = ledger.target(cfg)  # (a continued run's own ledger=, or this command's)
         if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it, goes on)
             from lmlab.run.checks import check_config
 
             check_config(cfg, overrides)
         from lmlab.record.tracking import hydra_group
         from lmlab.run.training import train
+        from lmlab.run.wall import wall_horizon
 
         group = hydra_group(hc)  # the W&B group: the sweep's (or the run's), named by lmlab.record.tracking
         job_event(hc, "running", host=socket.gethostname(), pid=os.getpid())
-        summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc)
+        horizon = wall_horizon(cfg)  # budget.wall: the schedule's decay fitted to the seconds (lmlab.run.wall)
+        summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc,
+                        callbacks=[horizon] if horizon is not None else None)
         job_event(hc, summary["status"], steps=summary["steps"])
-    except Exception as err:
-        if not sweeping:
+    except BaseException as err:
+        if ledger_file is not None:
+            try:
+                _ledger_row(ledger_file, hc.runtime.output_dir, overrides, None, error=err, started=started,
+                            horizon=horizon)
+            except OSError as why:  # the run's own error is the one to report
+                print(f"{PROG['train'].removeprefix('python ')}: ledger={ledger_file}: no row written: {why}",
+                      file=sys.stderr)
+        if not sweeping or not isinstance(err, Exception):
             raise
         job_event(hc, "failed", error=str(err).splitlines()[0] if str(err) else type(err).__name__)
         # a refusal (nothing written) is one line; a failure is recorded in its summary.json, with its traceback here
@@ -91,6 +135,9 @@ def main(cfg: DictConfig) -> float:
         FAILED_JOBS.append(f"{hc.runtime.output_dir}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         return math.inf  # the worst value a search can see, not an error that ends it; the sweep goes on
     print(f"{summary['status']}: step {summary['steps']}, {_val_line(summary)} -> {hc.runtime.output_dir}/summary.json")
+    if ledger_file is not None:
+        _ledger_row(ledger_file, hc.runtime.output_dir, overrides, summary["status"], summary=summary,
+                    horizon=horizon)
     from lmlab.env import is_rank_zero
 
     if summary["status"] == "interrupted" and is_rank_zero():  # schedulers and `&&` chains must see it unfinished
@@ -99,6 +146,69 @@ def main(cfg: DictConfig) -> float:
 
         raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
     return objective(summary)
+
+
+def _ledger_row(ledger_file: Path | None, run_dir: str | None, overrides: list[str], status: str | None, *,
+                summary: dict[str, Any] | None = None, error: BaseException | str | None = None,
+                started: float | None = None, horizon: Any = None) -> None:
+    """Append the run's row to `ledger_file` and print it as stdout's last line, `LEDGER {...}` (rank 0 only).
+    After an exception (`error`, `status` None) the status is that of the summary.json this attempt wrote, if it got
+    that far (failed, interrupted: its figures too), else `refused` for a usage error, `interrupted` for a signal,
+    `failed` for anything else."""
+    from lmlab.env import is_rank_zero
+    from lmlab.record import ledger
+
+    if ledger_file is None or not is_rank_zero():
+        return
+    if status is None:
+        summary = _written_since(run_dir, started)
+        status = (summary or {}).get("status") or (
+            "refused" if isinstance(error, REFUSALS) else
+            "interrupted" if isinstance(error, KeyboardInterrupt | SystemExit) else "failed")
+    if isinstance(error, BaseException):
+        error = f"{type(error).__name__}: {error}" if status == "failed" else str(error) or type(error).__name__
+    row = ledger.row(status, run_dir=os.path.abspath(run_dir) if run_dir else None, overrides=overrides,
+                     code=ledger.code_version(), summary=summary, error=error,
+                     peak_memory_gib=(summary or {}).get("peak_memory_gib") or (  # (a summary that records it)
+                         ledger.peak_memory_gib(run_dir) if summary and run_dir else None),
+                     horizon=horizon.record() if horizon is not None else None)
+    line = ledger.append(ledger_file, row)
+    LEDGER_ROWS.append(line)
+    print(ledger.PREFIX + line, flush=True)
+
+
+def _written_since(run_dir: str | None, started: float | None) -> dict[str, Any] | None:
+    """The run directory's summary.json if this attempt wrote it (not an earlier attempt's), else None."""
+    import json
+
+    if run_dir is None or started is None:
+        return None
+    path = Path(run_dir) / "summary.json"
+    try:
+        return json.loads(path.read_text()) if path.stat().st_mtime >= started else None
+    except (OSError, ValueError):
+        return None
+
+
+def typed_ledger(argv: Sequence[str]) -> Path | None:
+    """The ledger file the command line names (`ledger=<file>`, the last one), before Hydra reads it; None for none."""
+    value = None
+    for arg in argv:
+        key, eq, v = arg.partition("=")
+        if eq and key.lstrip("+") == "ledger":
+            value = v.strip("'\"")
+    if not value or value.lower() in ("null", "none", "true", "false") or Path(value).is_dir():
+        return None  # (ledger.target refuses all but null, naming the key)
+    return Path(value)
+
+
+def typed_run_dir(argv: Sequence[str]) -> str | None:
+    """The run directory the command line names (`hydra.run.dir=`), None for Hydra's own choice."""
+    return next((a.partition("=")[2].strip("'\"") for a in reversed(argv) if a.startswith("hydra.run.dir=")), None)
+
+
+def _typed_overrides(argv: Sequence[str]) -> list[str]:
+    return [a for a in argv if "=" in a and not a.startswith("-")]
 
 
 def job_event(hc, state: str, **fields) -> None:

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lmlab.data import shards, stages
 from lmlab.data.corpus import CORPORA
-from lmlab.data.keys import DATA_KEYS, SHARD_KEYS  # noqa: F401  (importable here, as before)
+from lmlab.data.keys import DATA_KEYS, DATA_SEED, SHARD_KEYS  # noqa: F401  (importable here, as before)
 from lmlab.data.padded import PaddedRows, pad_documents
 from lmlab.data.padded import pair as padded_pair
 from lmlab.data.shards import BlockView, TokenStream
@@ -474,4 +474,5 @@ class TextDataModule:
             )
         changed = [k for k in ("corpus_sha256", "seed", "seq_len") if state[k] != getattr(self, k)]
         if changed:
+            changed = ", ".join(DATA_SEED if k == "seed" else k for k in changed)
             rank_zero_warn(f"resuming with a different {changed} than the checkpoint: the data order will not match")

@@ -15,4 +15,6 @@ DATA_KEYS = {"batch_size": PositiveInt, "vocab_size": PositiveInt,
              "shard_size": PositiveInt, "eod": str | None, "packing": Literal["packed", "padded"],
              "batch_schedule": list | None, "seq_schedule": list | None, "batch_lr_power": NonNegativeFloat}
 SCHEDULE_KEYS = ("batch_schedule", "seq_schedule", "batch_lr_power")  # lmlab.data.stages: read by the loop too
+# A data module's `seed` is the run's data seed (lmlab.run.seeds): so a resume's warning names it
+DATA_SEED = "data seed (seeds.data, else seed)"
 SHARD_KEYS = {k: DATA_KEYS[k] for k in ("num_proc", "tokenizer_sample", "shard_size", "eod")}  # the shards' recipe

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 from lmlab import names
 from lmlab.data import shards
 from lmlab.data.datamodule import TextDataModule, TrainBlocks, _pair, pack, split_tokens, training_sample
+from lmlab.data.keys import DATA_SEED
 from lmlab.data.shards import TokenStream
 from lmlab.data.sources import CHUNK, NAME, BinSource, Source, check_sources, fingerprint, open_source, shares
 from lmlab.data.tokenizer import TOKENIZERS, Sample, build_tokenizer, load_tokenizer, save_tokenizer
@@ -331,5 +332,6 @@ class MixtureDataModule(TextDataModule):
                              f"{self.tokenizer_kind} builds now over data.sources; resume with the run's config")
         now = {"seed": self.seed, "seq_len": self.seq_len, "weights": {s.name: s.weight for s in self.sources}}
         if changed := [k for k, v in now.items() if state.get(k, v) != v]:
+            changed = ", ".join(DATA_SEED if k == "seed" else k for k in changed)
             rank_zero_warn(f"resuming data=mixture with a different {changed} than the checkpoint: the blocks drawn "
                            f"from here on do not continue its order")

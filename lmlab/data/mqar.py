@@ -59,6 +59,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lmlab.data.datamodule import StepSampler
+from lmlab.data.keys import DATA_SEED
 from lmlab.data.synthetic import SyntheticTask, check_split, variants
 from lmlab.record.tables import write_table
 from lmlab.registry import NonNegativeInt, PositiveInt, Range, check_values
@@ -311,8 +312,8 @@ class MQARDataModule(SyntheticTask):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and state.get("seed", self.seed) != self.seed:  # the recipe was compared before the fit
-            rank_zero_warn(f"resuming data={NAME} with seed={self.seed}, the checkpoint's is {state['seed']}: the "
-                           f"training examples will not continue the checkpoint's stream")
+            rank_zero_warn(f"resuming data={NAME} with {DATA_SEED} {self.seed}, the checkpoint's is {state['seed']}: "
+                           f"the training examples will not continue the checkpoint's stream")
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

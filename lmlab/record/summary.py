@@ -22,11 +22,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODES = {int(s): 128 + int(s) for s in SIGNALS}
 
 
-def objective(summary: Mapping[str, Any] | None) -> float:
+def objective(summary: Mapping[str, Any] | None, figure: str = "best_val_loss") -> float:
     """What a hyper-parameter search minimises (train.py returns it): the run's best val loss, +inf for a run that
     did not complete (diverged, collapsed, failed, interrupted, or no summary) or never validated, so a diverging
-    trial is the worst trial of a search, not an error. A val loss reached before a divergence doesn't count."""
-    best = (summary or {}).get("best_val_loss")
+    trial is the worst trial of a search, not an error. A val loss reached before a divergence doesn't count.
+    `figure`: another best figure (compare ranks runs of different tokenizers by `best_val_bpb`; +inf without it)."""
+    best = (summary or {}).get(figure)
     if (summary or {}).get("status") != "completed" or not isinstance(best, (int, float)) or not math.isfinite(best):
         return math.inf
     return float(best)
@@ -76,6 +77,10 @@ class RunSummary(TypedDict, total=False):
     final_val_ppl: float | None
     best_val_loss: float | None
     best_val_ppl: float | None
+    final_val_bpb: float | None  # bits per byte at the last validation (val/bpb: the val nats / (ln 2 x the UTF-8
+    #   bytes of text the val targets stand for), comparable across tokenizers; lmlab.data.token_bytes). Absent for a
+    #   run without: a head that does not predict the next token (mlm, classify), data that is not text
+    best_val_bpb: float | None  # the lowest val/bpb of the run
     val_curve: list[tuple[int, float | None]]  # (optimizer steps done, val loss) at every validation, resumes included
     to_target: list[ToTarget]  # per `targets:` val loss, the steps, tokens, FLOPs and seconds to it
                                # (lmlab.record.targets)
@@ -123,6 +128,15 @@ def _ppl(loss: float | None) -> float | None:
     return math.exp(min(loss, 50.0)) if loss is not None and math.isfinite(loss) else None
 
 
+def _bpb(lit) -> dict[str, float | None]:
+    """final_val_bpb and best_val_bpb, for a run that has bits per byte (none: the summary as before)."""
+    if lit.bytes_per_token is None and not lit.val_bpb_history:
+        return {}
+    bpbs = [bpb for _, bpb in lit.val_bpb_history if math.isfinite(bpb)]
+    return {"final_val_bpb": lit.val_bpb_history[-1][1] if lit.val_bpb_history else None,
+            "best_val_bpb": min(bpbs) if bpbs else None}
+
+
 def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time: float, tokens_at_start: int,
               overrides: list[str], config: dict[str, Any], error: str | None = None) -> RunSummary:
     """The figures of a run from its live objects. `steps`: optimizer steps done (the resumed step when an attempt
@@ -140,6 +154,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "final_val_ppl": _ppl(final),
         "best_val_loss": min(vals) if vals else None,
         "best_val_ppl": _ppl(min(vals)) if vals else None,
+        **_bpb(lit),
         **({"final_val_ema_loss": lit.ema_val_history[-1][1] if lit.ema_val_history else None}
            if lit.hparams.optim.get("ema") else {}),  # a run without an EMA: its summary as before
         "val_curve": [(int(step), loss) for step, loss in lit.val_history],

@@ -12,17 +12,17 @@ FFN):
     flops:            steps = floor(budget / (F · T))
     tokens:           steps = floor(budget / T)
     tokens_per_param: steps = floor(budget · N / T)     N = matmul weights (the 6·N count's N; Chinchilla ≈ 20)
-    wall:             Lightning's max_time = budget seconds; the schedule keeps trainer.max_steps's length
+    wall:             Lightning's max_time = budget seconds (whole); the steps are fitted as the run goes
 
 Under a batch or length schedule (data.batch_schedule, data.seq_schedule: lmlab.data.stages) a step's tokens and
 FLOPs per token follow its stage, and the stages scale with trainer.max_steps: the steps are the most S whose S steps,
 staged over S, stay within the budget (`staged_steps`), and `summary.json` keeps the stages (`stage_table`) for the
 FLOPs and tokens spent and compare's figures to a target.
 
-A wall budget cannot know the steps before training, so the schedule cannot be stretched to it: give it a schedule
-without a decay to a set end (schedule=constant) or a trainer.max_steps past what the time allows, and read what was
-spent in summary.json. The summary records the budget, the steps it gave and what was spent (budget_spent: tokens,
-FLOPs, seconds).
+A wall budget cannot know the steps before training: lmlab.run.wall.WallHorizon times the run's own steps and fits the
+horizon every schedule reads to the step the seconds reach, again and again as the run goes, so the decay ends at the
+budget (`python train.py budget.wall=300` installs it; library use passes `callbacks=[WallHorizon()]` to train()). The
+summary records the budget, the steps it gave and what was spent (budget_spent: tokens, FLOPs, seconds).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
         return None
     kind, value = budget
     if kind == "wall":
-        OmegaConf.update(cfg, "trainer.max_time", {"seconds": value}, force_add=True)  # Lightning's timedelta kwargs
+        OmegaConf.update(cfg, "trainer.max_time", max_time(value), force_add=True)
         return {"kind": kind, "value": value, "steps": None}
     import torch
 
@@ -162,6 +162,14 @@ def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
     cfg.trainer.max_steps = steps
     return {"kind": kind, "value": value, "steps": steps, "flops_per_token": fpt, "tokens_per_step": per_step,
             "n_matmul": n}
+
+
+def max_time(seconds: float) -> str:
+    """Lightning's `max_time` for a wall budget: its "DD:HH:MM:SS" text, in whole seconds (at least 1). Not its dict
+    form: the Trainer is built from the config by Hydra, which hands a dict over as a DictConfig, and Lightning's Timer
+    takes anything but a dict for a timedelta (`'total_seconds'` missing)."""
+    s = max(1, round(seconds))
+    return f"{s // 86400:02d}:{s // 3600 % 24:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def spent(budget: dict[str, Any] | None, summary: dict[str, Any], flops_per_token: float,

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.run import budget
+from lmlab.run import budget, seeds
 from lmlab.cli import override_key
 from lmlab.config import arch_config
 from lmlab.data.keys import DATA_KEYS
@@ -112,6 +112,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
     absent = object()
     values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
     check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+    seeds.check(cfg)  # seeds.init / .data / .dropout: each a seed like `seed`, or null (lmlab.run.seeds)
     if "sources" in cfg.data.keys():  # data=mixture: its sources by key (lmlab.data.sources)
         check_sources(OmegaConf.to_container(cfg.data, resolve=True))
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))

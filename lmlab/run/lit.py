@@ -13,8 +13,9 @@ import torch
 from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.data import stages as data_stages
+from lmlab.data.token_bytes import token_bytes
 from lmlab.model.attention.window import windowed
-from lmlab.model.encoder import TRAIN_KEY, VAL_KEY
+from lmlab.model.encoder import IGNORE, TRAIN_KEY, VAL_KEY
 from lmlab.model.gpt import GPT
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
     OPTIM_LOOP_KEYS,
@@ -57,12 +58,19 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
         for g in optimizer.param_groups:
             mult = rule(g, opt_params, param.width_mult) if rule is not None else None
             g["lr"] = g["lr"] * (param.lr_mult(g["role"]) if mult is None else mult)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optimizer, schedule, max_steps, stages))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lr_lambda(optimizer: torch.optim.Optimizer, schedule: dict, max_steps: int, stages: dict | None = None):
+    """step -> the schedule's LR factor over `max_steps` (data.batch_lr_power's factor under a batch schedule); an
+    optimizer that is `warmup_only` (schedule-free) gets the constant schedule with the group's warmup_steps. What the
+    LambdaLR reads, and what budget.wall's fitted horizon rebuilds (lmlab.run.wall)."""
     name, params = option_params("schedule", SCHEDULES, schedule)
     if getattr(optimizer, "warmup_only", False):
         name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}
-    fn, factor = SCHEDULES[name], batch_lr_factor(stages, max_steps)  # data.batch_lr_power under a batch schedule
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step, max_steps, **params) * factor(step))
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    fn, factor = SCHEDULES[name], batch_lr_factor(stages, max_steps)
+    return lambda step: fn(step, max_steps, **params) * factor(step)
 
 
 def batch_lr_factor(stages: dict | None, max_steps: int):
@@ -91,6 +99,12 @@ class LitGPT(L.LightningModule):
         self.update_skipped = False  # this step's update is skipped (spike_skip, or the divergence rule under it)
         self._groups_kept: tuple[Any, list] | None = None  # (optimizer, its group settings) while skipping
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of every validation
+        self.val_bpb_history: list[tuple[int, float]] = []  # (step, val bits per byte) of every validation (text only)
+        # (vocab_size,) the UTF-8 bytes of text each id stands for (lmlab.data.token_bytes), set up from the data's
+        # tokenizer; None: no bits per byte (a head that does not predict the next token, data that is not text)
+        self.bytes_per_token: torch.Tensor | None = None
+        self._val_bpb: torch.Tensor | None = None  # (nats, bytes) summed over this validation's batches so far
+        self._window_bpb: torch.Tensor | None = None  # ... over the accumulation window's micro-batches so far
         self._peak_grad = torch.zeros(())  # running max of the global grad norm (on the device once it has one)
         self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
@@ -108,6 +122,32 @@ class LitGPT(L.LightningModule):
         if shard is not None:
             shard(self.model, checkpointing=self.model.cfg.checkpointing, compile=self.hparams.compile)
             object.__setattr__(self, "forward_fn", self.model)  # compiled per block, inside FSDP's hooks
+
+    def setup(self, stage: str) -> None:
+        """Bits per byte (names.VAL_BPB, TRAIN_BPB): the table of bytes per token, once, from the data's tokenizer, for
+        a head that predicts the next token (head=mlm, classify: none)."""
+        if self.bytes_per_token is not None or not self.model.head.predicts_next or self._trainer is None:
+            return
+        data = getattr(self.trainer.datamodule, "data", self.trainer.datamodule)  # lmlab.run.lit_data's face: its data
+        if (tok := getattr(data, "tokenizer", None)) is not None:
+            table = token_bytes(tok, self.model.cfg.vocab_size, getattr(data, "eod_id", None))
+            self.bytes_per_token = None if table is None else torch.from_numpy(table)
+
+    def _bpb_sums(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(nats, bytes), float64: the mean `loss` times the targets it counts (not IGNORE: padding, a task's
+        unscored positions), and the bytes of text those targets stand for, gathered on the device (no host read)."""
+        if self.bytes_per_token.device != targets.device:
+            self.bytes_per_token = self.bytes_per_token.to(targets.device)  # once
+        counted = targets != IGNORE
+        n_bytes = torch.where(counted, self.bytes_per_token[torch.where(counted, targets, 0)], 0).sum()
+        return torch.stack([loss.detach().double() * counted.sum(), n_bytes.double()])
+
+    def _bits_per_byte(self, sums: torch.Tensor) -> torch.Tensor:
+        """Σ nats / (ln 2 · Σ bytes) over every rank's sums (in validation every rank reads the same windows: the ratio
+        stays as it is)."""
+        if self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        return sums[0] / (math.log(2) * sums[1])
 
     @property
     def peak_grad_norm(self) -> float:
@@ -142,7 +182,7 @@ class LitGPT(L.LightningModule):
         return head.prepare(x, y, [(*stream, first + r) for r in range(x.size(0))])
 
     def on_validation_epoch_start(self) -> None:
-        self._val_seen = 0
+        self._val_seen, self._val_bpb = 0, None
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = self.prepare(batch, "train", batch_idx)
@@ -161,14 +201,21 @@ class LitGPT(L.LightningModule):
             self.trainer.should_stop = True  # a result, not a crash: stop cleanly, skip this update
             return None
         self.tokens_seen += batch[0].numel() * self.trainer.world_size
-        if (window := int(self.trainer.accumulate_grad_batches)) > 1:  # the window's mean so far: its last
+        window = int(self.trainer.accumulate_grad_batches)
+        # bits per byte's (nats, bytes) of the batch, where it is logged or joins a window (train/bpb: the window's)
+        bpb = self._bpb_sums(loss, y) if self.bytes_per_token is not None and (window > 1 or self.logs_now()) else None
+        if window > 1:  # the window's mean so far: its last
             at = batch_idx % window  # micro-batch logs the loss of the step's whole global batch, as without
             self._window_loss = loss.detach() if at == 0 else self._window_loss + loss.detach()
             loss = self._window_loss / (at + 1)
+            if bpb is not None:
+                self._window_bpb = bpb = bpb if at == 0 else self._window_bpb + bpb
         if self.spikes is not None:
             self._step_loss = loss.detach()  # the step's (the window's at its last micro-batch), judged in _judge
         if self.logs_now():
             self.log(names.TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's loss under DDP
+            if bpb is not None:  # the global batch's bits per byte: its ranks' nats over their bytes
+                self.log(names.TRAIN_BPB, self._bits_per_byte(bpb))
             # the side channel (lmlab.model.side): z-loss, an MoE's balancing losses summed over its layers, MTP's
             # depths, each before its coefficient
             for metric, value in self.model.figures("train").items():
@@ -212,6 +259,9 @@ class LitGPT(L.LightningModule):
         batch, n = self.prepare(batch, "val"), batch[0].size(0)  # the EMA below reads the same (masked) batch
         loss = self.loss(batch)
         self.log(names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=n)  # the head's (next token's)
+        if self.bytes_per_token is not None:  # the validation's bits per byte: its nats over its bytes, at its end
+            sums = self._bpb_sums(loss, batch[1])
+            self._val_bpb = sums if self._val_bpb is None else self._val_bpb + sums
         for metric, value in self.model.figures("val").items():  # head=mtp: the extra depths', apart
             self.log(f"val/{metric}", value, sync_dist=True, batch_size=n)
         if self.ema is not None:  # the same batch through the EMA's weights (lmlab.optim.ema), the live ones after
@@ -225,6 +275,10 @@ class LitGPT(L.LightningModule):
             self.val_history.append((self.global_step, float(loss)))
             if self.ema is not None and (ema := self.trainer.callback_metrics.get(names.VAL_EMA_LOSS)) is not None:
                 self.ema_val_history.append((self.global_step, float(ema)))
+        if self._val_bpb is not None and not self.trainer.sanity_checking:
+            bpb = self._bits_per_byte(self._val_bpb)
+            self.log(names.VAL_BPB, bpb, sync_dist=True)  # equal on every rank
+            self.val_bpb_history.append((self.global_step, float(bpb)))
 
     # --- the weight EMA (optim.ema, lmlab.optim.ema): an evaluation readout, updated after each optimizer step ----
 
@@ -371,6 +425,7 @@ class LitGPT(L.LightningModule):
         elif "_batches_that_stepped" in loop:
             loop["_batches_that_stepped"] = self.global_step - 1
         checkpoint["lmlab"] = {"tokens_seen": self.tokens_seen, "val_history": self.val_history,
+                                "val_bpb_history": self.val_bpb_history,
                                 "peak_grad_norm": self.peak_grad_norm, "divergence": self.divergence.state_dict(),
                                 "launch": self.launch()}
         if self.spikes is not None:  # the windows and the skipped steps: a resume judges as the run would have
@@ -412,6 +467,7 @@ class LitGPT(L.LightningModule):
             checkpoint["state_dict"] = {**checkpoint["state_dict"], **state["train_weights"]}
         self.tokens_seen = state.get("tokens_seen", 0)
         self.val_history = [tuple(v) for v in state.get("val_history", [])]
+        self.val_bpb_history = [tuple(v) for v in state.get("val_bpb_history", [])]
         self._peak_grad = torch.tensor(float(state.get("peak_grad_norm", 0.0)))
         self.divergence.load_state_dict(state.get("divergence", {}))
         if self.spikes is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.run import budget
+from lmlab.run import budget, seeds
 from lmlab.cli import continue_command
 from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config, what_it_is
 from lmlab.data import build_datamodule
@@ -71,9 +71,11 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
         resume_step, previous = int(saved["global_step"]), run.read_summary()
         if announce is not None and not _ended(saved, previous, resume_step, _planned_steps(cfg, saved)):
             announce(resume_step)
-    seed_everything(cfg.seed, workers=True, verbose=False)  # after the source's model was read, as always: same numbers
+    chosen = seeds.effective(cfg)  # seeds.init / .data / .dropout, each `seed` unless set (lmlab.run.seeds)
+    seeds.record(cfg, chosen)  # into the effective config: .hydra/config.yaml and summary.json record them
+    seed_everything(chosen.init, workers=True, verbose=False)  # after the source's model was read, as always
     data = build_datamodule(OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.model.max_seq_len,
-                            seed=cfg.seed)
+                            seed=chosen.data)
     data.prepare_data()
     data.setup("fit")
     eod_id = getattr(data, "eod_id", None)

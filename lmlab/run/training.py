@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.run import budget
+from lmlab.run import budget, seeds
 
 from lmlab import env, names
 from lmlab.run.checks import check_config, check_launch, strategy_name  # noqa: F401  (importable here, as before)
@@ -111,7 +111,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                  compile=cfg.compile,
                  divergence={**OmegaConf.to_container(cfg.divergence, resolve=True), "unigram": unigram},
                  spike_skip=OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True),
-                 seed=int(cfg.seed),  # head=mlm's masks are a function of (seed, sample)
+                 seed=int(cfg.seeds.data),  # head=mlm's masks are a function of (the data seed, sample)
                  stages=plan.stages)  # data.batch_schedule / seq_schedule (lmlab.data.stages): None without
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
@@ -167,6 +167,8 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                                plugins=[atomic_checkpoint_io()], **every)
     stop.take_over(trainer)
 
+    # seeds.dropout (lmlab.run.seeds): training's draws from their own stream; unset, they go on from the init's
+    seeds.reseed_training(seeds.Seeds(**cfg.seeds), resume_step)
     start, status, error, at_once = time.time(), "completed", None, None
     tokens_at_start = lit.tokens_seen
     try:

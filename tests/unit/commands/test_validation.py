@@ -289,7 +289,7 @@ def test_lightnings_srun_hint_is_not_printed_for_a_run_that_is_not_a_slurm_job(t
     assert not [w for w in seen if "srun" in str(w.message)]
 
 
-@pytest.mark.parametrize("key, hint", [("lr", None), ("sed", "did you mean seed?"), ("evil", None)])
+@pytest.mark.parametrize("key, hint", [("lr", None), ("sed", "did you mean seed or seeds?"), ("evil", None)])
 def test_a_top_level_key_nothing_reads_is_refused_naming_it(key: str, hint: str | None) -> None:
     """`+lr=1e-3` added a key beside optim.lr that no part of lmlab reads (issue 33, Low): the run trained at the
     default lr and said nothing. A saved overrides file's `+key` meets the same check."""

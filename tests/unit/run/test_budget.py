@@ -49,7 +49,7 @@ def test_token_budgets_and_the_world_size() -> None:
     cfg, model, got = _apply("budget.tokens_per_param=20")
     assert got["n_matmul"] == L * 12 * D * D + V * D and cfg.trainer.max_steps == 20 * got["n_matmul"] // (B * T)
     cfg, _, got = _apply("budget.wall=90")
-    assert got == {"kind": "wall", "value": 90.0, "steps": None} and cfg.trainer.max_time == {"seconds": 90.0}
+    assert got == {"kind": "wall", "value": 90.0, "steps": None} and cfg.trainer.max_time == "00:00:01:30"
     assert cfg.trainer.max_steps == 600  # the schedule keeps its length
     cfg, _, got = _apply()
     assert got is None and cfg.trainer.max_steps == 600
@@ -70,6 +70,14 @@ def test_bad_budgets_are_refused_by_key_before_training(overrides, match) -> Non
 def test_a_budget_below_one_step_is_refused() -> None:
     with pytest.raises(ValueError, match=r"budget.flops=1e\+06 buys no optimizer step: one step costs"):
         _apply("budget.flops=1e6")
+
+
+def test_a_wall_budget_is_lightnings_max_time_in_whole_seconds() -> None:
+    from lightning.pytorch.callbacks import Timer
+
+    assert [budget.max_time(s) for s in (0.2, 9.6, 300, 90061)] == ["00:00:00:01", "00:00:00:10", "00:00:05:00",
+                                                                    "01:01:01:01"]
+    assert Timer(duration=budget.max_time(300)).time_remaining() == 300  # the form Lightning's Timer reads
 
 
 def test_spent_records_the_budget() -> None:
