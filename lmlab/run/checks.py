@@ -101,10 +101,14 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)
         check_run(optim, strategy_name(cfg), bool(averages))
     check_qk_clip(OmegaConf.to_container(cfg.optim), model, gcfg.attention["name"], strategy_name(cfg))
+    if isinstance(cfg.get("compile"), str) and strategy_name(cfg) == "FSDP2Strategy":
+        raise ValueError(f"compile={cfg.compile} with trainer=fsdp2: FSDP2 compiles each block inside its hooks, where "
+                         f"a recorded CUDA graph would replay stale all-gathers; use compile=true with trainer=fsdp2")
     run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
         "seed": Annotated[int, Range(ge=0, le=2**32 - 1)],  # numpy's bounds (lmlab seeds numpy with it)
         "trainer.log_every_n_steps": PositiveInt,  # 0 would log no training row at all
-        "threads": PositiveInt | None, "compile": bool, "malloc": Literal["system", "keep"],
+        "threads": PositiveInt | None, "compile": bool | Literal["reduce-overhead", "max-autotune"],
+        "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
         "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
         **{f"data.{k}": t for k, t in DATA_KEYS.items()},

@@ -73,6 +73,16 @@ def lr_lambda(optimizer: torch.optim.Optimizer, schedule: dict, max_steps: int, 
     return lambda step: fn(step, max_steps, **params) * factor(step)
 
 
+COMPILE_MODES = ("reduce-overhead", "max-autotune")  # compile=<mode>: torch.compile's modes beside true (its default)
+
+
+def compile_mode(compile: bool | str) -> dict[str, str]:
+    """torch.compile's arguments for `compile`: true, its default; `reduce-overhead`, CUDA graphs (the step replayed
+    from a recorded graph: no kernel-launch cost per op, for a step whose shapes never change); `max-autotune`, that
+    and Inductor's autotuned kernels."""
+    return {"mode": compile} if isinstance(compile, str) else {}
+
+
 def batch_lr_factor(stages: dict | None, max_steps: int):
     """step -> (B(step)/B₀)^p under data.batch_schedule with data.batch_lr_power p (lmlab.data.stages); 1 otherwise."""
     batch, power = (stages or {}).get("batch"), float((stages or {}).get("batch_lr_power") or 0.0)
@@ -83,7 +93,7 @@ def batch_lr_factor(stages: dict | None, max_steps: int):
 
 class LitGPT(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], schedule: dict[str, Any], max_steps: int,
-                 compile: bool = False, divergence: dict[str, Any] | None = None,
+                 compile: bool | str = False, divergence: dict[str, Any] | None = None,
                  spike_skip: dict[str, Any] | None = None, seed: int = 0, stages: dict[str, Any] | None = None
                  ) -> None:
         """`stages`: data.batch_schedule, data.seq_schedule and data.batch_lr_power (lmlab.data.stages), checked;
@@ -108,7 +118,8 @@ class LitGPT(L.LightningModule):
         self._peak_grad = torch.zeros(())  # running max of the global grad norm (on the device once it has one)
         self._grad_norm: torch.Tensor | None = None  # this step's, before clipping
         # Not a submodule attribute: the compiled wrapper would add a second copy of every key to the state dict.
-        object.__setattr__(self, "forward_fn", torch.compile(self.model) if compile else self.model)
+        object.__setattr__(self, "forward_fn", torch.compile(self.model, **compile_mode(compile)) if compile else
+                           self.model)
         self.tokens_seen = 0
         self.ema: WeightEMA | None = None  # optim.ema > 0: built when training starts (after a resume's weights)
         self.ema_val_history: list[tuple[int, float]] = []  # (step, the EMA's val loss) of every validation
