@@ -31,6 +31,8 @@ def filter_warnings() -> None:
     # Lightning's hint on a machine with srun on PATH (a SLURM login node) for a run that is not a SLURM job: lmlab's
     # own launch check (training.check_launch) says what applies
     warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
+    # LitGPT.training_step returns None on purpose: a diverged step's update is skipped and the run stops there
+    warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
 
 
 def plain_warnings(prog: str) -> None:
