@@ -162,12 +162,13 @@ def check_reach(position: str, scaling: str, length: int, trained: int, allow_ex
 def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, scalings: Sequence[str] | None = None,
              allow_extrapolation: bool = False, batch_size: PositiveInt = 8, out_dir: str | Path | None = None,
              max_windows: PositiveInt | None = 64, dynamic_step: PositiveInt | None = None,
-             weights: Literal["live", "ema"] = "live") -> dict[str, Any]:
+             weights: Literal["live", "ema"] = "live", merge: str | None = None) -> dict[str, Any]:
     """Val loss at the trained length, then the length sweep; writes eval.{md,csv,json} and plots/ into out_dir.
-    `weights`: the run's live weights, or `ema` its weight EMA (a run with optim.ema > 0; lmlab.optim.ema)."""
+    `weights`: the run's live weights, or `ema` its weight EMA (a run with optim.ema > 0; lmlab.optim.ema).
+    `merge`: `last:k[:linear]`, the average of the run's last k step checkpoints instead (lmlab.record.merge)."""
     # The arguments, by the types and ranges of the signature (named as eval.py's keys), before the run is loaded.
     args = {"lengths": lengths, "allow_extrapolation": allow_extrapolation, "batch_size": batch_size,
-            "max_windows": max_windows, "dynamic_step": dynamic_step, "weights": weights}
+            "max_windows": max_windows, "dynamic_step": dynamic_step, "weights": weights, "merge": merge}
     check_values("", args, parameter_types(evaluate, ("POSITIONAL_OR_KEYWORD",)))
     for s in scalings or []:
         scaling_spec(s)  # raises naming the choices
@@ -178,7 +179,17 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
         raise RunRefused(f"run={run_dir} trained head={head}, which does not predict the next token: its val/loss in "
                          f"summary.json (final_val_loss) is its own objective's (head=mlm: the masked-token loss on "
                          f"fixed masks, comparable across runs); eval.py's next-token loss per length does not apply")
-    state = saved.weights if weights == "live" else saved.build(weights).state_dict()  # tied weights follow
+    merged = None
+    if merge is not None:  # the last k step checkpoints' average (checkpoint.keep_last), over the live weights only
+        from lmlab.record.merge import merged_weights, parse_merge
+
+        parse_merge(merge)
+        if weights != "live":
+            raise ValueError(f"merge={merge} averages the step checkpoints' live weights: it takes weights=live "
+                             f"(got weights={weights})")
+        state, merged = merged_weights(saved, merge)
+    else:
+        state = saved.weights if weights == "live" else saved.build(weights).state_dict()  # tied weights follow
     run_status, note = run_note(run_dir)
     trained = model_cfg.get("train_len") or model_cfg["max_seq_len"]
     position = model_cfg["position"]["name"]
@@ -209,7 +220,8 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
             for length in lengths for s in scalings}  # tokens through the model: the progress lines' measure
     cells = None if out_dir is None else Cells(Path(out_dir), {
         "run": str(run_dir.resolve()), "step": saved.step, "checkpoint": _stamp(RunDir(run_dir).last),
-        "weights": weights, "max_windows": max_windows, "batch_size": batch_size, "dynamic_step": step})
+        "weights": weights if merged is None else merged, "max_windows": max_windows, "batch_size": batch_size,
+        "dynamic_step": step})
     progress = Progress(sum(cost.values()), f"eval {run_dir.name}")
     rows, curves = [], {}
     try:
@@ -236,7 +248,8 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
         print(f"eval {run_dir.name}: {cells.kept} of {len(cost)} cells from the interrupted evaluation "
               f"({cells.path.name}), {len(cost) - cells.kept} computed now", file=sys.stderr)
     result = {"run": str(run_dir), "position": position, "trained_len": trained, "rows": rows,
-              "run_status": run_status, "note": note, **({"weights": weights} if weights != "live" else {})}
+              "run_status": run_status, "note": note, **({"weights": weights} if weights != "live" else {}),
+              **({"merge": merged} if merged is not None else {})}
     if out_dir is not None:
         write_eval(result, curves, Path(out_dir))
         cells.finish()

@@ -7,9 +7,12 @@ two-sided p-value and a 95% interval mean(d) ± t_{0.975, n−1}·sd(d)/√n. Ov
 one baseline, the p-values are Holm-corrected (Holm, 1979): the k-th smallest is multiplied by m − k + 1 and made
 monotone, which keeps the family-wise error at α with no assumption on how the tests depend on each other.
 
-Seed-count advice: the smallest n for which a paired t test at level α has power 1 − β for the observed mean
-difference with the observed sd of the differences, n ≥ ((t_{1−α/2, n−1} + t_{1−β, n−1}) · sd / |mean|)²; the
-standard approximation to the noncentral t (it is a little optimistic at n < 5).
+Seed-count advice, exact: the smallest n for which a t test at level α (two-sided) has power 1 − β for a
+standardized effect d, from the noncentral t (scipy.stats.nct): under the alternative, T follows the noncentral t with
+ν degrees of freedom and noncentrality δ, and the power is P(T > t_{1−α/2, ν}) + P(T < −t_{1−α/2, ν}). Paired over n
+seeds (d = |mean|/sd of the differences): ν = n − 1, δ = d·√n; two samples of n seeds each (d = |difference|/pooled
+sd): ν = 2n − 2, δ = d·√(n/2). It gives Cohen's (1988) and G*Power's counts (two-sample d = 1: 17 per group; paired
+d = 0.5: 34 pairs), where the normal approximation n = k·((z_{1−α/2} + z_{1−β})/d)² gives 16 and 32.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scipy import stats
+from scipy import integrate, stats
 
 ALPHA, POWER = 0.05, 0.8
 MAX_SEEDS = 1000  # advice past this is "more than 1000": the difference is below what seeds can resolve
@@ -66,21 +69,59 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     return out
 
 
+def t_power(n: int, d: float, alpha: float = ALPHA, paired: bool = True) -> float:
+    """The exact power of the two-sided t test at level `alpha` for standardized effect `d`: paired over `n` seeds,
+    or two samples of `n` seeds each (the module docstring)."""
+    df, nc = (n - 1, d * math.sqrt(n)) if paired else (2 * n - 2, d * math.sqrt(n / 2))
+    c = stats.t.ppf(1 - alpha / 2, df)
+    right, wrong = stats.nct.sf(c, df, nc), stats.nct.cdf(-c, df, nc)
+    if not (math.isfinite(right) and math.isfinite(wrong)):  # scipy's nan: a tail below ~1e-20, or δ ~1e10
+        right, wrong = _tail(c, df, nc), _tail(c, df, -nc)
+    return float(right + wrong)
+
+
+def _tail(c: float, df: int, nc: float) -> float:
+    """P(T > c) for the noncentral t, by integrating over its denominator: T = (Z + δ)/(X/√ν) with X ~ χ_ν, so
+    P(T > c) = ∫ Φ(δ − c·x/√ν) f_χν(x) dx (P(T < −c) is this at −δ)."""
+    return float(integrate.quad(lambda x: stats.norm.cdf(nc - c * x / math.sqrt(df)) * stats.chi.pdf(x, df),
+                                stats.chi.ppf(1e-15, df), stats.chi.isf(1e-15, df), limit=200)[0])  # X's range
+
+
+def seeds_needed_exact(d: float, alpha: float = ALPHA, power: float = POWER, paired: bool = True) -> int:
+    """The fewest seeds (pairs, or seeds per variant with `paired=False`) for which the t test has power `power` at
+    level `alpha` for standardized effect `d` > 0; MAX_SEEDS + 1 past MAX_SEEDS. Power rises with n, so the first n
+    found by bisection is the answer."""
+    if not d > 0 or not math.isfinite(d):
+        raise ValueError(f"the effect d={d!r} must be a finite number > 0 (a difference over its sd)")
+    if t_power(MAX_SEEDS, d, alpha, paired) < power:
+        return MAX_SEEDS + 1
+    low, high = 1, MAX_SEEDS  # power(low) < power <= power(high); n = 1 leaves no degree of freedom (paired)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if t_power(mid, d, alpha, paired) >= power else (mid, high)
+    return high
+
+
 def seeds_needed(mean: float | None, sd: float | None, alpha: float = ALPHA, power: float = POWER) -> int | None:
     """Seeds a paired t test needs to tell a mean difference `mean` from 0 with power `power` at level `alpha` when
-    the differences spread by `sd` (the observed figures). None without an sd; MAX_SEEDS + 1 past MAX_SEEDS."""
+    the differences spread by `sd` (the observed figures), exactly (seeds_needed_exact at d = |mean|/sd). None without
+    an sd; MAX_SEEDS + 1 past MAX_SEEDS."""
     if mean is None or sd is None:
         return None
     if sd == 0.0:
         return 2 if mean != 0.0 else None
     if mean == 0.0:
         return MAX_SEEDS + 1
-    ratio = sd / abs(mean)
-    for n in range(2, MAX_SEEDS + 1):
-        df = n - 1
-        if n >= ((stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)) * ratio) ** 2:
-            return n
-    return MAX_SEEDS + 1
+    return seeds_needed_exact(abs(mean) / sd, alpha, power, paired=True)
+
+
+def advice(d: float, alpha: float = ALPHA, power: float = POWER) -> str:
+    """`lmlab compare --seeds-needed=<d>`: the seeds a paired and a two-sample t test need for effect `d`."""
+    counts = [seeds_needed_exact(d, alpha, power, paired=p) for p in (True, False)]
+    said = [f"more than {MAX_SEEDS}" if n > MAX_SEEDS else str(n) for n in counts]
+    return (f"effect d={d:g} (a difference over its sd), alpha={alpha:g} two-sided, power={power:g}, exact "
+            f"(noncentral t): {said[0]} paired seeds (variant and baseline on the same seeds; sd: of the per-seed "
+            f"differences), {said[1]} seeds per variant (two samples; sd: pooled over the runs)")
 
 
 def verdict(n: int, p_holm: float | None, alpha: float = ALPHA) -> str:

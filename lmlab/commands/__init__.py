@@ -15,7 +15,8 @@ COMMANDS = {
     "eval": "evaluate a run: run=<run dir> (python eval.py)",
     "generate": "sample text from a run: run=<run dir> prompt=\"...\" (python generate.py)",
     "compare": "compare the runs of a sweep, or of several: lmlab compare <sweep dir> [<sweep dir> ...] "
-               "(python eval.py compare=<dir>)",
+               "(python eval.py compare=<dir>); lmlab compare --seeds-needed=<d>: the seeds a t test needs for an "
+               "effect d (a difference over its sd), exactly",
     "sweep": "a sweep's jobs: lmlab sweep status <sweep dir> [--json|--watch], lmlab sweep resume <sweep dir>",
     "bench": "the benchmark: lmlab bench [...] (python -m lmlab.bench)",
     "ledger": "a fixed-budget ledger (train.py ledger=<file>) best first, with the noise floor: lmlab ledger <file> "
@@ -30,6 +31,20 @@ def usage() -> str:
             + "\n\n`lmlab <command> --help` shows the command's own options (Hydra's for train, eval, generate).")
 
 
+def _seeds_needed(arg: str) -> None:
+    """Print `lmlab compare --seeds-needed=<d>`'s answer (lmlab.analysis.significance.advice); exit code 2 when <d> is
+    not an effect > 0."""
+    from lmlab.analysis.significance import advice
+
+    _, _, value = arg.partition("=")
+    try:
+        print(advice(float(value)))
+    except ValueError as err:  # not a number, or not one > 0
+        why = str(err) if "effect" in str(err) else f"the effect d={value!r} must be a number > 0"
+        print(f"lmlab compare --seeds-needed=<d>: {why}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch to a command; its arguments are passed on as typed."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -42,6 +57,14 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     if name == "compare":  # lmlab compare A [B ...] [key=value ...]: the directories are compare='s
+        if "--seeds-needed" in rest:  # `--seeds-needed 0.5` as `--seeds-needed=0.5`
+            at = rest.index("--seeds-needed")
+            rest = [*rest[:at], "=".join(rest[at:at + 2]), *rest[at + 2:]]
+        if asked := [a for a in rest if a.startswith("--seeds-needed")]:  # the exact seed count for an effect d
+            rest = [a for a in rest if a not in asked]
+            _seeds_needed(asked[-1])
+            if not rest:  # only the seed count was asked
+                return
         dirs = [a for a in rest if "=" not in a and not a.startswith("-")]
         if not dirs and not any(a.startswith("compare=") for a in rest):
             print("lmlab compare: name the sweep or run directories to compare: lmlab compare <sweep dir> "

@@ -42,7 +42,8 @@ def main(cfg: DictConfig) -> None:
 
         dirs = sweep_dirs(list(cfg.compare) if OmegaConf.is_list(cfg.compare) else cfg.compare)
         _, md = compare(dirs, baseline=cfg.get("baseline"), target=cfg.get("target"), out=cfg.get("out"))
-        files = ("compare.md", "compare_variants.md", "compare_significance.md", "plots/")
+        files = ("compare.md", "compare_variants.md", "compare_significance.md", "compare_noise.md", "compare_seeds.md",
+                 "compare_speed.md", "plots/")
         written = [f"{output_dir(dirs, cfg.get('out')) / f}" for f in files]
         print(md + "\n-> " + ", ".join(p for p in written if Path(p).exists()))
         return
@@ -61,6 +62,12 @@ def main(cfg: DictConfig) -> None:
     if cfg.weights != "live" and (cfg.export or cfg.harness):
         raise ValueError(f"weights={cfg.weights}: the evaluation reads it; export= and harness= read the live "
                          f"weights (weights=live)")
+    if cfg.get("merge") is not None:  # last:k[:linear] (lmlab.record.merge), checked before anything is read
+        from lmlab.record.merge import parse_merge
+
+        parse_merge(cfg.merge)
+        if cfg.export or cfg.harness:
+            raise ValueError(f"merge={cfg.merge}: the evaluation reads it; export= and harness= read the live weights")
     if cfg.export:
         if cfg.export != "hf" or not cfg.out:
             raise ValueError(f"export={cfg.export!r}: the accepted form is export=hf out=<dir>")
@@ -79,7 +86,10 @@ def main(cfg: DictConfig) -> None:
     from lmlab.analysis.evaluate import evaluate
 
     listify = lambda v: None if v is None else (list(v) if OmegaConf.is_list(v) else [v])  # noqa: E731
-    out = Path(cfg.out or Path(cfg.run) / ("eval" if cfg.weights == "live" else f"eval_{cfg.weights}"))
+    merge = cfg.get("merge")  # last:k[:linear] -> eval_merge_last_k[_linear], beside eval/ (lmlab.record.merge)
+    named = f"eval_merge_{str(merge).replace(':', '_')}" if merge is not None else \
+        "eval" if cfg.weights == "live" else f"eval_{cfg.weights}"
+    out = Path(cfg.out or Path(cfg.run) / named)
     got: list[int] = []
 
     def terminate(signum: int, frame: object) -> None:  # SIGTERM (a cluster's, kill): as Ctrl-C, cells kept
@@ -90,7 +100,8 @@ def main(cfg: DictConfig) -> None:
     try:
         result = evaluate(cfg.run, lengths=listify(cfg.lengths), scalings=listify(cfg.methods),
                           allow_extrapolation=cfg.allow_extrapolation, batch_size=cfg.batch_size, out_dir=out,
-                          max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step, weights=cfg.weights)
+                          max_windows=cfg.max_windows, dynamic_step=cfg.dynamic_step, weights=cfg.weights,
+                          merge=merge)
     except Interrupted as stop:
         print(f"{PROG['eval'].removeprefix('python ')}: {stop.line}", file=sys.stderr)
         raise SystemExit(128 + (got[0] if got else signal.SIGINT)) from None

@@ -12,6 +12,8 @@ Layout:
     .hydra/{config,overrides,hydra}.yaml   the config of the latest start (written once the checks have passed)
     checkpoints/last.ckpt, best.ckpt       (+ Lightning's hpc_ckpt_N.ckpt when it saved one under SLURM); under
                                            trainer=fsdp2 directories of shards (lmlab.run.distributed)
+    checkpoints/step_<N>.ckpt              with checkpoint.keep_last=k: the last k validations' (lmlab.run.keep_last),
+                                           what eval.py merge=last:k averages (lmlab.record.merge)
     metrics.csv  summary.json  tokenizer.json  plots/  eval/
     wandb/                                 the W&B run's files; wandb/lmlab.json: its id, name, group, project
     .lmlab.lock                            while a process trains into the directory
@@ -45,6 +47,7 @@ from lmlab.record.temporaries import OURS as _OURS
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"
 BEST = "best.ckpt"
+STEP = re.compile(r"^step_(?P<step>\d+)\.ckpt$")  # checkpoint.keep_last's step_<N>.ckpt (lmlab.run.keep_last)
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 TOKENIZER = "tokenizer.json"
@@ -349,6 +352,14 @@ class RunDir:
         found = [p for p in (self.last, *self.path.glob("hpc_ckpt_*.ckpt"), *(self.path / CHECKPOINTS).glob(
             "hpc_ckpt_*.ckpt")) if p.is_file() or p.is_dir()]  # a directory: sharded (trainer=fsdp2)
         return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """checkpoint.keep_last's checkpoints, checkpoints/step_<N>.ckpt (files, or directories of shards), as
+        (N, path), oldest first."""
+        directory = self.path / CHECKPOINTS
+        found = [(int(m["step"]), p) for p in directory.iterdir() if (m := STEP.match(p.name))] \
+            if directory.is_dir() else []
+        return sorted(found)
 
     def holds_run(self) -> bool:
         return any((self.path / name).exists() for name in (CHECKPOINTS, METRICS, SUMMARY))

@@ -111,6 +111,7 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         "malloc": Literal["system", "keep"],
         "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
         "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
+        "checkpoint.keep_last": PositiveInt | None,  # step checkpoints kept for eval.py merge= (lmlab.run.keep_last)
         **{f"data.{k}": t for k, t in DATA_KEYS.items()},
     }
     absent = object()

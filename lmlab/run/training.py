@@ -135,6 +135,11 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
 
     checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor=names.VAL_LOSS, mode="min",
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
+    kept = []  # checkpoint.keep_last=k: + step_<N>.ckpt of the last k validations (lmlab.run.keep_last), what eval.py
+    if (keep_last := OmegaConf.select(cfg, "checkpoint.keep_last", default=None)) is not None:  # merge=last:k averages;
+        from lmlab.run.keep_last import KeepLast  # a resume still reads last.ckpt
+
+        kept = [KeepLast(run.path, keep_last)]
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
     task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
@@ -148,7 +153,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         task = [*task, QKClipCallback(float(cfg.optim.qk_clip))]
     if downstream is not None:  # lm-eval tasks scored at validations, logged beside the val loss
         task = [*task, downstream]
-    callbacks = [checkpoint, monitor, throughput, stop, *task, *callbacks]
+    callbacks = [checkpoint, *kept, monitor, throughput, stop, *task, *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
     from lmlab.record.sweep import swept_tags
