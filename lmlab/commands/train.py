@@ -18,8 +18,6 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -27,6 +25,7 @@ from omegaconf import DictConfig
 import lmlab  # noqa: F401  (registers the config resolvers)
 from lmlab.cli import PROG, TYPED, dirname_exclusions, quote_paths
 from lmlab.commands.refusals import refuse_unknown, usage_errors
+from lmlab.commands.train_ledger import LEDGER_ROWS, ledger_row, typed_ledger, typed_overrides, typed_run_dir
 from lmlab.env import plain_warnings, quick_exit
 from lmlab.run.early_signals import catch_early
 
@@ -50,7 +49,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
             refuse_unknown("train", "train", sys.argv[1:])  # one line for a misspelt group, option or key
     except SystemExit:
         print(said.getvalue(), end="", file=sys.stderr)
-        _ledger_row(ledger_file, typed_run_dir(argv), _typed_overrides(argv), "refused",
+        ledger_row(ledger_file, typed_run_dir(argv), typed_overrides(argv), "refused",
                     error=said.getvalue().strip().removeprefix(f"{prog.removeprefix('python ')}: "))
         raise
     print(said.getvalue(), end="", file=sys.stderr)
@@ -58,7 +57,7 @@ def run(prog: str, argv: Sequence[str]) -> None:
         main()
     except SystemExit as stop:  # Hydra's own refusal of the command line, before main ran (its words on stderr)
         if ledger_file and not LEDGER_ROWS and stop.code not in (0, None):
-            _ledger_row(ledger_file, typed_run_dir(argv), _typed_overrides(argv), "refused",
+            ledger_row(ledger_file, typed_run_dir(argv), typed_overrides(argv), "refused",
                         error=f"{prog} exited {stop.code} before the run started (Hydra's message is on stderr)")
         raise
     if SWEEPS:  # a sweep's last lines (its jobs ran in this process): where it is, how its jobs ended, what next
@@ -75,10 +74,6 @@ def run(prog: str, argv: Sequence[str]) -> None:
 # The jobs of this process's sweep that were refused or raised (directory: why); run() exits 1 when there are any.
 FAILED_JOBS: list[str] = []
 SWEEPS: list[str] = []  # the sweep directories whose jobs ran in this process: run() ends with their closing lines
-LEDGER_ROWS: list[str] = []  # the ledger rows this process wrote (ledger=<file>), as lines
-# What lmlab.commands.refusals.usage_errors turns into one line and exit code 2: a run that raised one of these before a
-# summary.json was written was refused, not failed
-REFUSALS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -117,7 +112,7 @@ def main(cfg: DictConfig) -> float:
     except BaseException as err:
         if ledger_file is not None:
             try:
-                _ledger_row(ledger_file, hc.runtime.output_dir, overrides, None, error=err, started=started,
+                ledger_row(ledger_file, hc.runtime.output_dir, overrides, None, error=err, started=started,
                             horizon=horizon)
             except OSError as why:  # the run's own error is the one to report
                 print(f"{PROG['train'].removeprefix('python ')}: ledger={ledger_file}: no row written: {why}",
@@ -136,7 +131,7 @@ def main(cfg: DictConfig) -> float:
         return math.inf  # the worst value a search can see, not an error that ends it; the sweep goes on
     print(f"{summary['status']}: step {summary['steps']}, {_val_line(summary)} -> {hc.runtime.output_dir}/summary.json")
     if ledger_file is not None:
-        _ledger_row(ledger_file, hc.runtime.output_dir, overrides, summary["status"], summary=summary,
+        ledger_row(ledger_file, hc.runtime.output_dir, overrides, summary["status"], summary=summary,
                     horizon=horizon)
     from lmlab.env import is_rank_zero
 
@@ -146,69 +141,6 @@ def main(cfg: DictConfig) -> float:
 
         raise SystemExit(EXIT_CODES.get(summary.get("signal") or 0, 1))  # a signal also stops a sweep
     return objective(summary)
-
-
-def _ledger_row(ledger_file: Path | None, run_dir: str | None, overrides: list[str], status: str | None, *,
-                summary: dict[str, Any] | None = None, error: BaseException | str | None = None,
-                started: float | None = None, horizon: Any = None) -> None:
-    """Append the run's row to `ledger_file` and print it as stdout's last line, `LEDGER {...}` (rank 0 only).
-    After an exception (`error`, `status` None) the status is that of the summary.json this attempt wrote, if it got
-    that far (failed, interrupted: its figures too), else `refused` for a usage error, `interrupted` for a signal,
-    `failed` for anything else."""
-    from lmlab.env import is_rank_zero
-    from lmlab.record import ledger
-
-    if ledger_file is None or not is_rank_zero():
-        return
-    if status is None:
-        summary = _written_since(run_dir, started)
-        status = (summary or {}).get("status") or (
-            "refused" if isinstance(error, REFUSALS) else
-            "interrupted" if isinstance(error, KeyboardInterrupt | SystemExit) else "failed")
-    if isinstance(error, BaseException):
-        error = f"{type(error).__name__}: {error}" if status == "failed" else str(error) or type(error).__name__
-    row = ledger.row(status, run_dir=os.path.abspath(run_dir) if run_dir else None, overrides=overrides,
-                     code=ledger.code_version(), summary=summary, error=error,
-                     peak_memory_gib=(summary or {}).get("peak_memory_gib") or (  # (a summary that records it)
-                         ledger.peak_memory_gib(run_dir) if summary and run_dir else None),
-                     horizon=horizon.record() if horizon is not None else None)
-    line = ledger.append(ledger_file, row)
-    LEDGER_ROWS.append(line)
-    print(ledger.PREFIX + line, flush=True)
-
-
-def _written_since(run_dir: str | None, started: float | None) -> dict[str, Any] | None:
-    """The run directory's summary.json if this attempt wrote it (not an earlier attempt's), else None."""
-    import json
-
-    if run_dir is None or started is None:
-        return None
-    path = Path(run_dir) / "summary.json"
-    try:
-        return json.loads(path.read_text()) if path.stat().st_mtime >= started else None
-    except (OSError, ValueError):
-        return None
-
-
-def typed_ledger(argv: Sequence[str]) -> Path | None:
-    """The ledger file the command line names (`ledger=<file>`, the last one), before Hydra reads it; None for none."""
-    value = None
-    for arg in argv:
-        key, eq, v = arg.partition("=")
-        if eq and key.lstrip("+") == "ledger":
-            value = v.strip("'\"")
-    if not value or value.lower() in ("null", "none", "true", "false") or Path(value).is_dir():
-        return None  # (ledger.target refuses all but null, naming the key)
-    return Path(value)
-
-
-def typed_run_dir(argv: Sequence[str]) -> str | None:
-    """The run directory the command line names (`hydra.run.dir=`), None for Hydra's own choice."""
-    return next((a.partition("=")[2].strip("'\"") for a in reversed(argv) if a.startswith("hydra.run.dir=")), None)
-
-
-def _typed_overrides(argv: Sequence[str]) -> list[str]:
-    return [a for a in argv if "=" in a and not a.startswith("-")]
 
 
 def job_event(hc, state: str, **fields) -> None:
@@ -242,13 +174,14 @@ def continued(cfg: DictConfig, hc) -> tuple[DictConfig, list[str]]:
     return hydra.compose(config_name="train", overrides=merged), merged
 
 
-if __name__ == "__main__":  # how Lightning's DDP launcher starts the other ranks of `lmlab train` (lmlab/commands)
-    run("lmlab train", sys.argv[1:])
-
-
 def _val_line(summary: dict) -> str:
     """`val loss 1.8652 (unigram 3.3426)` to 4 decimals, or what the run has instead (interrupted before any
     validation: no val loss yet)."""
     loss, unigram = summary.get("final_val_loss"), summary.get("unigram_val_loss")
     head = "no val loss yet" if loss is None else f"val loss {loss:.4f}"
     return head if unigram is None else f"{head} (unigram {unigram:.4f})"
+
+
+if __name__ == "__main__":  # how Lightning's DDP launcher starts the other ranks of `lmlab train` (lmlab/commands)
+    run("lmlab train", sys.argv[1:])
+
