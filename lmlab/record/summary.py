@@ -85,7 +85,9 @@ class RunSummary(TypedDict, total=False):
     to_target: list[ToTarget]  # per `targets:` val loss, the steps, tokens, FLOPs and seconds to it
                                # (lmlab.record.targets)
     unigram_val_loss: float | None  # entropy of the val split's unigram distribution: the best unigram model's loss
-    val_loss_vs_unigram: float | None
+    val_loss_minus_unigram: float | None  # final val loss - the unigram entropy (nats): compare's loss_vs_unigram
+    val_loss_over_unigram: float | None  # final val loss / the unigram entropy
+    val_loss_vs_unigram: float | None  # the ratio, under its old name (kept for scripts that read it)
     diverged_at_step: int | None
     divergence_reason: str | None
     peak_grad_norm: float | None
@@ -159,7 +161,9 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
            if lit.hparams.optim.get("ema") else {}),  # a run without an EMA: its summary as before
         "val_curve": [(int(step), loss) for step, loss in lit.val_history],
         "unigram_val_loss": unigram,  # entropy of the val split's unigram distribution: the best unigram model
-        "val_loss_vs_unigram": (final / unigram) if final is not None and unigram else None,
+        "val_loss_minus_unigram": (final - unigram) if final is not None and unigram is not None else None,
+        "val_loss_over_unigram": (final / unigram) if final is not None and unigram else None,
+        "val_loss_vs_unigram": (final / unigram) if final is not None and unigram else None,  # (the ratio's old name)
         "diverged_at_step": lit.divergence.step,
         "divergence_reason": lit.divergence.reason,
         "peak_grad_norm": lit.peak_grad_norm,
