@@ -222,7 +222,7 @@ def evaluate(run_dir: str | Path, lengths: Sequence[PositiveInt] | None = None, 
         "run": str(run_dir.resolve()), "step": saved.step, "checkpoint": _stamp(RunDir(run_dir).last),
         "weights": weights if merged is None else merged, "max_windows": max_windows, "batch_size": batch_size,
         "dynamic_step": step})
-    progress = Progress(sum(cost.values()), f"eval {run_dir.name}")
+    progress = Progress(sum(cost.values()), "eval")
     rows, curves = [], {}
     try:
         for length in lengths:

@@ -43,7 +43,8 @@ def usage_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., A
                       file=sys.stderr)
                 raise SystemExit(2) from None
             except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RunDirBusy) as err:
-                drop_empty_run_dir()  # a refused start leaves nothing behind
+                if command == "train":
+                    drop_empty_run_dir()  # a refused start leaves nothing behind
                 if "1" in (os.environ.get("HYDRA_FULL_ERROR"), os.environ.get("LMLAB_DEBUG")):
                     raise
                 print(f"{PROG[command].removeprefix('python ')}: {err}", file=sys.stderr)
@@ -66,6 +67,8 @@ def drop_empty_run_dir() -> None:
     if hc.mode.name != "RUN":  # a sweep's job directories are the sweep's
         return
     out = Path(hc.runtime.output_dir)
+    if out.resolve() == Path.cwd().resolve():  # a command that runs in the working directory itself
+        return
     named = any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)  # the user's: its parent is theirs too
     for d in (out,) if named else (out, out.parent):  # Hydra's outputs/<date>/<time>: the date's too
         try:
