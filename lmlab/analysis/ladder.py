@@ -129,8 +129,11 @@ def ladder_section(rows: Sequence[dict[str, Any]], computes: Sequence[float | No
                 roots = crossover(fit, fits[base], min(cs), max(cs))
                 row["crossover_C"] = " ".join(f"{r:.3g}" for r in roots) or "none"
         out.append(row)
-    plot_loss_vs_compute(points, fits, sweep_dir / "plots" / "loss_vs_compute.png")
     md = write_table(out, COLS, sweep_dir / "compare_ladder")
+    if not fits:  # (a study of 1-step runs, sizes without a finished loss): no curve to draw, a line says why
+        return ("\nScaling fits L(C) = E + A·C^(−α): none, no variant has the 3 sizes with a finished val loss a fit "
+                "needs (the `problem` column of compare_ladder.csv says per variant)\n")
+    plot_loss_vs_compute(points, fits, sweep_dir / "plots" / "loss_vs_compute.png")
     md = (f"\nScaling fits L(C) = E + A·C^(−α) per variant (C: training FLOPs; multipliers: the compute each needs "
           f"for the baseline {base}'s loss, as a multiple of the baseline's)\n\n" + md)
     return md + (nd_section(rows, n_and_d, keys, sweep_dir) if n_and_d is not None else "")

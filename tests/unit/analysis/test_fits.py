@@ -94,6 +94,24 @@ def _ladder_run(sweep, overrides, compute, loss):
         "best_val_loss": loss, "budget_spent": {"flops": compute, "tokens": 100}}))
 
 
+def test_a_ladder_nothing_can_be_fitted_on_draws_no_empty_plot(tmp_path) -> None:
+    """Two sizes per variant (a fit needs 3): the table says why per variant, and no empty loss-vs-compute plot."""
+    import csv
+
+    from lmlab.analysis.compare import compare
+
+    sweep = tmp_path / "ladder"
+    for ffn in ("mlp", "swiglu"):
+        for d, c in (("32", 1e12), ("64", 1e13)):
+            _ladder_run(sweep, [f"ffn={ffn}", f"model.d_model={d}"], c, 3.0)
+    _, md = compare(sweep)
+    with open(sweep / "compare_ladder.csv") as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert all("needs at least 3 points" in r["problem"] for r in rows.values()) and len(rows) == 2
+    assert not (sweep / "plots" / "loss_vs_compute.png").exists()
+    assert "Scaling fits L(C) = E + A·C^(−α): none" in md
+
+
 def test_compare_fits_a_ladder_per_variant(tmp_path) -> None:
     import csv
 
