@@ -149,6 +149,8 @@ _MOVED = {
     "generate": "analysis",
     "interop.harness": "analysis", "model.attention.mask": "model", "model.flex": "model.attention",
     "model.cache": "model.attention", "model.score": "model.attention",
+    "model.attention.window": "model.attention.parts", "model.attention.xsa": "model.attention.parts",
+    "model.attention.key_offset": "model.attention.parts", "model.attention.paired_heads": "model.attention.parts",
 }
 
 

@@ -120,7 +120,9 @@ def parameter_types(fn: Callable, kinds: tuple[str, ...] = ("KEYWORD_ONLY",)) ->
 def _parameters(fn: Callable) -> list[tuple[inspect.Parameter, Callable]]:
     """The parameters of `fn` (a function, or a class: its __init__), each with what declares it. A class whose
     __init__ takes `**shared` passes those keys to its base: the base's keyword-only parameters are its keys too (a
-    variant inherits its base's keys, attention=mla takes every key attention=mha takes), its own first."""
+    variant inherits its base's keys, attention=mla takes every key attention=mha takes), its own first. A class that
+    declares `PARTS` (a mapping of name -> part class) takes its parts' keyword-only parameters through its
+    `**parts` as its keys too (the attention-wide features: lmlab.model.attention.parts)."""
     if not inspect.isclass(fn):
         return [(p, fn) for p in inspect.signature(fn).parameters.values()]
     out, seen = [], set()
@@ -133,7 +135,11 @@ def _parameters(fn: Callable) -> list[tuple[inspect.Parameter, Callable]]:
                                                                                           "KEYWORD_ONLY"):
                 seen.add(p.name)
                 out.append((p, cls))
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        for part in vars(cls).get("PARTS", {}).values():
+            out += [(p, part) for p in inspect.signature(part.__init__).parameters.values()
+                    if p.kind.name == "KEYWORD_ONLY" and p.name not in seen]
+            seen |= {p.name for p, _ in out}
+        if "PARTS" in vars(cls) or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             break
     return [(p, owner) for p, owner in out if p.name != "self"]
 

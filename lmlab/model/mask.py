@@ -12,7 +12,7 @@ keys). Query p reads key q when q <= p and, with a window W, p - q < W: W keys, 
 sliding window counts the same way). A window counted in blocks of g tokens (`BlockWindow`, attention.window_block)
 reads whole blocks instead: ⌊p/g⌋ - ⌊q/g⌋ < W/g, the keys of the query's block up to itself and of the W/g - 1
 blocks before it (the GPT-2 speedrun's block-causal sliding mask). Which window a layer reads when (a schedule over
-training, windows for evaluation) is lmlab.model.attention.window's.
+training, windows for evaluation) is lmlab.model.attention.parts.window's.
 
 Memory keys (`attention.mem_kv`) sit outside these positions: learned key/value pairs in front of the S keys, which
 every query reads, with no position bias and no decay (`read_memory`). The forget gate (`attention.forget_gate`) adds

@@ -14,7 +14,7 @@ from lmlab import names
 from lmlab.config import GPTConfig
 from lmlab.data import stages as data_stages
 from lmlab.data.token_bytes import token_bytes
-from lmlab.model.attention.window import windowed
+from lmlab.model.attention.parts.window import windowed
 from lmlab.model.encoder import IGNORE, TRAIN_KEY, VAL_KEY
 from lmlab.model.gpt import GPT
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)

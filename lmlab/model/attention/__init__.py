@@ -18,8 +18,9 @@ from __future__ import annotations
 from torch import nn
 
 from lmlab.model.attention.diff import DiffAttention
-from lmlab.model.attention.mha import GQA, MHA, MQA, Geometry, gate_width
+from lmlab.model.attention.mha import GQA, MHA, MQA, Geometry
 from lmlab.model.attention.mla import MLA, MLA_SIZES, mla_sizes
+from lmlab.model.attention.parts.gate import gate_width
 from lmlab.registry import gather
 
 ATTENTIONS: dict[str, type[MHA]] = gather(__name__, __path__, "OPTIONS")

@@ -23,12 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.attention.mha import MHA, Geometry
-from lmlab.model.attention.paired_heads import paired_attend
-from lmlab.model.attention.score import attend
 from lmlab.registry import PositiveFloat
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
+    from lmlab.model.attention.cache import LayerCache
     from lmlab.model.position import Position
 
 MAX_TAU = 100.0  # Swin V2's clamp of the learned logit scale
@@ -64,20 +63,18 @@ class CosineAttention(MHA):
         """Unit queries times τ_h and unit keys: their dot products are the logits (q (B, h, T, d), k (B, hkv, S, d))."""
         return F.normalize(q, dim=-1) * self.tau.to(q.dtype)[:, None, None], F.normalize(k, dim=-1)
 
-    def memory(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def extras(self, x: torch.Tensor, cache: LayerCache | None = None) -> dict[str, Any]:
         """The memory keys as unit vectors, as `cosine` makes the tokens' keys."""
-        mem = super().memory()
-        return None if mem is None else (F.normalize(mem[0], dim=-1), mem[1])
+        out = super().extras(x, cache)
+        if "mem" in out:
+            out["mem"] = (F.normalize(out["mem"][0], dim=-1), out["mem"][1])
+        return out
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None,
-            forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        q, k = self.cosine(q, k)
-        if self.paired:  # attention.paired_heads: τ·cos over the pair's interleaved slots
-            return paired_attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0,
-                                 self.window, self.softcap, docs)
-        return attend(q, k, v, self.score, 1.0, pos, offset, self.dropout if self.training else 0.0, self.window,
-                      self.softcap, docs, self.sink, self.memory(), forget)
+            docs: tuple[torch.Tensor, torch.Tensor] | None, extras: dict[str, Any], scale: float | None = None
+            ) -> torch.Tensor:
+        q, k = self.cosine(q, k)  # τ·cos: the logits' scale is τ's (under paired_heads, over the pair's slots)
+        return super().mix(q, k, v, pos, offset, docs, extras, scale=1.0)
 
     def probs(self, x: torch.Tensor, pos: Position, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:

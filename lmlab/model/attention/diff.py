@@ -29,9 +29,10 @@ class DiffAttention(MHA):
 
     scaled_dot_product = False  # its own formula: two maps per head pair (tests/unit/model/attention/test_window.py)
     no_qk_clip = "each head's weights are a difference of two maps, whose logits a per-head scale does not bound"
-    no_paired_heads = "attention=diff pairs its heads already, (2j, 2j + 1) into the two maps of a differential head"
-
-    refuses = {**dict.fromkeys(("score", "sinks", "gate"), "attention=diff is a difference of two softmax maps, "
+    runs_hooks = MHA.runs_hooks - {"extras", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
+    refuses = {"paired_heads": "attention=diff pairs its heads already, (2j, 2j + 1) into the two maps of a "
+                               "differential head",
+               **dict.fromkeys(("score", "sinks", "gate"), "attention=diff is a difference of two softmax maps, "
                                "without sinks or a gate"),
                **dict.fromkeys(("forget_gate", "mem_kv"), "attention=diff pairs two maps per differential head, "
                                "where a per-head forget gate or memory keys have no form (Ye et al., 2024 has "
@@ -61,7 +62,8 @@ class DiffAttention(MHA):
         return torch.cat((v[:, 0::2], v[:, 1::2]), dim=-1)
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None, forget: None = None) -> torch.Tensor:
+            docs: tuple[torch.Tensor, torch.Tensor] | None, extras: dict[str, Any], scale: float | None = None
+            ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         values = self._pairs(v)
         y1 = attend(q[:, 0::2], k[:, 0::2], values, self.score, self.scale, pos, offset, p, self.window, self.softcap,

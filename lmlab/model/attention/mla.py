@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.model.attention.mha import MHA, Geometry, extra_params, gate_width
+from lmlab.model.attention.mha import MHA, Geometry
+from lmlab.model.attention.parts import Widths, parts_geometry
 from lmlab.registry import PositiveInt
 
 if TYPE_CHECKING:
@@ -33,10 +34,10 @@ class MLA(MHA):
     apply (the latents are normalised)."""
 
     scaled_dot_product = False  # its own formula: keys and values from a latent (tests/unit/model/attention/test_mla.py)
-    no_paired_heads = ("attention=mla caches a latent and one rotated key part shared by every head, which pairing "
-                       "would rotate at two positions per token (its heads' slots)")
-
-    refuses = {**dict.fromkeys(("qk_norm", "qk_norm_eps"), "attention=mla normalises its latents (RMSNorm on "
+    runs_hooks = MHA.runs_hooks - {"before_rotation", "rotation", "after_rotation"}  # its own q and k (`latents`)
+    refuses = {"paired_heads": "attention=mla caches a latent and one rotated key part shared by every head, which "
+                               "pairing would rotate at two positions per token (its heads' slots)",
+               **dict.fromkeys(("qk_norm", "qk_norm_eps"), "attention=mla normalises its latents (RMSNorm on "
                                "c_kv and c_q) and has no q/k norm"),
                "key_offset": "attention=mla builds its keys from a latent, their rotated part shared by every head: "
                              "the speedrun's shift of a head's unrotated key dims has no form here (use "
@@ -98,9 +99,9 @@ class MLA(MHA):
         q.weight.mul_(q_rows.to(q.weight)[:, None])
         kv_rows = torch.cat((root.expand(-1, self.nope), torch.ones(len(g), self.v, device=g.device)), dim=1)
         self.kv_b.weight.mul_(kv_rows.reshape(-1).to(self.kv_b.weight)[:, None])
-        if self.mem_k is not None:  # (n_head, M, nope + rope)
-            mem_rows = torch.cat((root.expand(-1, self.nope), torch.ones(len(g), self.rope, device=g.device)), dim=1)
-            self.mem_k.mul_(mem_rows.to(self.mem_k)[:, None, :])
+        # keys the parts hold (mem_kv's (n_head, M, nope + rope))
+        self.parts.scale_keys(self, torch.cat((root.expand(-1, self.nope), torch.ones(len(g), self.rope,
+                                                                                     device=g.device)), dim=1))
 
     @classmethod
     def geometry(cls, cfg: GPTConfig, **params: Any) -> Geometry:
@@ -110,11 +111,9 @@ class MLA(MHA):
                                                   "v_head_dim", "q_lora_rank"))
         q = d * nh * (nope + rope) if rq is None else d * rq + b * rq + rq * nh * (nope + rope)
         n = q + (d + b) * (rank + rope) + rank * nh * (nope + v) + nh * v * d + b * d
-        n += ((params.get("gate_channels") or d) + b) * gate_width(params.get("gate"), nh, v)
-        n += nh * bool(params.get("sinks"))
-        n += extra_params(cfg, params, nh * (nope + rope + v))
-        return Geometry(heads=nh, head_dim=rope, cache_width=rank + rope + nh * bool(params.get("forget_gate")),
-                        attn_width=nh * (nope + rope + v), n_params=n)
+        parts_n, parts_cache = parts_geometry(cfg, Widths(nh, nh, nope + rope, v), params)
+        return Geometry(heads=nh, head_dim=rope, cache_width=rank + rope + parts_cache,
+                        attn_width=nh * (nope + rope + v), n_params=n + parts_n)
 
     def latents(self, x: torch.Tensor, pos: Position, offset: int, doc: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -31,9 +31,10 @@ class TalkingHeads(MHA):
     """MHA with the logits and the weights mixed across heads (`lmlab.model.attention.talking`); every MHA key."""
 
     no_qk_clip = "its logits are mixed across heads before the softmax: a head's own scale is not its mixed logit's"
-    no_paired_heads = "attention=talking_heads mixes the heads' logits over one key axis per head, which pairing merges"
-
-    refuses = {"sinks": "attention=talking_heads mixes the heads' weights, where a sink logit per head has no place",
+    runs_hooks = MHA.runs_hooks - {"extras", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
+    refuses = {"paired_heads": "attention=talking_heads mixes the heads' logits over one key axis per head, which "
+                               "pairing merges",
+               "sinks": "attention=talking_heads mixes the heads' weights, where a sink logit per head has no place",
                **dict.fromkeys(("forget_gate", "mem_kv"), "attention=talking_heads mixes the heads' logits over one "
                                "key axis, where a head's forget gate or memory keys have no place")}
 
@@ -62,7 +63,8 @@ class TalkingHeads(MHA):
         return torch.einsum("hg,bgts->bhts", p_w, w), logits
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Position, offset: int,
-            docs: tuple[torch.Tensor, torch.Tensor] | None, forget: None = None) -> torch.Tensor:
+            docs: tuple[torch.Tensor, torch.Tensor] | None, extras: dict[str, Any], scale: float | None = None
+            ) -> torch.Tensor:
         w, _ = self.weights(q, k, pos, offset, docs)
         if self.training and self.dropout:
             w = torch.nn.functional.dropout(w, self.dropout)

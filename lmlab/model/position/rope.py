@@ -62,7 +62,7 @@ class RoPE(FollowsStep, Position):
         self.logit_scale = 1.0  # window_yarn's scale of the attention logits (on q: every dim, rotated or not)
 
     def follow(self, windows: list[Any]) -> None:
-        """Under window_yarn: the windows of the model's attention layers (lmlab.model.attention.window.LayerWindows,
+        """Under window_yarn: the windows of the model's attention layers (lmlab.model.attention.parts.window.LayerWindows,
         one per attention layer), of which the scheduled ones' stages set the frequencies."""
         if not self.window_yarn:
             return

@@ -12,7 +12,7 @@ import torch
 
 from lmlab import compose
 from lmlab.config import GPTConfig
-from lmlab.model.attention.window import windowed
+from lmlab.model.attention.parts.window import windowed
 from lmlab.model.gpt import GPT, validate
 
 N = 300

@@ -63,20 +63,20 @@ def test_mla_scales_each_heads_logits_by_its_gamma_by_kimis_rule(q_lora_rank: in
     with torch.no_grad():
         before = attn.probs(x, model.pos)[1]  # (B, nh): each head's max logit, the memory keys' included
         q, k, v = attn.qkv(x, model.pos, 0, None, mix=False)
-        mem_k, mem_v = (t.clone() for t in attn.memory())
+        mem_k, mem_v = (t.clone() for t in attn.extras(None)["mem"])
         kv_a, values = attn.kv_a.weight.clone(), attn.kv_b.weight.view(4, -1, attn.rank)[:, attn.nope:].clone()
         gamma = torch.tensor([1.0, 0.5, 0.25, 0.8])
         attn.clip_logits(gamma)
         q2, k2, v2 = attn.qkv(x, model.pos, 0, None, mix=False)
         logits = (q @ k.transpose(-2, -1), q2 @ k2.transpose(-2, -1))
-        mem = (q @ mem_k.transpose(-2, -1), q2 @ attn.memory()[0].transpose(-2, -1))
+        mem = (q @ mem_k.transpose(-2, -1), q2 @ attn.extras(None)["mem"][0].transpose(-2, -1))
         after = attn.probs(x, model.pos)[1]
     g = gamma[None, :, None, None]
     torch.testing.assert_close(logits[1], logits[0] * g, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mem[1], mem[0] * g, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, before * gamma, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v2, v)
-    torch.testing.assert_close(attn.memory()[1], mem_v)
+    torch.testing.assert_close(attn.extras(None)["mem"][1], mem_v)
     assert torch.equal(attn.kv_a.weight, kv_a)  # the latent and the shared rotary key: every head reads them
     assert torch.equal(attn.kv_b.weight.view(4, -1, attn.rank)[:, attn.nope:], values)
     # the rope part of the key is shared: q_rope takes the whole γ, q_nope and k_nope √γ each

@@ -168,7 +168,7 @@ def test_every_path_is_the_explicit_one(T_, offset, S, window, docs, kv, positio
 @pytest.mark.parametrize("keys, message", [
     ({"name": "diff"}, r"attention=diff .* attention\.forget_gate=true does not apply"),
     ({"name": "talking_heads"}, r"attention=talking_heads .* attention\.forget_gate=true does not apply"),
-    ({"score": "relu2"}, r"attention\.forget_gate=true needs a softmax score"),
+    ({"score": "relu2"}, r"attention\.forget_gate=true needs attention\.score=softmax\|softmax_plus"),
     ({"forget_gate": False, "forget_bias": 2.0}, r"attention\.forget_bias=2\.0 needs attention\.forget_gate=true"),
 ])
 def test_where_it_does_not_apply_it_is_refused_by_key(keys: dict, message: str) -> None:

@@ -166,16 +166,16 @@ def test_the_memory_keys_are_normed_as_keys_and_clipped_as_keys() -> None:
     attn = _model(attention={"qk_norm": True}).h[0].attn
     with torch.no_grad():
         attn.k_norm.fill_(3.0)
-    torch.testing.assert_close(attn.memory()[0].pow(2).mean(-1).sqrt(), torch.full((NH, M), 3.0), **TOL)
+    torch.testing.assert_close(attn.extras(None)["mem"][0].pow(2).mean(-1).sqrt(), torch.full((NH, M), 3.0), **TOL)
     cosine = _model(attention={"name": "cosine"}).h[0].attn
-    torch.testing.assert_close(cosine.memory()[0].norm(dim=-1), torch.ones(NH, M), **TOL)
+    torch.testing.assert_close(cosine.extras(None)["mem"][0].norm(dim=-1), torch.ones(NH, M), **TOL)
     model = _model(position={"name": "none"})
     attn, x = model.h[0].attn, torch.randn(B, T, C)
     gamma = torch.tensor([1.0, 0.5, 0.25, 0.8])
     with torch.no_grad():
-        before = attn.qkv(x, model.pos)[0] @ attn.memory()[0].transpose(-2, -1)  # (B, nh, T, M)
+        before = attn.qkv(x, model.pos)[0] @ attn.extras(None)["mem"][0].transpose(-2, -1)  # (B, nh, T, M)
         attn.clip_logits(gamma)
-        after = attn.qkv(x, model.pos)[0] @ attn.memory()[0].transpose(-2, -1)
+        after = attn.qkv(x, model.pos)[0] @ attn.extras(None)["mem"][0].transpose(-2, -1)
     torch.testing.assert_close(after, before * gamma[:, None, None], **TOL)
 
 

@@ -131,7 +131,7 @@ def test_cached_generation_gives_the_full_forward(case: dict) -> None:
     idx[0, [3, 11]] = E  # documents end mid-prompt and mid-generation
     idx[1, 7] = E
     assert_cached_equals_full(model, idx)
-    assert [layer.attn.paired for layer in model.h] == ([False, True] if "paired_heads" in case else [True, True])
+    assert ["paired_heads" in layer.attn.parts for layer in model.h] == ([False, True] if "paired_heads" in case else [True, True])
 
 
 def test_the_monitors_weights_are_folded_onto_the_tokens() -> None:
@@ -146,8 +146,8 @@ def test_the_monitors_weights_are_folded_onto_the_tokens() -> None:
 def test_it_trains_and_what_it_cannot_pair_is_refused_by_key() -> None:
     assert_trains(_model(), torch.randint(0, 50, (4, 16)), "attn.c_attn")
     base = ["trainer.max_steps=1000", "attention.paired_heads=true"]
-    assert_refused([*base, "attention=mla"], r"attention.paired_heads=true: attention=mla .* use attention=mha or gqa")
+    assert_refused([*base, "attention=mla"], r"attention=mla caches a latent .*: attention.paired_heads=true does not apply")
     assert_refused([*base, "attention=mqa"], r"attention.paired_heads=true pairs the key/value heads .* \(got 1\)")
     assert_refused([*base, "position=alibi"], r"attention.paired_heads=true with position=alibi")
-    assert_refused([*base, "attention.sinks=true"], r"attention.sinks=true .* leave it at its default")
+    assert_refused([*base, "attention.sinks=true"], r"attention.sinks=true: .* leave it at its default")
     assert_refused(["trainer.max_steps=1000", "attention.paired_heads=[0,9]"], r"\[9\] are not layers of model.n_layer")

@@ -1,4 +1,4 @@
-"""The GPT-2 speedrun's attention-window schedules (lmlab.model.attention.window): the window at every step against
+"""The GPT-2 speedrun's attention-window schedules (lmlab.model.attention.parts.window): the window at every step against
 the records' own rules written out (13's linear warm-up, 16's in blocks, 29's thirds, 72's stages per layer kind);
 the block-causal sliding mask against record 16's built pair by pair, and the attention under it against the dense
 masked softmax on every path (banded, explicit, FlexAttention, the KV cache); eval_window when not training; the
@@ -18,7 +18,7 @@ from lmlab.model.attention import flex
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.mask import BlockWindow, allowed, banded_sdpa, doc_allowed, documents, key_counts
 from lmlab.model.attention.score import SCORES, attend
-from lmlab.model.attention.window import layer_windows, windowed
+from lmlab.model.attention.parts.window import layer_windows, windowed
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.position import POSITIONS
 

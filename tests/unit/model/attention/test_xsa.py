@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmlab.config import GPTConfig
-from lmlab.model.attention.xsa import ExclusiveSelfAttention
+from lmlab.model.attention.parts.xsa import ExclusiveSelfAttention
 from lmlab.model.gpt import GPT, validate
 from tests.unit.model.options import assert_cached_equals_full, assert_refused, assert_trains
 

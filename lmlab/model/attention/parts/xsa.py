@@ -10,11 +10,16 @@ mixes: value embeddings, value residual); under GQA/MQA a query head's is its ke
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmlab.model.attention.parts import Part
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
 
 XSA = Literal["gated", "full"]
 
@@ -36,3 +41,16 @@ class ExclusiveSelfAttention(nn.Module):
         if self.alpha is None:
             return y - share * unit
         return y - torch.tanh(self.alpha).to(y.dtype).view(1, nh, 1, 1) * share * unit
+
+
+class XSAPart(Part):
+    rank = 6
+
+    def __init__(self, attn: nn.Module, cfg: GPTConfig, *, xsa: XSA | None = None) -> None:
+        attn.xsa = ExclusiveSelfAttention(xsa, attn.n_head)
+
+    def weighed(self, attn: nn.Module, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attn.xsa(y, v)
+
+
+PARTS = {"xsa": XSAPart}

@@ -14,9 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+from lmlab.model.attention.parts import Part
 
 if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
     from lmlab.model.attention.cache import LayerCache
+    from lmlab.model.position import Position
 
 KEPT = "key_offset"  # LayerCache.inputs' entry: the last token's unshifted stationary key dims (B, nkv, 1, d_s)
 
@@ -46,3 +51,17 @@ def shift_keys(k: torch.Tensor, start: int, offset: int, doc: torch.Tensor | Non
     if cache is not None:
         cache.inputs[KEPT] = own[..., -1:, :]
     return torch.cat((k[..., :start], shifted), dim=-1)
+
+
+class KeyOffset(Part):
+    rank = 7
+
+    def __init__(self, attn: nn.Module, cfg: GPTConfig, *, key_offset: bool = False) -> None:
+        check_key_offset(cfg.position)
+
+    def after_rotation(self, attn: nn.Module, k: torch.Tensor, pos: Position, offset: int, doc: torch.Tensor | None,
+                       cache: LayerCache | None) -> torch.Tensor:
+        return shift_keys(k, pos.rot_dim, offset, doc if attn.doc_mask else None, cache)
+
+
+PARTS = {"key_offset": KeyOffset}

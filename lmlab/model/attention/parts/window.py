@@ -39,11 +39,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lmlab.model.attention.parts import Part
 from lmlab.model.mask import BlockWindow, layer_window
+from lmlab.registry import PositiveInt
+
+if TYPE_CHECKING:
+    from lmlab.config import GPTConfig
 
 Value = int | tuple[int | None, ...]  # a window value: a number, or a window (None: global) per pattern entry
 ROUNDS = ("down", "nearest", "up")
@@ -272,3 +277,29 @@ def _show(v: Any) -> str:
         return "[" + ",".join(_show(x) for x in v) + "]"
     return "null" if v is None else str(v)
 
+
+
+class Windows(Part):
+    """attention.window, pattern and what moves them (window_schedule, window_block, eval_window): the layer's
+    `windows` (LayerWindows) and the window in force, `window` (None: the whole context), which the attention's
+    `set_step` and mode move (lmlab.model.steps)."""
+
+    rank = 0
+    always = True
+
+    def __init__(self, attn: nn.Module, cfg: GPTConfig, *, window: int | None = None, pattern: list | None = None,
+                 window_schedule: list | dict | None = None, window_block: PositiveInt | None = None,
+                 eval_window: int | list | None = None) -> None:
+        attn.windows = layer_windows(window, pattern, attn.layer, cfg.n_layer, cfg.max_seq_len,
+                                     window_schedule=window_schedule, window_block=window_block,
+                                     eval_window=eval_window)
+        attn.window = attn.windows.at(None, None, True)
+
+    def causal_only(self, attn: nn.Module) -> str | None:
+        if attn.window is None:
+            return None
+        return (f"attention.window / attention.pattern give a layer a window of its last {attn.window} keys, defined "
+                f"on the causal past: use attention.window=null and attention.pattern=null")
+
+
+PARTS = {"window": Windows}

@@ -28,11 +28,14 @@ pair); lmlab rotates each head at its slot, as the record's README describes. At
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from lmlab.model.attention.parts import Part
 from lmlab.model.attention.score import Softmax, attend, explicit_weights
+from lmlab.registry import NonNegativeInt
 
 if TYPE_CHECKING:
     from lmlab.config import GPTConfig
@@ -90,12 +93,11 @@ def paired_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: floa
     return folded, peak
 
 
-def paired_layer(paired_heads: bool | list[int], layer: int, cfg: GPTConfig, refused: str | None,
-                 per_head: dict[str, Any]) -> bool:
+def paired_layer(paired_heads: bool | list[int], layer: int, cfg: GPTConfig) -> bool:
     """Whether layer `layer` pairs its heads (`paired_heads`: true, every layer; a list, those 0-based layers),
-    refusing by key what pairing cannot compose with: the option's own reason (`refused`, its `no_paired_heads`), odd
-    head counts, the keys in `per_head` set (one per head or per key, with no slot), a position bias per head, and a
-    dynamic rope_scaling."""
+    refusing by key what pairing cannot compose with: odd head counts, a position bias per head, and a dynamic
+    rope_scaling (the keys one per head or per key, with no slot, are the part's `excludes`; an option that pairs its
+    own way refuses the key, its `refuses`)."""
     layers = [] if isinstance(paired_heads, bool) else list(paired_heads)
     if paired_heads is not True and not layers:
         return False
@@ -103,17 +105,12 @@ def paired_layer(paired_heads: bool | list[int], layer: int, cfg: GPTConfig, ref
     if outside := [i for i in layers if not 0 <= i < cfg.n_layer]:
         raise ValueError(f"{key}: {outside} are not layers of model.n_layer={cfg.n_layer} (0-based: 0 .. "
                          f"{cfg.n_layer - 1})")
-    if refused:
-        raise ValueError(f"{key}: {refused}; use attention=mha or gqa, or attention.paired_heads=false")
     if cfg.n_head % 2:
         raise ValueError(f"{key} pairs head h with head h + n_head/2: model.n_head={cfg.n_head} must be even")
     if cfg.kv_heads % 2:
         raise ValueError(f"{key} pairs the key/value heads as the query heads, so their number must be even (got "
                          f"{cfg.kv_heads}); use attention=mha, or attention=gqa with an even model.n_kv_head "
                          f"(attention=mqa has 1)")
-    if set_keys := " ".join(f"attention.{k}={str(v).lower()}" for k, v in per_head.items() if v):
-        raise ValueError(f"{key} reads a pair's keys in one softmax over its two heads' slots, where {set_keys} (one "
-                         f"per head, or keys without a slot) has no form; leave it at its default")
     from lmlab.model.position import POSITIONS, ROPE_SCALINGS, Position
 
     name = cfg.position.get("name")
@@ -128,3 +125,32 @@ def paired_layer(paired_heads: bool | list[int], layer: int, cfg: GPTConfig, ref
                          f"picks its frequencies from a length that the KV cache counts in tokens; use a static "
                          f"rope_scaling (none, linear, ntk, yarn, ...)")
     return paired_heads is True or layer in layers
+
+
+class PairedHeads(Part):
+    rank = 8
+    excludes = dict.fromkeys(("sinks", "forget_gate", "mem_kv"), "a pair's keys are read in one softmax over its two "
+                             "heads' slots, where a key one per head, or keys without a slot, have no form; leave it "
+                             "at its default")
+
+    def __init__(self, attn: nn.Module, cfg: GPTConfig, *, paired_heads: bool | list[NonNegativeInt] = False) -> None:
+        self.here = paired_layer(paired_heads, attn.layer, cfg)
+        if self.here:
+            attn.no_qk_clip = "attention.paired_heads: a logit of a pair is one head's query against the other's key"
+
+    def rotation(self, attn: nn.Module, pos: Position, q: torch.Tensor, k: torch.Tensor, offset: int,
+                 doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_paired(pos, q, k, offset, doc, attn.layer)  # at the slots' positions, 2t and 2t + 1
+
+    def attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pos: Position,
+               offset: int, docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        return paired_attend(q, k, v, attn.score, scale, pos, offset, attn.dropout if attn.training else 0.0,
+                             attn.window, attn.softcap, docs)
+
+    def token_weights(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, pos: Position,
+                      doc: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's two slots summed."""
+        return paired_weights(q, k, attn.score, scale, pos, attn.window, attn.softcap, doc if attn.doc_mask else None)
+
+
+PARTS = {"paired_heads": PairedHeads}
