@@ -29,7 +29,7 @@ class DiffAttention(MHA):
 
     scaled_dot_product = False  # its own formula: two maps per head pair (tests/unit/model/attention/test_window.py)
     no_qk_clip = "each head's weights are a difference of two maps, whose logits a per-head scale does not bound"
-    runs_hooks = MHA.runs_hooks - {"extras", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
+    runs_hooks = MHA.runs_hooks - {"extras", "select", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
     refuses = {"paired_heads": "attention=diff pairs its heads already, (2j, 2j + 1) into the two maps of a "
                                "differential head",
                **dict.fromkeys(("score", "sinks", "gate"), "attention=diff is a difference of two softmax maps, "

@@ -192,8 +192,8 @@ class MHA(FollowsStep, nn.Module):
         B, T, C = x.shape
         offset = 0 if cache is None else cache.offset
         q, k, v = self.qkv(x, pos, offset, doc, cache)  # k, v: every token so far (a windowed layer: last W - 1 + T)
-        extras = self.extras(x, cache)  # the parts' key columns and logit biases
         docs = None if not self.doc_mask else (doc[:, offset:], doc[:, doc.size(1) - k.size(-2):])  # queries', keys'
+        extras = {**self.extras(x, cache), **self.parts.select(self, q, k, offset, docs)}  # columns, biases, masks
         y = self.parts.weighed(self, self.mix(q, k, v, pos, offset, docs, extras), v)  # (B, nh, T, hs) (attention.xsa)
         if cache is not None and self.window is not None:
             cache.keep_last(self.window - 1)  # all the next token's window reaches
@@ -262,7 +262,7 @@ class MHA(FollowsStep, nn.Module):
         scale = self.scale if scale is None else scale
         if (part := self.parts.replaces.get("token_weights")) is not None:  # (attention.paired_heads)
             return part.token_weights(self, q, k, pos, doc, scale)
-        extras = self.extras(x)
+        extras = {**self.extras(x), **self.parts.select(self, q, k, 0, (doc, doc) if self.doc_mask else None)}
         mem = extras.get("mem")
         n_mem = 0 if mem is None else mem[0].size(-2)
         if mem is not None:
@@ -270,7 +270,7 @@ class MHA(FollowsStep, nn.Module):
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)  # (B, nh, n_mem + T, hs)
         weights, logits = explicit_weights(q, k, self.score, scale, pos, 0, self.window, self.softcap,
                                            (doc, doc) if self.doc_mask else None, extras.get("sink"),
-                                           extras.get("forget"), n_mem)
+                                           extras.get("forget"), n_mem, select=extras.get("select"))
         return weights[..., n_mem:], logits.amax(dim=(-2, -1))
 
 

@@ -96,7 +96,8 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
                      offset: int = 0, window: int | None = None, softcap: float | None = None,
                      doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None,
                      forget: tuple[torch.Tensor, torch.Tensor] | None = None, n_mem: int = 0,
-                     heads: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     heads: tuple[torch.Tensor, torch.Tensor] | None = None, select: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights and the logits, materialised: q (B, h, T, d), k (B, h, n_mem + S, d), n_mem memory keys then the
     S keys ending with the last query (key heads already repeated to the query heads) -> (B, h, T, n_mem + S) each.
     `q` already carries `score.query_scale`. `window`: each query reads its last W keys
@@ -108,7 +109,8 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
     logits like a position bias (lmlab.model.mask.forget_bias); `n_mem`: the memory keys in front
     (`attention.mem_kv`), which every query reads, with neither bias nor decay. A position scheme's `score_bias`
     (CoPE's) reads q and the S keys, or `heads`, the heads' own queries and keys where q·k is not one head's
-    (talking heads' mixed logits), and adds to the logits as `attn_bias` does."""
+    (talking heads' mixed logits), and adds to the logits as `attn_bias` does. `select` (B, h, T, S): the keys a
+    content-sparse selection keeps (attention.select_blocks), read beside the causal, window and document masks."""
     T, S = q.size(-2), k.size(-2) - n_mem
     logits = (q @ k.transpose(-2, -1)) * scale  # (B, h, T, n_mem + S)
     if softcap is not None:
@@ -121,9 +123,11 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, score: Softmax, scale: fl
         decay = forget_bias(forget).to(logits.dtype)  # (B, h, T, S)
         bias = decay if bias is None else bias + decay
     mask = doc_allowed(allowed(T, offset, S, window, q.device, pos.causal), doc)  # (T, S), or (B, 1, T, S) with docs
+    if select is not None:
+        mask = mask & select
     if bias is not None:
         logits = logits + read_memory(bias.masked_fill(~mask, 0.0), n_mem)
-    n = (key_counts(T, offset, q.device, window, causal=pos.causal) if doc is None
+    n = (key_counts(T, offset, q.device, window, causal=pos.causal) if doc is None and select is None
          else mask.sum(-1).float())  # the keys each query reads
     mask = read_memory(mask, n_mem)
     masked = logits.masked_fill(~mask, float("-inf"))
@@ -147,7 +151,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
            offset: int = 0, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
            doc: tuple[torch.Tensor, torch.Tensor] | None = None, sink: torch.Tensor | None = None,
            mem: tuple[torch.Tensor, torch.Tensor] | None = None,
-           forget: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           forget: tuple[torch.Tensor, torch.Tensor] | None = None, select: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """weights(q·k·scale + bias) @ v: q (B, h, T, d), k (B, hkv, S, d), v (B, hkv, S, dv) -> (B, h, T, dv), the S keys
     ending with the last query. `q` already carries `score.query_scale`. Softmax scores take SDPA's fused kernels
     (causal when there is no bias and no cached prefix, a materialised mask otherwise; a window that cuts the context
@@ -157,7 +162,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     function, never dense. `mem`: learned memory keys and values (hkv, M, d), (hkv, M, dv) that every query reads
     (`attention.mem_kv`); `forget`: the forget gate's cumulative log gates (`attention.forget_gate`;
     lmlab.model.mask.forget_bias), a (B, h, T, S) bias; both take lmlab's SDPA paths, not FlexAttention, as
-    does a position scheme's `score_bias` (CoPE's (B, h, T, S) bias from q and k, a materialised mask)."""
+    does a position scheme's `score_bias` (CoPE's (B, h, T, S) bias from q and k, a materialised mask), and `select`
+    (B, h, T, S), the keys a content-sparse selection keeps (attention.select_blocks), a mask beside the causal one."""
     T, S = q.size(-2), k.size(-2)
     groups = q.size(1) // k.size(1)
     cut = window is not None and window < offset + T  # the window cuts the context somewhere
@@ -165,7 +171,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
     if mem is not None:
         k, v = memory_first(mem[0], k), memory_first(mem[1], v)
     if (score.sdpa and sink is None and not dropout_p and (cut or doc is not None or softcap is not None)
-            and mem is None and forget is None
+            and mem is None and forget is None and select is None
             and use_flex(q) and pos.attn_bias(1, q.device, q.dtype) is None
             and pos.score_bias(q[..., :1, :], k[..., :1, :], scale) is None):  # on the GPU: one masked kernel
         return flex_attend(q, k, v, scale=scale, offset=offset, window=window if cut else None, doc=doc,
@@ -178,8 +184,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
         if cut:
             return banded_sdpa(q, k, v, scale=scale, window=window, offset=offset, bias=bias, dropout_p=dropout_p,
                                doc=doc, forget=forget, n_mem=n_mem)
-        if doc is not None or forget is not None or n_mem:  # the keys read as a mask, or -inf in the bias
+        if doc is not None or forget is not None or n_mem or select is not None:  # a mask, or -inf in the bias
             mask = doc_allowed(allowed(T, offset, S, None, q.device, pos.causal), doc)
+            if select is not None:
+                mask = mask & select
             if forget is not None:
                 decay = forget_bias(forget).to(q.dtype)  # (B, h, T, S)
                 bias = decay if bias is None else bias + decay
@@ -191,7 +199,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score: Softmax, sc
                                               dropout_p=dropout_p, scale=scale, enable_gqa=groups != 1)
     if groups != 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc, sink, forget, n_mem)
+    a, _ = explicit_weights(q, k, score, scale, pos, offset, window, softcap, doc, sink, forget, n_mem, select=select)
     return F.dropout(a, dropout_p) @ v if dropout_p else a @ v
 
 

@@ -31,7 +31,7 @@ class TalkingHeads(MHA):
     """MHA with the logits and the weights mixed across heads (`lmlab.model.attention.talking`); every MHA key."""
 
     no_qk_clip = "its logits are mixed across heads before the softmax: a head's own scale is not its mixed logit's"
-    runs_hooks = MHA.runs_hooks - {"extras", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
+    runs_hooks = MHA.runs_hooks - {"extras", "select", "attend", "token_weights"}  # its own weights (`mix`, `probs`)
     refuses = {"paired_heads": "attention=talking_heads mixes the heads' logits over one key axis per head, which "
                                "pairing merges",
                "sinks": "attention=talking_heads mixes the heads' weights, where a sink logit per head has no place",

@@ -15,7 +15,8 @@ conf/attention_base/shared.yaml and its test; nothing else to edit):
 - it fills the hooks it needs (a hook it leaves as Part's is not called), each at one place of the attention's
   forward: `before_rotation` (q, k) -> (q, k); `rotation`, the position scheme's rotation in its place (one part at
   most); `after_rotation` k -> k (cache and documents in reach); `extras` -> attend's extra arguments (extra key
-  columns: a sink logit, memory keys and values; a logit bias: the forget gate's sums); `norm_key` (a key the parts
+  columns: a sink logit, memory keys and values; a logit bias: the forget gate's sums); `select`, the keys each query
+  reads by content (B, h, T, S) from q and k (a top-k block selection); `norm_key` (a key the parts
   make outside the projection, a memory key, as the tokens' keys are normed); `weighed` (the heads' outputs, reading
   the values they weighed); `output` (the heads' outputs, reading the sublayer's input); `attend` and
   `token_weights`, the attention itself in its place (one part at most); `scale_keys` (QK-clip's per-head rescaling
@@ -99,6 +100,10 @@ class Part:
     def extras(self, attn: nn.Module, x: torch.Tensor, cache: Any) -> dict[str, Any]:
         return {}
 
+    def select(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, offset: int,
+               docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        raise NotImplementedError
+
     def weighed(self, attn: nn.Module, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return y
 
@@ -125,8 +130,8 @@ def _keys(part: type[Part]) -> dict[str, Any]:
     return option_defaults(part)
 
 
-HOOKS = ("before_rotation", "rotation", "after_rotation", "norm_key", "extras", "weighed", "output", "attend",
-         "token_weights", "scale_keys", "causal_only")
+HOOKS = ("before_rotation", "rotation", "after_rotation", "norm_key", "extras", "select", "weighed", "output",
+         "attend", "token_weights", "scale_keys", "causal_only")
 ONE_AT_MOST = ("rotation", "attend", "token_weights")  # hooks that replace the attention's own step
 
 
@@ -217,6 +222,18 @@ class Parts:
         for p in self.hooks["extras"]:
             out.update(p.extras(attn, x, cache))
         return out
+
+    def select(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, offset: int,
+               docs: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """attend's `select`: the keys every part that selects by content keeps (B, h, T, S), or nothing; `docs`:
+        the queries' and the keys' document numbers under attention.doc_mask."""
+        masks = [p.select(attn, q, k, offset, docs) for p in self.hooks["select"]]
+        if not masks:
+            return {}
+        out = masks[0]
+        for mask in masks[1:]:
+            out = out & mask
+        return {"select": out}
 
     def weighed(self, attn: nn.Module, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         for p in self.hooks["weighed"]:

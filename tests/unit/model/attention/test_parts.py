@@ -23,7 +23,8 @@ OWN = ("score", "logn_scaling", "temperature", "softcap", "doc_mask")  # MHA's o
 # a setting that turns on each part that needs something of the other keys (a new such part adds its line: the
 # test below fails until it does)
 ON = {"sinks": {"sinks": True}, "mem_kv": {"mem_kv": 2}, "forget_gate": {"forget_gate": True},
-      "paired_heads": {"paired_heads": True}}
+      "paired_heads": {"paired_heads": True}, "block_select": {"select_blocks": 2},
+      "window": {"window": 4}, "pattern": {"pattern": [4, "global"]}}
 
 
 def _attn(**attention) -> torch.nn.Module:
@@ -55,14 +56,14 @@ def test_no_option_relists_an_mha_key(name: str) -> None:
 def test_what_a_part_needs_of_the_other_keys_is_refused_by_key(name: str) -> None:
     part = PARTS[name]
     assert name in ON, f"parts/{name}.py declares requires/excludes: add a setting that turns it on to ON"
-    defaults = {**part_keys(), **dict.fromkeys(OWN)}
+    assert all(other in ON for other in part.excludes), "add a setting of each key a part excludes to ON"
     for other, (allowed, why) in part.requires.items():
         wrong = next(v for v in ("relu2", "softmax_plus", True, 3) if v not in allowed)
         with pytest.raises(ValueError, match=rf"attention\.{next(iter(ON[name]))}=.* needs attention\.{other}=.*"
                                              rf"\(got {wrong!r}\): {why[:20]}"):
             _attn(**ON[name], **{other: wrong})
     for other, why in part.excludes.items():
-        setting = ON.get(other) or {other: not defaults[other]}
+        setting = ON[other]
         with pytest.raises(ValueError, match=rf"attention\.{next(iter(ON[name]))}=.* with attention\.{other}=.*: "
                                              rf"{why[:20]}"):
             _attn(**ON[name], **setting)
