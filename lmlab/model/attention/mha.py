@@ -80,7 +80,8 @@ class MHA(FollowsStep, nn.Module):
     mixes_tokens = True  # called as (x, pos, cache) by the block
     reads_positions = True  # the position scheme reaches it (its rotation, its logit bias)
     # Its weights are one map of the scaled dot products q·k/√d of the fused q, k, v projection (what
-    # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is checked by it.
+    # tests/unit/model/attention/test_attention.py checks by formula); an option with its own formula says False and is
+    # checked by it.
     scaled_dot_product = True
     PARTS = PARTS  # the attention-wide features: their keys are this option's too (lmlab.registry reads them here)
     # the parts' hooks this option calls (a part on that fills another is refused by key): a variant that computes a

@@ -88,7 +88,7 @@ def test_documents_narrow_the_selection() -> None:
     idx = torch.randint(4, 30, (B, T))
     idx[:, 6] = 3
     cut = idx.clone()
-    cut[:, :6] = torch.randint(4, 30, (B, 6))  # the first document changed (its end at 6 kept): the second reads none of it
+    cut[:, :6] = torch.randint(4, 30, (B, 6))  # the first document changed, its end at 6 kept: the second reads none
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[:, 7:], model(cut)[:, 7:])
 
