@@ -218,15 +218,15 @@ def build_model(cfg: DictConfig, vocab_size: int | None = None, eod_id: int | No
                                 seed=cfg.seed)
         data.prepare_data()
         data.setup("fit")
-        vocab_size, eod_id = data.vocab_size, getattr(data, "eod_id", None) if eod_id is None else eod_id
+        vocab_size, eod_id = data.vocab_size, data.eod_id if eod_id is None else eod_id
         from lmlab.model.head import fit_head, fit_vocabulary
 
-        spec, reserved = fit_head(OmegaConf.to_container(cfg.head, resolve=True), getattr(data, "labels", None),
+        spec, reserved = fit_head(OmegaConf.to_container(cfg.head, resolve=True), data.labels,
                                   cfg.data.get("name"))  # [MASK]'s id past the tokenizer's; a labelled set's labels
         cfg = cfg.copy()
         cfg.head, vocab_size = spec, vocab_size + reserved
         arch = arch_config(cfg, vocab_size=vocab_size, eod_id=eod_id)
-        arch.head = fit_vocabulary(arch.head, getattr(data, "tokenizer", None), vocab_size, eod_id,
+        arch.head = fit_vocabulary(arch.head, data.tokenizer, vocab_size, eod_id,
                                    cfg.data.get("name"))  # head=prefix's prefix table
         return GPT(validate(arch))
     return GPT(validate(arch_config(cfg, vocab_size=vocab_size, eod_id=eod_id)))

@@ -43,7 +43,7 @@ def gather(package: str, path: Iterable[str], attr: str) -> dict[str, Any]:
 
     found: dict[str, Any] = {}
     for info in pkgutil.iter_modules(path):
-        declared = getattr(importlib.import_module(f"{package}.{info.name}"), attr, None)
+        declared = vars(importlib.import_module(f"{package}.{info.name}")).get(attr)  # its own namespace
         if isinstance(declared, dict):
             found.update(declared)
         elif declared is not None:

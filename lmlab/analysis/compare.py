@@ -137,6 +137,7 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
     import torch
 
     from lmlab.config import GPTConfig
+    from lmlab.model.capabilities import Sublayer
     from lmlab.model.flops import flops_per_token, matmul_params
     from lmlab.model.gpt import GPT
     from lmlab.model.memory import check_model_fits
@@ -154,7 +155,7 @@ def param_counts(summary: dict[str, Any]) -> dict[str, int | None]:
             model = None
         if model is not None and (total is None or model.num_params() == total):
             total = model.num_params()
-            ffn = sum(p.numel() for m in model.modules() if getattr(m, "sublayer", None) == "ffn"
+            ffn = sum(p.numel() for m in model.modules() if isinstance(m, Sublayer) and m.sublayer == "ffn"
                       for p in m.parameters())
             active = model.num_params(active=True)
             flops = flops or flops_per_token(model, cfg.max_seq_len)["train"]

@@ -76,7 +76,10 @@ _DEFAULTS: dict[str, Any] = {
 
 def usable_cpus() -> int:
     """The cores this process may run on (its affinity mask on Linux; all of them where there is none, e.g. macOS)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def train_text(texts: list[str], val_fraction: float) -> list[str]:
@@ -241,6 +244,8 @@ class TextDataModule:
     """`data` is the composed `data` config group as a plain dict; `seq_len` is `model.max_seq_len`."""
 
     trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
+    eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
+    labels: list[str] | None = None  # a labelled set's (head=classify's); none here
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         spec = {**_DEFAULTS, **dict(data)}

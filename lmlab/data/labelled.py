@@ -102,6 +102,8 @@ class LabelledDataModule:
     labels' entropy, the loss of always answering their frequencies), the tokenizer, its figures."""
 
     trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
+    eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
+    labels: list[str] | None = None  # set by `setup` (head=classify's)
     evaluable = False  # eval.py's loss per length is a corpus's figure; a classifier's are in classify.json
     figures_file = FIGURES_FILE
     logged: dict[str, str] = {}  # val/accuracy is the head's own figure (lmlab.model.encoder), logged by the loop
@@ -224,7 +226,7 @@ class LabelledDataModule:
         validation)."""
         last = self.last or {}
         return {"val_accuracy": last.get("accuracy"), "majority_accuracy": last.get("majority_accuracy"),
-                "n_labels": len(getattr(self, "labels", ())) or None, "classify_step": last.get("step")}
+                "n_labels": len(self.labels or ()) or None, "classify_step": last.get("step")}
 
     @staticmethod
     def compare_section(sweep_dir: Path, runs: Sequence[Path], overrides: dict[Path, dict[str, str]],

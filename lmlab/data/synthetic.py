@@ -25,6 +25,8 @@ class SyntheticTask:
     fixed validation windows (`val_inputs`) in order, and the `callbacks` that measure it."""
 
     trainer: Any = None  # the Lightning trainer while one runs the task (lmlab.run.lit_data): none in eval.py
+    eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
+    labels: list[str] | None = None  # a labelled set's (head=classify's); none here
     evaluable = False  # eval.py's loss per length is a corpus's figure: a synthetic task's are in its figures_file
     figures_file: str  # <run>/<figures_file>: the task's measurements at the last validation (JSON)
     logged: Mapping[str, str]  # metric name -> the measurement's key, logged at every validation

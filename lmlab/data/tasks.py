@@ -9,6 +9,8 @@ loop, the summary, eval and compare ask every data module the same things, and a
   knows nothing of Lightning (lmlab.run.lit_data is its face there), so eval.py and compare read data without it;
 - `callbacks(run_dir)`: the task's own callbacks (lmlab.data.callbacks: its metrics, its files in the run directory);
 - `figures()`: what `summary.json` records of it;
+- `eod_id`, `tokenizer`, `labels`: the end-of-document id, the tokenizer and a labelled set's labels, each declared
+  None on the class until the data gives one (the model is built from them: lmlab.build_model, lmlab.run.plan);
 - `evaluable`: whether `eval.py run=`'s loss per length applies to its runs (a task's `figures_file`: where its own are);
 - a task only: `compare_section(sweep_dir, runs, overrides, keys)`, its own tables and plots in `eval.py compare=`
   ("" when no run of the sweep is one of its runs); compare asks every task in TASKS.

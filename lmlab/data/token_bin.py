@@ -207,6 +207,8 @@ class TokenBinDataModule:
 
     trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
     evaluable = True
+    eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
+    labels: list[str] | None = None  # a labelled set's (head=classify's); none here
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         if unknown := sorted(set(data) - _KEYS):

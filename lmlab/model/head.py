@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from lmlab.model.block import BLOCKS
+from lmlab.model.capabilities import FitsVocabulary
 from lmlab.model.encoder import Classify, MaskedLM
 from lmlab.model.mtp_logits import MTPLogits
 from lmlab.model.next_token import NextToken
@@ -156,5 +157,7 @@ def fit_vocabulary(spec: dict[str, Any], tokenizer: Any, vocab_size: int, eod_id
     key when the vocabulary cannot give it; the others are returned as they are. Kept in the model record, not the
     run's config (as the data's eod_id is)."""
     name, _ = option_params("head", HEADS, spec)
-    fit = getattr(HEADS[name], "fit_vocabulary", None)
-    return dict(spec) if fit is None else fit(spec, tokenizer, vocab_size, eod_id, data)
+    head = HEADS[name]
+    if not isinstance(head, FitsVocabulary):
+        return dict(spec)
+    return head.fit_vocabulary(spec, tokenizer, vocab_size, eod_id, data)

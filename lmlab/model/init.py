@@ -1,9 +1,10 @@
 """Weight initialisation schemes.
 
 Contract: `init(model, *, <own params>)` re-initialises every weight of a GPT in place. Schemes read what
-they need from the modules: `is_residual_proj` on the projections that write into the residual stream,
-`fused` (the row blocks of a fused projection) and `value_parts` (which of them carry values rather than queries or
-keys), and the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1 otherwise).
+they need from the modules, through `lmlab.model.capabilities.marks`: `is_residual_proj` on the projections that
+write into the residual stream, `fused` (the row blocks of a fused projection) and `value_parts` (which of them carry
+values rather than queries or keys), and the block's `init_gain(n_layer)` (DeepNet's β under placement=deepnorm, 1
+otherwise).
 Norm weights keep their constructors' values (ones; ScaleNorm's sqrt(d)); biases are zeroed.
 
 Every scheme also takes the keys of `conf/init_base/shared.yaml`, applied after its draw (`finish`): `zero_proj`
@@ -24,6 +25,7 @@ import warnings
 import torch
 from torch import nn
 
+from lmlab.model.capabilities import TokenMixer, marks
 from lmlab.registry import NonNegativeFloat, PositiveFloat
 
 
@@ -49,7 +51,7 @@ def gpt2(model: nn.Module, *, std: PositiveFloat = 0.02) -> None:
     _unhonoured_gain(model, "gpt2")
     n_writes = sum(len(block.sublayer_names) for block in model.h)
     for module in _linears_and_embeddings(model):
-        scale = 1 / math.sqrt(n_writes) if getattr(module, "is_residual_proj", False) else 1.0
+        scale = 1 / math.sqrt(n_writes) if marks(module).is_residual_proj else 1.0
         nn.init.normal_(module.weight, mean=0.0, std=std * scale)
     _zero_biases(model)
 
@@ -61,7 +63,7 @@ def small(model: nn.Module) -> None:
     _unhonoured_gain(model, "small")
     n_layer, d = len(model.h), model.wte.embedding_dim
     for module in _linears_and_embeddings(model):
-        std = 2 / (n_layer * math.sqrt(d)) if getattr(module, "is_residual_proj", False) else math.sqrt(2 / (5 * d))
+        std = 2 / (n_layer * math.sqrt(d)) if marks(module).is_residual_proj else math.sqrt(2 / (5 * d))
         nn.init.normal_(module.weight, mean=0.0, std=std)
     _zero_biases(model)
 
@@ -70,7 +72,7 @@ def _xavier(weight: torch.Tensor, module: nn.Module, gain: float, parts: tuple[b
     """Xavier normal per matrix: a fused projection (QKV, GLU gate+up) is initialised as its separate parts (only
     those flagged in `parts`, when given)."""
     start = 0
-    blocks = getattr(module, "fused", (weight.size(0),))
+    blocks = marks(module).fused or (weight.size(0),)
     for rows, chosen in zip(blocks, parts or (True,) * len(blocks)):
         if chosen:
             nn.init.xavier_normal_(weight[start:start + rows], gain=gain)
@@ -102,10 +104,11 @@ def _apply_block_gain(model: nn.Module, gain: float = 1.0) -> None:
             sub = getattr(block, name)
             for module in sub.modules():
                 if isinstance(module, nn.Linear):
-                    values = getattr(module, "value_parts", None)
+                    m = marks(module)
+                    values = m.value_parts
                     if values is None:
-                        values = (not getattr(sub, "mixes_tokens", False),) * len(getattr(module, "fused", (0,)))
-                    if getattr(module, "is_residual_proj", False):
+                        values = (not isinstance(sub, TokenMixer),) * len(m.fused or (0,))
+                    if m.is_residual_proj:
                         values = (True,) * len(values)
                     _xavier(module.weight, module, beta * gain, values)
 
@@ -142,8 +145,9 @@ def _attention_vo(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear]]:
     for block in model.h:
         for name in block.sublayer_names:
             sub = getattr(block, name)
-            qkv, out = getattr(sub, "c_attn", None), getattr(sub, "c_proj", None)
-            if qkv is None or out is None or getattr(qkv, "value_parts", None) != (False, False, True):
+            children = dict(sub.named_children())
+            qkv, out = children.get("c_attn"), children.get("c_proj")
+            if qkv is None or out is None or marks(qkv).value_parts != (False, False, True):
                 continue
             if qkv.fused[2] != d or out.in_features != d:
                 raise ValueError(f"init.mimetic_vo draws W_v and W_o as ±√β times the identity, which needs values "
@@ -164,14 +168,14 @@ def finish(model: nn.Module, *, zero_proj: bool = False, zero_head: bool = False
     """The shared keys, after a scheme's draw (the module docstring): zero the stream's projections, zero the head,
     then the mimetic value–output pairs (which replace a zeroed attention output)."""
     if zero_head:
-        if model.lm_head.weight is model.wte.weight or getattr(model.cfg, "untie_at_step", None) is not None:
+        if model.lm_head.weight is model.wte.weight or model.cfg.untie_at_step is not None:
             raise ValueError("init.zero_head=true zeroes the head's own matrix; with model.tie_embeddings=true the "
                              "head reads the embedding (zero tokens) or, with model.untie_at_step, is copied from it: "
                              "set model.tie_embeddings=false, or init.zero_head=false")
         nn.init.zeros_(model.lm_head.weight)
     if zero_proj:
         for module in model.modules():
-            if isinstance(module, nn.Linear) and getattr(module, "is_residual_proj", False):
+            if isinstance(module, nn.Linear) and marks(module).is_residual_proj:
                 nn.init.zeros_(module.weight)
     if mimetic_vo is not None:
         root = mimetic_vo ** 0.5

@@ -99,12 +99,10 @@ def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Te
 def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether F.grouped_mm runs forward and backward here (CPU in torch 2.13: every float dtype; CUDA: bf16 on
     recent GPUs). Tried once per device kind and dtype on a tiny problem."""
-    if not hasattr(F, "grouped_mm"):
-        return False
     try:  # with gradients whatever the caller's mode: a first call under no_grad would cache False for good
         with torch.inference_mode(False), torch.enable_grad():
             return _grouped_mm_probe(device_type, dtype)
-    except (RuntimeError, NotImplementedError, TypeError):
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # AttributeError: a torch without it
         return False
 
 
@@ -213,7 +211,7 @@ class MoE(nn.Module):
         self.bias_update_rate, self.routed_scale = bias_update_rate, routed_scale
         self.glu = issubclass(kind, GLU)  # three matrices per expert: [gate; up] and down
         self.hidden = hidden
-        self.act = Activation({"name": kind.gate} if getattr(kind, "gate", None) else activation)
+        self.act = Activation({"name": kind.gate} if self.glu and kind.gate else activation)
         self.router = nn.Linear(dim, n_experts, bias=False)
         share = top_k / n_experts
         fc_blocks = (hidden, hidden) if self.glu else (hidden,)

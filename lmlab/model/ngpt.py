@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmlab.model.capabilities import marks
 from lmlab.model.position.base import Position
 from lmlab.registry import PositiveFloat, option_defaults
 
@@ -159,7 +160,7 @@ class NGPT(nn.Module):
                                    scale["sqk"])
             attn.scale *= attn.head_dim  # 1/(√d_k·temperature) → √d_k/temperature
             attn.no_qk_clip = "norm=ngpt puts q and k on the unit sphere; rescaling W_q and W_k changes nothing"
-            parts = getattr(ffn.c_fc, "fused", None) or (ffn.c_fc.out_features,)  # GLU: (gate, up); MLP: (hidden,)
+            parts = marks(ffn.c_fc).fused or (ffn.c_fc.out_features,)  # GLU: (gate, up); MLP: (hidden,)
             ffn.hidden_scale = HiddenScale(parts, d, init["suv"], scale["suv"])
         return Sphere(cfg.padded_vocab, init["sz"], scale["sz"])
 
@@ -244,7 +245,7 @@ class Sphere(nn.Module):
             if not isinstance(m, (nn.Linear, nn.Embedding)) or id(m.weight) in seen:
                 continue
             seen.add(id(m.weight))
-            dim = 0 if getattr(m, "is_residual_proj", False) else 1
+            dim = 0 if marks(m).is_residual_proj else 1
             if m.weight.size(dim) != d:
                 raise ValueError(f"norm=ngpt: {type(m).__name__} of shape {tuple(m.weight.shape)} has no d_model "
                                  f"({d}) side along dim {dim} to put on the sphere")

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lmlab.model.capabilities import ScaledLogits, marks
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class SP:
     def scale_attention(self, model: nn.Module) -> None:
         if self.attn_scale_mult != 1.0:
             for module in model.modules():
-                if getattr(module, "mixes_tokens", False) and hasattr(module, "scale"):
+                if isinstance(module, ScaledLogits):
                     module.scale *= self.attn_scale_mult
 
 
@@ -106,7 +107,7 @@ class MuP(SP):
         tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         seen = set()
         for m in model.modules():
-            if getattr(m, "is_readout", False):
+            if marks(m).is_readout:
                 continue
             if isinstance(m, nn.Linear) and id(m.weight) not in tables | seen:
                 seen.add(id(m.weight))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lmlab.model.block import BLOCKS
+from lmlab.model.capabilities import TokenMixer
 from lmlab.model.norm import NORMS
 from lmlab.registry import build
 
@@ -102,7 +103,7 @@ class Block(nn.Module):
         fs = []
         for j, name in enumerate(self.sublayer_names, 1):
             module = getattr(self, name)
-            f = partial(module, pos=pos, cache=cache, doc=doc) if getattr(module, "mixes_tokens", False) else module
+            f = partial(module, pos=pos, cache=cache, doc=doc) if isinstance(module, TokenMixer) else module
             fs.append((j, partial(self._fed, f, j, cache, doc) if self.input_transforms else f))
         return (SEQUENTIAL if self.wiring is None else getattr(self, self.wiring)).wire(self, x, fs)
 

@@ -19,6 +19,7 @@ from typing import Any
 from lmlab.config import DERIVED, FFN_LAYERS, FFN_SIZES, OPTIONAL_GROUPS, GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.block import BLOCKS
+from lmlab.model.capabilities import SizedAs
 from lmlab.model.ffn import FFNS, matched_hidden
 from lmlab.model.head import HEADS
 from lmlab.model.init import INITS
@@ -125,7 +126,7 @@ def _ffn_hidden(cfg: GPTConfig) -> int:
     multiple_of = cfg.ffn.get("multiple_of", 64)
     mlp_hidden = max(multiple_of, multiple_of * round(cfg.ffn.get("hidden_mult", 4) * cfg.d_model / multiple_of))
     ffn = FFNS[ffn_name]
-    sized = ffn.sized_as(params) if hasattr(ffn, "sized_as") else ffn  # an MoE: each expert as a dense FFN of its kind
+    sized = ffn.sized_as(params) if isinstance(ffn, SizedAs) else ffn  # an MoE: each expert as a dense FFN of its kind
     return cfg.ffn.get("hidden") or matched_hidden(sized, cfg.d_model, mlp_hidden, cfg.bias, multiple_of)
 
 

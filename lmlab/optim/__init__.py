@@ -3,13 +3,14 @@
 Optimizer contract: `opt(param_groups, *, <own params>) -> torch.optim.Optimizer`; `param_groups` puts
 weight decay only on matrices that are not embeddings (no decay on norms, biases, embeddings), the split
 GPT-2/nanoGPT use. `grad_clip` in the `optim` config is read by the training loop, not the optimizer.
-An option says on itself what else it needs: `roles = True` (its groups split by role: `hidden` matrices, the
-`readout`, the rest; Muon), `mup = True` (an Adam-like, entrywise-normalised update, for which µP's per-group learning
-rates are defined: `param=mup` takes only these), `shards` with a reason (refused under trainer=fsdp2), `averages`
-with a reason (its evaluation weights are an average already: refused with a weight EMA, optim.ema; lmlab.optim.ema),
-`check(params)` (a rule across its own keys, run before training), `layouts = True` (its hidden groups carry each
-matrix's row blocks: Muon's split) and `mup_lr_mult(group, params, m)` (its own µP learning-rate rule per group,
-None where µP's Adam rule applies: Muon's spectral one).
+An option declares on itself what else it needs (`declare(option, ...)` with the fields of
+`lmlab.optim.capabilities.OptimizerCaps`, read back with `capabilities(option)`): `roles = True` (its groups split by
+role: `hidden` matrices, the `readout`, the rest; Muon), `mup = True` (an Adam-like, entrywise-normalised update, for
+which µP's per-group learning rates are defined: `param=mup` takes only these), `shards` with a reason (refused under
+trainer=fsdp2), `averages` with a reason (its evaluation weights are an average already: refused with a weight EMA,
+optim.ema; lmlab.optim.ema), `check(params)` (a rule across its own keys, run before training), `layouts = True` (its
+hidden groups carry each matrix's row blocks: Muon's split) and `mup_lr_mult(group, params, m)` (its own µP
+learning-rate rule per group, None where µP's Adam rule applies: Muon's spectral one).
 Schedule contract: `sched(step, max_steps, *, warmup_steps, <own params>) -> lr multiplier`; every schedule
 warms up linearly over `warmup_steps` (0 = no warmup, the condition of the stability studies).
 """
@@ -23,6 +24,7 @@ from typing import Annotated, Literal
 import torch
 from torch import nn
 
+from lmlab.optim.capabilities import Decays, capabilities, declare, marks
 from lmlab.optim.cautious import CautiousAdamW
 from lmlab.optim.lamb import LAMB
 from lmlab.optim.muon import MuonAdamW
@@ -44,11 +46,12 @@ def layout(module: nn.Module) -> tuple[tuple[int, int], ...] | None:
     """A Linear's row blocks (size, rows per head or 0) when it stores several matrices (`fused`: attention's q, k, v;
     a GLU's gate, up); the query and key blocks of an attention projection (`head_rows`, not `value_parts`) carry
     their head size. None: one matrix (or a stack of experts', `n_experts`, that is not fused)."""
-    blocks = getattr(module, "fused", None)
+    m = marks(module)
+    blocks = m.fused
     if not blocks or len(blocks) < 2:
         return None
-    head = getattr(module, "head_rows", 0)
-    values = getattr(module, "value_parts", (True,) * len(blocks))
+    head = m.head_rows
+    values = m.value_parts if m.value_parts is not None else (True,) * len(blocks)
     per = len(values)  # an MoE's fused repeats one expert's blocks E times
     return tuple((size, 0 if values[i % per] else head) for i, size in enumerate(blocks))
 
@@ -69,17 +72,17 @@ def param_groups(model: nn.Module, weight_decay: float, by_role: bool = False,
     layouts (with by_role): each hidden group carries `layouts`, one per parameter, its row blocks (`layout`), which
     Muon's `split` cuts the matrix by. A model whose matrices take no decay (`decays` false: norm=ngpt's, renormalised
     after every step) has the same groups at weight decay 0."""
-    if not getattr(model, "decays", True):
+    if isinstance(model, Decays) and not model.decays:
         weight_decay = 0.0
     no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    readout = {id(m.weight) for m in model.modules() if getattr(m, "is_readout", False)} - no_decay
+    readout = {id(m.weight) for m in model.modules() if marks(m).is_readout} - no_decay
     decay, rest = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
         (decay if p.dim() >= 2 and id(p) not in no_decay else rest).append(p)
     if not by_role:
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     stacked = {id(m.weight): m.n_experts for m in model.modules()
-               if isinstance(m, nn.Linear) and getattr(m, "n_experts", 1) > 1}
+               if isinstance(m, nn.Linear) and marks(m).n_experts > 1}
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     groups = [{"params": [p for p in decay if id(p) in linear and id(p) not in readout and id(p) not in stacked],
                "weight_decay": weight_decay, "role": "hidden"},
@@ -123,7 +126,7 @@ def adamw(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas = (0
     return kind(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
 
 
-adamw.mup = True
+declare(adamw, mup=True)
 
 
 def sgd(groups: Iterable[dict], *, lr: PositiveFloat = 0.1, momentum: NonNegativeFloat = 0.9, nesterov: bool = False
@@ -170,11 +173,10 @@ def muon_mup_lr_mult(group: dict, params: dict, width_mult: float) -> float | No
     return 1.0 if params.get("adjust_lr_fn", "match_rms_adamw") == "original" else width_mult ** -0.5
 
 
-muon.roles = True
-muon.mup = True  # µP's init and multipliers, with the hidden lr its own (muon_mup_lr_mult)
-muon.mup_lr_mult = muon_mup_lr_mult
-muon.check = _check_muon  # run by validate_optim, before training
-muon.layouts = True  # its hidden groups carry each matrix's row blocks (optim.split)
+declare(muon, roles=True,
+        mup=True, mup_lr_mult=muon_mup_lr_mult,  # µP's init and multipliers, with the hidden lr its own
+        check=_check_muon,  # run by validate_optim, before training
+        layouts=True)  # its hidden groups carry each matrix's row blocks (optim.split)
 
 
 def lamb(groups: Iterable[dict], *, lr: PositiveFloat = 1e-2, betas: Betas = (0.9, 0.999), eps: PositiveFloat = 1e-6,
@@ -183,7 +185,8 @@ def lamb(groups: Iterable[dict], *, lr: PositiveFloat = 1e-2, betas: Betas = (0.
     return LAMB(groups, lr=lr, betas=betas, eps=eps, max_trust_norm=max_trust_norm)
 
 
-lamb.trust_ratio = True  # the decay is inside the trust ratio: a zero-gradient step gives θ·(1 − lr), not θ·(1 − lr·wd)
+# the decay is inside the trust ratio: a zero-gradient step gives θ·(1 − lr), not θ·(1 − lr·wd)
+declare(lamb, trust_ratio=True)
 
 
 def schedulefree(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, betas: Betas = (0.9, 0.95),
@@ -202,11 +205,11 @@ def schedulefree(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, betas: Bet
     return opt
 
 
-schedulefree.mup = True
-schedulefree.averages = ("its evaluation weights x are already an average of the iterates (what validation, eval.py "
-                         "and the checkpoint read); set optim.ema=0")
-schedulefree.shards = ("its checkpoints hold the evaluation weights x computed from the whole state dict, which "
-                       "trainer=fsdp2 writes sharded; use trainer=ddp")
+declare(schedulefree, mup=True,
+        averages=("its evaluation weights x are already an average of the iterates (what validation, eval.py and the "
+                  "checkpoint read); set optim.ema=0"),
+        shards=("its checkpoints hold the evaluation weights x computed from the whole state dict, which "
+                "trainer=fsdp2 writes sharded; use trainer=ddp"))
 
 
 def adafactor(groups: Iterable[dict], *, lr: PositiveFloat = 1e-2, beta2_decay: Annotated[float, Range(lt=0)] = -0.8,
@@ -296,7 +299,7 @@ def check_pieces(optim: dict, model: nn.Module) -> None:
     from lmlab.optim.muon import pieces
 
     name, params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
-    if not getattr(OPTIMIZERS[name], "layouts", False) or params.get("split", "none") == "none":
+    if not capabilities(OPTIMIZERS[name]).layouts or params.get("split", "none") == "none":
         return
     for g in param_groups(model, 0.0, by_role=True, layouts=True):
         for p, lay in zip(g["params"], g.get("layouts", []), strict=False):
@@ -311,20 +314,21 @@ def validate_optim(optim: dict, schedule: dict, strategy: str | None = None, par
     takes the optimizers whose update is Adam-like (`mup` on the option)."""
     check_values("optim.", optim, OPTIM_LOOP_KEYS)
     name, params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
-    if check := getattr(OPTIMIZERS[name], "check", None):  # an option's own rule across its keys
-        check(params)
+    caps = capabilities(OPTIMIZERS[name])
+    if caps.check is not None:  # an option's own rule across its keys
+        caps.check(params)
     option_params("schedule", SCHEDULES, schedule)
-    reason = getattr(OPTIMIZERS[name], "shards", None)
+    reason = caps.shards
     if reason and strategy == "FSDP2Strategy":
         raise ValueError(f"optim={name} with trainer=fsdp2: {reason}")
     if ema := optim.get("ema"):
-        if reason := getattr(OPTIMIZERS[name], "averages", None):
+        if reason := caps.averages:
             raise ValueError(f"optim.ema={ema} with optim={name}: {reason}")
         if strategy in ("FSDP2Strategy", "fsdp"):  # trainer=fsdp2, trainer=fsdp (Lightning's FSDP)
             raise ValueError(f"optim.ema={ema} with trainer={'fsdp2' if strategy == 'FSDP2Strategy' else 'fsdp'}: the "
                              f"EMA is averaged and checkpointed as whole tensors beside the weights, which FSDP "
                              f"shards; use trainer=ddp, or optim.ema=0")
-    if param is not None and param.get("name", "sp") != "sp" and not getattr(OPTIMIZERS[name], "mup", False):
-        takes = sorted(k for k, fn in OPTIMIZERS.items() if getattr(fn, "mup", False))
+    if param is not None and param.get("name", "sp") != "sp" and not caps.mup:
+        takes = sorted(k for k, fn in OPTIMIZERS.items() if capabilities(fn).mup)
         raise ValueError(f"param={param['name']} with optim={name}: µP's learning rates (hidden lr·base_width/d_model) "
                          f"are those of Adam-like, entrywise-normalised updates; choose optim among {takes}")

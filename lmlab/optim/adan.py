@@ -18,6 +18,7 @@ from typing import Annotated
 
 import torch
 
+from lmlab.optim.capabilities import declare
 from lmlab.optim.elementwise import Elementwise
 from lmlab.registry import PositiveFloat, Range
 
@@ -56,5 +57,5 @@ def adan(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas3 = (0
     return Adan(groups, lr=lr, betas=tuple(betas), eps=eps)
 
 
-adan.mup = True  # an entrywise-normalised update, as Adam's: µP's per-group rates apply
+declare(adan, mup=True)  # an entrywise-normalised update, as Adam's: µP's per-group rates apply
 OPTION = adan

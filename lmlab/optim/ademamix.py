@@ -22,6 +22,7 @@ from typing import Annotated
 
 import torch
 
+from lmlab.optim.capabilities import declare
 from lmlab.optim.elementwise import Elementwise
 from lmlab.registry import NonNegativeFloat, NonNegativeInt, PositiveFloat, Range
 
@@ -67,5 +68,5 @@ def ademamix(groups: Iterable[dict], *, lr: PositiveFloat = 1e-3, betas: Betas3 
     return AdEMAMix(groups, lr=lr, betas=tuple(betas), alpha=alpha, warmup_steps=warmup_steps, eps=eps)
 
 
-ademamix.mup = True  # an entrywise-normalised update, as Adam's: µP's per-group rates apply
+declare(ademamix, mup=True)  # an entrywise-normalised update, as Adam's: µP's per-group rates apply
 OPTION = ademamix

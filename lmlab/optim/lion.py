@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lmlab.optim.capabilities import declare
 from lmlab.registry import Betas, PositiveFloat
 
 
@@ -35,6 +36,6 @@ def lion(groups: Iterable[dict], *, lr: PositiveFloat = 1e-4, betas: Betas = (0.
     return Lion(groups, lr=lr, betas=betas)
 
 
-lion.mup = True  # a sign update: entrywise like Adam's
+declare(lion, mup=True)  # a sign update: entrywise like Adam's
 
 OPTION = lion

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmlab.optim.capabilities import ClipsLogits
+
 
 def gammas(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
     """γ_h = min(1, τ / S_h) per head: exactly 1 for a head at or under τ (`τ / S` as torch computes it for a Python
@@ -36,9 +38,9 @@ def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(layer index, attention sublayer) for every block with one (a hybrid stack's recurrent layers have none)."""
     out = []
     for i, block in enumerate(model.h):
-        for attr in getattr(block, "sublayer_names", ()):
+        for attr in block.sublayer_names:
             module = getattr(block, attr)
-            if hasattr(module, "clip_logits"):
+            if isinstance(module, ClipsLogits):
                 out.append((i, module))
                 break
     return out
@@ -53,7 +55,7 @@ def check_qk_clip(optim: dict, model: nn.Module, attention: str, strategy: str |
     if strategy == "FSDP2Strategy":
         raise ValueError(f"optim.qk_clip={tau} with trainer=fsdp2: the clip rescales rows of W_q and W_k, which FSDP2 "
                          f"shards; use trainer=ddp, or optim.qk_clip=null")
-    if why := getattr(getattr(model, "pos", None), "logit_bias", None):  # the max would count the bias W_q, W_k lack
+    if why := model.pos.logit_bias:  # the max would count the bias W_q, W_k lack
         raise ValueError(f"optim.qk_clip={tau} with {why}: the measured maximum logit includes that bias while the "
                          f"clip rescales only W_q and W_k, so it would shrink them every step without bounding the "
                          f"logits; use position=rope|none|learned, or optim.qk_clip=null")
@@ -62,10 +64,10 @@ def check_qk_clip(optim: dict, model: nn.Module, attention: str, strategy: str |
         raise ValueError(f"optim.qk_clip={tau}: the model has no attention layer to clip (block=gau, or every "
                          f"mixer.pattern entry recurrent); use optim.qk_clip=null")
     for _, attn in layers:
-        if reason := getattr(attn, "no_qk_clip", None):
+        if reason := attn.no_qk_clip:
             raise ValueError(f"optim.qk_clip={tau} with attention={attention}: {reason}; use attention=mha|gqa|mqa, "
                              f"or optim.qk_clip=null")
-        if getattr(attn, "q_norm", None) is not None:
+        if dict(attn.named_parameters(recurse=False)).get("q_norm") is not None:  # attention.qk_norm's gains
             raise ValueError(f"optim.qk_clip={tau} with attention.qk_norm=true: the q/k norms undo any scale of W_q "
                              f"and W_k (and bound the logits already); use one of the two")
 

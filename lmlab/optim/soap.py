@@ -41,6 +41,7 @@ from typing import Annotated
 
 import torch
 
+from lmlab.optim.capabilities import declare
 from lmlab.optim.elementwise import Elementwise
 from lmlab.registry import PositiveFloat, PositiveInt, Range
 
@@ -136,6 +137,6 @@ def soap(groups: Iterable[dict], *, lr: PositiveFloat = 3e-3, betas: Betas = (0.
                 precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim)
 
 
-soap.shards = ("its statistics L = G·Gᵀ, R = Gᵀ·G and their eigendecompositions need each whole matrix, and FSDP2 "
-               "holds row shards of it; use trainer=ddp (every rank holds the whole matrices)")
+declare(soap, shards=("its statistics L = G·Gᵀ, R = Gᵀ·G and their eigendecompositions need each whole matrix, and "
+                      "FSDP2 holds row shards of it; use trainer=ddp (every rank holds the whole matrices)"))
 OPTION = soap

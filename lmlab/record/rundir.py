@@ -217,8 +217,10 @@ def model_config(state: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("ffn_hidden") is not None:
         return cfg
     ffn = dict(cfg.get("ffn") or {})
+    import torch  # loaded already: the checkpoint's tensors
+
     proj = (state.get("state_dict") or {}).get("model.h.0.mlp.c_proj.weight")
-    if ffn.get("hidden") is None and proj is not None and getattr(proj, "ndim", 0) == 2:
+    if ffn.get("hidden") is None and proj is not None and isinstance(proj, torch.Tensor) and proj.ndim == 2:
         from lmlab.config import GPTConfig
         from lmlab.model.resolve import resolve
 

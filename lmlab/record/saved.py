@@ -146,8 +146,10 @@ def _values(value: Any) -> list[Any]:
 
     if isinstance(value, ChoiceSweep):
         return list(value.list)
-    if isinstance(value, RangeSweep | IntervalSweep):
-        return [value.start, getattr(value, "stop", None) or getattr(value, "end", None)]
+    if isinstance(value, RangeSweep):
+        return [value.start, value.stop or None]
+    if isinstance(value, IntervalSweep):
+        return [value.start, value.end]
     if isinstance(value, Glob):
         return [*value.include, *value.exclude]
     return [value]
@@ -461,6 +463,7 @@ PURE_RESOLVERS = ("oc.env", "now", "lmlab.step_at", "lmlab.equal_flops_width", "
 
 def resolver_names(text: str) -> list[str] | None:
     """The names of the resolvers `text` calls, parsed with OmegaConf's own grammar (None: not a valid value)."""
+    from antlr4 import ParserRuleContext  # OmegaConf's grammar runtime
     from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
     from omegaconf.grammar_parser import parse as parse_value
 
@@ -474,7 +477,8 @@ def resolver_names(text: str) -> list[str] | None:
         node = stack.pop()
         if isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext):
             names.append(node.resolverName().getText())
-        stack.extend(getattr(node, "children", None) or [])
+        if isinstance(node, ParserRuleContext):  # a terminal token has no children
+            stack.extend(node.children or [])
     return names
 
 

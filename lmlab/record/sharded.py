@@ -162,7 +162,7 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:  # a field with its default on Metadata: None in older checkpoints
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -168,7 +168,7 @@ def summarize(*, status: str, lit, trainer, data, monitor, steps: int, wall_time
         "divergence_reason": lit.divergence.reason,
         "peak_grad_norm": lit.peak_grad_norm,
         **({"skipped_steps": list(lit.spikes.skipped), "n_skipped_steps": len(lit.spikes.skipped)}
-           if getattr(lit, "spikes", None) is not None else {}),  # spike_skip off: the summary as before
+           if lit.spikes is not None else {}),  # spike_skip off: the summary as before
         "grad_norm_at_init": monitor.profile,
         "tokens_per_s": (lit.tokens_seen - tokens_at_start) / wall_time if wall_time > 0 else None,  # this attempt's
         "world_size": int(trainer.world_size),

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lmlab.model.capabilities import RecurrentMixer
+
 TORCH, AUTO = "torch", "auto"
 # Each kernel backend: the module it imports (its presence is the package's) and how to install it.
 PACKAGES = {"fla": "fla", "mamba_ssm": "mamba_ssm"}
@@ -109,5 +111,4 @@ class MixerBackend:
 
 def paths_taken(model: torch.nn.Module) -> list[str]:
     """The recurrence paths the model's mixers last ran (torch, fla, mamba_ssm), each once: a run's record of them."""
-    chosen = (getattr(m, "backend", None) for m in model.modules())
-    return sorted({b.used for b in chosen if isinstance(b, MixerBackend) and b.used})
+    return sorted({m.backend_used for m in model.modules() if isinstance(m, RecurrentMixer) and m.backend_used})

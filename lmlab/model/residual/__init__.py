@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmlab.model.capabilities import RESIDUAL_HOOKS, Attaches, CountsParams
 from lmlab.registry import gather, option_params
 
 if TYPE_CHECKING:
@@ -72,12 +73,12 @@ class Connections(nn.Module):
         super().__init__()
         self.options = nn.ModuleDict({name: RESIDUALS[name](cfg, **params)
                                       for name, params in residual_specs(cfg.residual)})
-        self._hooks = {hook: [o for o in self.options.values() if hasattr(o, hook)]
-                       for hook in ("embed", "start", "before", "after")}
+        self._hooks = {hook: [o for o in self.options.values() if isinstance(o, kind)]
+                       for hook, kind in RESIDUAL_HOOKS.items()}
 
     def attach(self, model: nn.Module) -> None:
         for option in self.options.values():
-            if hasattr(option, "attach"):
+            if isinstance(option, Attaches):
                 option.attach(model)
 
     def embed(self, x: torch.Tensor, idx: torch.Tensor, cache: KVCache | None, doc: torch.Tensor | None
@@ -104,4 +105,4 @@ class Connections(nn.Module):
 def residual_params(cfg: GPTConfig) -> int:
     """The weights the residual options add that matter for the size bounds (value embeddings' tables)."""
     return sum(RESIDUALS[name].n_params(cfg, **params) for name, params in residual_specs(cfg.residual)
-               if hasattr(RESIDUALS[name], "n_params"))
+               if isinstance(RESIDUALS[name], CountsParams))
