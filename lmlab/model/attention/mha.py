@@ -219,6 +219,14 @@ class MHA(FollowsStep, nn.Module):
 
     no_qk_clip: str | None = None  # why optim.qk_clip cannot rescale this option's logits (None: it can)
 
+    def keys_read(self, seq_len: int) -> int:
+        """The most keys a query reads at a context of `seq_len` (its window's, a selection's; lmlab.model.flops)."""
+        return self.parts.keys_read(self, seq_len)
+
+    def extra_flops(self, seq_len: int) -> int:
+        """Forward FLOPs per token beyond the projections and the scores over `keys_read` keys (a selection's gate)."""
+        return self.parts.flops(self, seq_len)
+
     @property
     def causal_only(self) -> str | None:
         """Why this layer cannot read the keys after a query (head=mlm refuses it; None: it can, every path reads the

@@ -20,7 +20,9 @@ conf/attention_base/shared.yaml and its test; nothing else to edit):
   make outside the projection, a memory key, as the tokens' keys are normed); `weighed` (the heads' outputs, reading
   the values they weighed); `output` (the heads' outputs, reading the sublayer's input); `attend` and
   `token_weights`, the attention itself in its place (one part at most); `scale_keys` (QK-clip's per-head rescaling
-  of the keys it holds); `causal_only` (why the keys after a query have no form);
+  of the keys it holds); `causal_only` (why the keys after a query have no form); `keys_read`, the most keys a query reads at a context of
+  T (a window's W, a selection's k blocks), and `flops`, its forward FLOPs per token beyond the projections (a
+  selection's scoring), which lmlab.model.flops counts;
 - `n_params` and `cache_width` (classmethods): its weights and its numbers per token in the KV cache from the sizes
   and its keys alone (the size bounds, FLOPs and memory checks read them through the option's `geometry`).
 """
@@ -124,6 +126,12 @@ class Part:
     def causal_only(self, attn: nn.Module) -> str | None:
         return None
 
+    def keys_read(self, attn: nn.Module, seq_len: int) -> int | None:
+        return None
+
+    def flops(self, attn: nn.Module, seq_len: int) -> int:
+        return 0
+
 
 @functools.cache
 def _keys(part: type[Part]) -> dict[str, Any]:
@@ -131,7 +139,7 @@ def _keys(part: type[Part]) -> dict[str, Any]:
 
 
 HOOKS = ("before_rotation", "rotation", "after_rotation", "norm_key", "extras", "select", "weighed", "output",
-         "attend", "token_weights", "scale_keys", "causal_only")
+         "attend", "token_weights", "scale_keys", "causal_only", "keys_read", "flops")
 ONE_AT_MOST = ("rotation", "attend", "token_weights")  # hooks that replace the attention's own step
 
 
@@ -251,6 +259,13 @@ class Parts:
 
     def causal_only(self, attn: nn.Module) -> str | None:
         return next(filter(None, (p.causal_only(attn) for p in self.hooks["causal_only"])), None)
+
+    def keys_read(self, attn: nn.Module, seq_len: int) -> int:
+        """The most keys a query reads at a context of `seq_len`: the fewest any part allows."""
+        return min([seq_len, *filter(None, (p.keys_read(attn, seq_len) for p in self.hooks["keys_read"]))])
+
+    def flops(self, attn: nn.Module, seq_len: int) -> int:
+        return sum(p.flops(attn, seq_len) for p in self.hooks["flops"])
 
 
 def parts_geometry(cfg: GPTConfig, widths: Widths, params: Mapping[str, Any]) -> tuple[int, int]:

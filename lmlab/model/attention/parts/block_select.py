@@ -68,6 +68,15 @@ class BlockSelect(Part):
                              f"attention.select_blocks picks from: set attention.select_blocks (e.g. 4)")
         self.top_k, self.block = select_blocks, select_block_size
 
+    def keys_read(self, attn: nn.Module, seq_len: int) -> int:
+        return self.top_k * self.block
+
+    def flops(self, attn: nn.Module, seq_len: int) -> int:
+        """The gate's forward FLOPs per token: each query head against every block's mean key, q·mean(K), 2·d per
+        block over the n_head heads, and the means, a sum of the context's keys (one add per key number)."""
+        blocks = -(-seq_len // self.block)
+        return 2 * attn.n_head * attn.qk_dim * blocks + attn.n_kv_head * attn.qk_dim
+
     def select(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, offset: int,
                docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         if k.size(-2) != offset + q.size(-2):

@@ -295,6 +295,9 @@ class Windows(Part):
                                      eval_window=eval_window)
         attn.window = attn.windows.at(None, None, True)
 
+    def keys_read(self, attn: nn.Module, seq_len: int) -> int | None:
+        return attn.window  # the window in force (None: the whole context)
+
     def causal_only(self, attn: nn.Module) -> str | None:
         if attn.window is None:
             return None

@@ -101,3 +101,15 @@ def test_refused_by_key_and_trains() -> None:
     assert_refused(["trainer.max_steps=1000", "attention.select_block_size=8"],
                    r"attention\.select_block_size=8 .* set attention\.select_blocks")
     assert_trains(_model(2, 4), torch.randint(0, 30, (4, 16)), "attn.c_attn", steps=50)  # <= 8 keys a query
+
+
+def test_a_query_reads_at_most_k_blocks_and_the_gate_costs_its_scores() -> None:
+    """keys_read: k·size whatever the context (a window's W under attention.window); extra_flops: 2·d per block's
+    mean key and query head, and one add per key number for the means."""
+    attn = _model(2, 4).h[0].attn
+    assert [attn.keys_read(n) for n in (4, 8, 100)] == [4, 8, 8]
+    assert attn.extra_flops(100) == 2 * NH * HS * 25 + NH * HS  # 25 blocks of 4 over 100 tokens
+    cfg = GPTConfig(vocab_size=30, n_layer=2, d_model=C, n_head=NH, max_seq_len=32, attention={"name": "mha",
+                                                                                                "window": 6})
+    windowed = GPT(validate(cfg)).h[0].attn
+    assert [windowed.keys_read(n) for n in (4, 100)] == [4, 6] and windowed.extra_flops(100) == 0
