@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab import names
-from lmlab.analysis import compare_noise, compare_seeds, compare_speed, optimizer_benchmark  # noqa: F401  (sections)
+from lmlab.analysis import compare_noise, compare_seeds, compare_speed, optimizer_benchmark, retrieval  # noqa: F401
 from lmlab.analysis.compare_gaps import CURVES, gaps, validations
 from lmlab.analysis.compare_seeds import seed_label
 from lmlab.analysis.compare_stats import significance

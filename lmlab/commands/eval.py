@@ -13,7 +13,8 @@ from lmlab.commands.refusals import refuse_unknown, usage_errors
 from lmlab.env import plain_warnings, quick_exit
 
 # `rope_scaling=none,linear` (and `harness=a,b`) is one list here, not a sweep; run paths from sweeps hold '=' and ','.
-LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness"}
+LISTS = {"rope_scaling": "methods", "methods": "methods", "lengths": "lengths", "harness": "harness",
+         "depths": "depths"}
 
 
 def run(prog: str, argv: Sequence[str]) -> None:
@@ -74,6 +75,17 @@ def main(cfg: DictConfig) -> None:
         from lmlab.interop.hf import export
 
         print(f"-> {export(cfg.run, cfg.out)}/ (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
+        return
+    if cfg.retrieval:
+        from lmlab.analysis.retrieval import run_retrieval
+
+        listed = lambda v: None if v is None else list(v) if OmegaConf.is_list(v) else [v]  # noqa: E731
+        if cfg.weights != "live" or cfg.get("merge") is not None:
+            raise ValueError(f"retrieval={cfg.retrieval} reads the run's live weights (weights=live, no merge=)")
+        _, md = run_retrieval(cfg.run, cfg.retrieval, listed(cfg.lengths), listed(cfg.depths), cfg.retrieval_samples,
+                              cfg.retrieval_keys, cfg.batch_size, cfg.allow_extrapolation,
+                              Path(cfg.out) if cfg.out else None)
+        print(md + f"\n-> {Path(cfg.out or Path(cfg.run) / 'eval_retrieval')}/")
         return
     if cfg.harness:
         from lmlab.analysis.harness import harness_cli
