@@ -26,7 +26,8 @@ from lmlab.model.mixer.gdn import DT_RANGE, GatedDeltaNet
 from lmlab.model.resolve import resolve
 
 RECURRENT = sorted(set(MIXERS) - {ATTENTION})
-KERNEL = {"gdn": "fla", "linear": "fla", "mamba2": "mamba_ssm"}  # each mixer's kernel backend
+KERNEL = {"gdn": "fla", "linear": "fla", "mamba2": "mamba_ssm"}  # each mixer's kernel backend (kda: none)
+KERNELED = [m for m in RECURRENT if m in KERNEL]  # the mixers with a kernel path
 PACKAGE = {"fla": "fla", "mamba_ssm": "mamba_ssm"}
 BASE = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, max_seq_len=64, position={"name": "rope"})
 # grouped heads where the mixer has them: GDN's 2 key heads read by 4 value heads, Mamba-2's 4 heads in 2 groups
@@ -38,7 +39,8 @@ EOD = 0
 def _cfg(name: str, backend: str = "auto", doc_mask: bool = False, base: dict = BASE, **keys) -> GPTConfig:
     attention = {"name": "mha", "doc_mask": True} if doc_mask else {"name": "mha"}
     return GPTConfig(**base, eod_id=EOD if doc_mask else None, attention=attention,
-                     mixer={"name": name, "pattern": [name, ATTENTION], "backend": backend, **SMALL[name], **keys})
+                     mixer={"name": name, "pattern": [name, ATTENTION], "backend": backend, **SMALL.get(name, {}),
+                            **keys})
 
 
 def _mixers(model: GPT) -> list:
@@ -80,7 +82,7 @@ def test_auto_runs_the_torch_form_on_the_cpu(name) -> None:
     assert [m.backend_used for m in _mixers(auto) + _mixers(forced)] == ["torch", "torch"]
 
 
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_a_forced_kernel_without_cuda_is_refused_at_build(name, monkeypatch) -> None:
     _packages(monkeypatch, installed=True, cuda=False)
     kernel = KERNEL[name]
@@ -90,7 +92,7 @@ def test_a_forced_kernel_without_cuda_is_refused_at_build(name, monkeypatch) -> 
     assert "mixer.backend=auto" in str(e.value) and "torch" in str(e.value)
 
 
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_a_forced_kernel_without_its_package_names_the_install(name, monkeypatch) -> None:
     _packages(monkeypatch, installed=False, cuda=True)
     kernel = KERNEL[name]
@@ -101,7 +103,7 @@ def test_a_forced_kernel_without_its_package_names_the_install(name, monkeypatch
     validate(_cfg(name, "torch"))
 
 
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_a_forced_kernel_refuses_a_cpu_input_at_its_first_forward(name, monkeypatch) -> None:
     _packages(monkeypatch, installed=True, cuda=True)  # it builds: the device is known at the forward only
     model = GPT(_cfg(name, KERNEL[name]))
@@ -164,6 +166,15 @@ def test_the_choice_is_made_once_per_device_and_dtype(monkeypatch) -> None:
         assert choice.choose(x) == "torch"
     assert calls == [(torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.float64)]
     assert choice.used == "torch"
+
+
+@pytest.mark.parametrize("name", sorted(set(RECURRENT) - set(KERNEL)))
+def test_a_mixer_without_a_kernel_runs_its_torch_form_everywhere(name, monkeypatch) -> None:
+    _packages(monkeypatch, installed=True, cuda=True)
+    with pytest.raises(ValueError, match=r"mixer\.backend='fla' must be one of \['auto', 'torch'\]"):
+        validate(_cfg(name, "fla"))
+    mixer = _mixers(GPT(_cfg(name)))[0]
+    assert mixer.backend._choose(torch.device("cuda"), torch.bfloat16) == "torch"
 
 
 # --- dt_bias's init -------------------------------------------------------------------------------------------
@@ -288,7 +299,7 @@ def _packed(B: int, T: int, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("doc_mask", [False, True], ids=["plain", "documents"])
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_the_kernel_path_computes_the_torch_form(name, doc_mask, monkeypatch) -> None:
     """The kernel path's layouts, grouped heads, scales, document segments and carried state, against lmlab's PyTorch
     form: outputs and gradients of a packed batch, then cached generation (a prompt in two pieces, then one token at
@@ -349,7 +360,7 @@ def _gpu_pair(name: str, doc_mask: bool) -> tuple[GPT, GPT]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("doc_mask", [False, True], ids=["plain", "documents"])
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_the_kernel_computes_the_torch_form_on_cuda(name, doc_mask, dtype) -> None:
     ref, ker = _gpu_pair(name, doc_mask)
     idx = _packed(3, 200).cuda()  # not a multiple of any chunk
@@ -373,7 +384,7 @@ def test_the_kernel_computes_the_torch_form_on_cuda(name, doc_mask, dtype) -> No
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("doc_mask", [False, True], ids=["plain", "documents"])
-@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("name", KERNELED)
 def test_cached_generation_on_the_kernel_continues_the_torch_form_on_cuda(name, doc_mask, dtype) -> None:
     ref, ker = _gpu_pair(name, doc_mask)
     idx = _packed(3, 80)
