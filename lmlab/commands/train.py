@@ -95,10 +95,11 @@ def main(cfg: DictConfig) -> float:
     try:
         cfg, overrides = continued(cfg, hc)
         ledger_file = ledger.target(cfg)  # (a continued run's own ledger=, or this command's)
+        checked = None  # the meta model the checks built: train() neither checks nor builds it again
         if not sweeping:  # a bad value is refused before Lightning is imported (a sweep's job records it, goes on)
             from lmlab.run.checks import check_config
 
-            check_config(cfg, overrides)
+            checked = check_config(cfg, overrides)
         from lmlab.record.tracking import hydra_group
         from lmlab.run.training import train
         from lmlab.run.wall import wall_horizon
@@ -107,7 +108,7 @@ def main(cfg: DictConfig) -> float:
         job_event(hc, "running", host=socket.gethostname(), pid=os.getpid())
         horizon = wall_horizon(cfg)  # budget.wall: the schedule's decay fitted to the seconds (lmlab.run.wall)
         summary = train(cfg, hc.runtime.output_dir, overrides=overrides, group=group, hydra=hc,
-                        callbacks=[horizon] if horizon is not None else None)
+                        callbacks=[horizon] if horizon is not None else None, checked=checked)
         job_event(hc, summary["status"], steps=summary["steps"])
     except BaseException as err:
         if ledger_file is not None:

@@ -135,9 +135,10 @@ def steps_for(kind: str, value: float, *, flops_per_token: float, tokens_per_ste
     return steps
 
 
-def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
+def apply(cfg: DictConfig, model_cfg, meta=None) -> dict[str, Any] | None:
     """Set the effective config's trainer.max_steps (or max_time) from its budget, for the model `model_cfg` (a
-    validated GPTConfig). Returns what summary.json records as `budget` (None without one). Writes into `cfg`: the
+    validated GPTConfig; `meta`: its model on the meta device, when the start has built it, else built here when a
+    budget needs its FLOPs). Returns what summary.json records as `budget` (None without one). Writes into `cfg`: the
     plan's own copy."""
     budget = chosen(cfg)
     if budget is None:
@@ -151,8 +152,10 @@ def apply(cfg: DictConfig, model_cfg) -> dict[str, Any] | None:
     from lmlab.model.flops import flops_per_token, matmul_params
     from lmlab.model.gpt import GPT
 
-    with torch.device("meta"):
-        model = GPT(model_cfg)
+    model = meta
+    if model is None:
+        with torch.device("meta"):
+            model = GPT(model_cfg)
     fpt, n = flops_per_token(model, model_cfg.max_seq_len)["train"], matmul_params(model)
     per_step = tokens_per_step(cfg)
     if stages_of(cfg) is not None:

@@ -6,21 +6,27 @@ torch's import), not after the whole training stack is imported."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.run import budget, seeds
 from lmlab.cli import override_key
-from lmlab.config import arch_config
+from lmlab.config import GPTConfig, arch_config
 from lmlab.data.keys import DATA_KEYS
 from lmlab.data.sources import check_sources
-from lmlab.model.gpt import meta_model
+from lmlab.model.gpt import GPT, meta_model
+from lmlab.model.head import HEADS
+from lmlab.model.memory import check_attention_fits, check_batch_fits
+from lmlab.model.norm import NORMS
+from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
+from lmlab.optim.overrides import check as check_groups
 from lmlab.record.targets import check_targets
-from lmlab.run.fp8 import check as check_fp8
-from lmlab.run.spikes import check_spike_skip
+from lmlab.registry import PositiveFloat, PositiveInt, Range, check_values, option_params
+from lmlab.run import budget, features, seeds
 
 
 def _slurm_launched() -> bool:
@@ -68,77 +74,71 @@ def check_precision(precision: Any) -> None:
                          f"{', '.join(str(p) for p in PRECISIONS[:8])} (or 64, 32, 16, bf16)")
 
 
-def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> None:
+def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> GPT:
     """Everything that can be checked without data: architecture (on the meta device), optimizer, schedule (types
-    and ranges from each option's signature), the run's own keys, the devices, and the attention's memory.
-    `overrides`, the command's, tell a warmup the user chose from a smoke run of a config's own (None: unknown)."""
-    import warnings
-    from typing import Annotated, Literal
-
-    import torch
-
-    from lmlab.model.memory import check_attention_fits, check_batch_fits
-    from lmlab.model.norm import NORMS
-    from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
-    from lmlab.optim.overrides import check as check_groups
-    from lmlab.optim.qk_clip import check_qk_clip
-    from lmlab.registry import PositiveFloat, PositiveInt, Range, check_values, option_params
-
+    and ranges from each option's signature), the run's own keys, each run-time feature's (lmlab.run.features), the
+    devices, and the attention's memory. `overrides`, the command's, tell a warmup the user chose from a smoke run of a
+    config's own (None: unknown). Returns the model it built on the meta device, which the start reads again
+    (lmlab.run.training.train's `checked`) rather than build it once more."""
     check_unknown_top_level(cfg)
     eod = 0 if cfg.data.get("eod") is not None else None  # its id is the tokenizer's: any id checks the model here
-    arch = arch_config(cfg, vocab_size=cfg.model.vocab_size or 256, eod_id=eod)
+    arch = arch_config(cfg, vocab_size=cfg.model.vocab_size or STAND_IN_VOCAB, eod_id=eod)
     if "labels" in arch.head and arch.head["labels"] is None:  # head=classify: the data's labels, read with the data
         arch.head["labels"] = ["0", "1"]  # (as vocab_size is the tokenizer's): any two check the model here
     model = meta_model(arch)  # the architecture's checks, and its shapes for the optimizer's below (no memory)
-    gcfg = model.cfg
-    validate_optim(OmegaConf.to_container(cfg.optim), OmegaConf.to_container(cfg.schedule), strategy_name(cfg),
-                   gcfg.param)
-    check_pieces(OmegaConf.to_container(cfg.optim), model)
-    opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(OmegaConf.to_container(cfg.optim)))[0]
-    check_groups(OmegaConf.to_container(cfg.optim), getattr(OPTIMIZERS[opt_name], "roles", False), model)
+    gcfg, strategy, optim = model.cfg, strategy_name(cfg), OmegaConf.to_container(cfg.optim)
+    validate_optim(optim, OmegaConf.to_container(cfg.schedule), strategy, gcfg.param)
+    check_pieces(optim, model)
+    opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]
+    check_groups(optim, getattr(OPTIMIZERS[opt_name], "roles", False), model)
     if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
-        optim = OmegaConf.to_container(cfg.optim)
-        averages = getattr(OPTIMIZERS[option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]], "averages", None)
-        check_run(optim, strategy_name(cfg), bool(averages))
-    check_qk_clip(OmegaConf.to_container(cfg.optim), model, gcfg.attention["name"], strategy_name(cfg))
-    if isinstance(cfg.get("compile"), str) and strategy_name(cfg) == "FSDP2Strategy":
+        check_run(optim, strategy, bool(getattr(OPTIMIZERS[opt_name], "averages", None)))
+    if isinstance(cfg.get("compile"), str) and strategy == "FSDP2Strategy":
         raise ValueError(f"compile={cfg.compile} with trainer=fsdp2: FSDP2 compiles each block inside its hooks, where "
                          f"a recorded CUDA graph would replay stale all-gathers; use compile=true with trainer=fsdp2")
-    run_keys = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
-        "seed": Annotated[int, Range(ge=0, le=2**32 - 1)],  # numpy's bounds (lmlab seeds numpy with it)
-        "trainer.log_every_n_steps": PositiveInt,  # 0 would log no training row at all
-        "threads": PositiveInt | None, "compile": bool | Literal["reduce-overhead", "max-autotune"],
-        "malloc": Literal["system", "keep"],
-        "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
-        "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
-        "checkpoint.keep_last": PositiveInt | None,  # step checkpoints kept for eval.py merge= (lmlab.run.keep_last)
-        **{f"data.{k}": t for k, t in DATA_KEYS.items()},
-    }
     absent = object()
-    values = {key: OmegaConf.select(cfg, key, default=absent) for key in run_keys}
-    check_values("", {k: v for k, v in values.items() if v is not absent}, run_keys)
+    values = {key: OmegaConf.select(cfg, key, default=absent) for key in RUN_KEYS}
+    check_values("", {k: v for k, v in values.items() if v is not absent}, RUN_KEYS)
     seeds.check(cfg)  # seeds.init / .data / .dropout: each a seed like `seed`, or null (lmlab.run.seeds)
     if "sources" in cfg.data.keys():  # data=mixture: its sources by key (lmlab.data.sources)
         check_sources(OmegaConf.to_container(cfg.data, resolve=True))
     check_launch(cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1))
     check_precision(cfg.trainer.get("precision"))
-    check_fp8(cfg)  # precision.fp8: its kinds, floor and recipe, torchao, an FP8 GPU (lmlab.run.fp8)
+    features.check(cfg, model)  # each run-time feature's keys: QK-clip, FP8, downstream tasks... (lmlab.run.features)
     if gcfg.untie_at_step is not None and gcfg.untie_at_step >= int(cfg.trainer.max_steps):
         warnings.warn(f"model.untie_at_step={gcfg.untie_at_step} >= trainer.max_steps={cfg.trainer.max_steps}: the "
                       f"head stays tied for the whole run (lower model.untie_at_step, or raise trainer.max_steps)",
                       stacklevel=2)
     budget.chosen(cfg)  # budget.*: one at most, > 0
     check_targets(cfg.get("targets"))  # targets: a list of val losses > 0
-    check_spike_skip(OmegaConf.to_container(OmegaConf.select(cfg, "spike_skip", default={}), resolve=True))
-    if (downstream := OmegaConf.select(cfg, "downstream", default=None)) is not None:
-        check_downstream(OmegaConf.to_container(downstream, resolve=True))  # lm-eval tasks at validations
-        from lmlab.model.head import HEADS
+    _check_devices(cfg, gcfg, strategy)
+    _check_memory(cfg, gcfg, strategy)
 
-        if downstream.get("tasks") and not HEADS[gcfg.head["name"]].predicts_next:
-            raise ValueError(f"downstream.tasks scores the next-token log-likelihoods of continuations; "
-                             f"head={gcfg.head['name']} does not predict the next token: use downstream.tasks=[]")
+    warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
+    chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)
+    if warmup >= max_steps and chosen:  # a warning, not a refusal; not for a smoke run (steps cut, warmup the config's)
+        warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
+                      f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
+                      f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
+    return model
 
-    accelerator, strategy = str(cfg.trainer.get("accelerator", "auto")), strategy_name(cfg)
+
+STAND_IN_VOCAB = 256  # the vocabulary check_config builds the model with when model.vocab_size leaves it to the data
+
+RUN_KEYS = {  # the keys of train.yaml and the shared ones of conf/data (DATA_KEYS), typed like an option's keys
+    "seed": Annotated[int, Range(ge=0, le=2**32 - 1)],  # numpy's bounds (lmlab seeds numpy with it)
+    "trainer.log_every_n_steps": PositiveInt,  # 0 would log no training row at all
+    "threads": PositiveInt | None, "compile": bool | Literal["reduce-overhead", "max-autotune"],
+    "malloc": Literal["system", "keep"],
+    "trainer.max_steps": PositiveInt, "perf.peak_flops": PositiveFloat | None, "trainer.num_nodes": PositiveInt,
+    "trainer.val_check_interval": PositiveInt,  # steps: the training loader never ends, so no fraction of an epoch
+    **{f"data.{k}": t for k, t in DATA_KEYS.items()},
+}
+
+
+def _check_devices(cfg: DictConfig, gcfg: GPTConfig, strategy: str) -> None:
+    """A GPU the trainer asks for is there; DDP's every-parameter-used rule against model.untie_at_step."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if (accelerator in ("gpu", "cuda") or strategy == "fsdp") and not torch.cuda.is_available():
         key = f"trainer.strategy={strategy}" if strategy == "fsdp" else f"trainer.accelerator={accelerator}"
         fix = {"fsdp": "trainer=fsdp2 trainer.accelerator=cpu trainer.devices=2 (FSDP2 runs on CPU with gloo; "
@@ -151,9 +151,12 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
         raise ValueError(f"model.untie_at_step={gcfg.untie_at_step} leaves the head's own matrix without a gradient "
                          f"until that step, which trainer.strategy={strategy} refuses (DDP expects every parameter "
                          f"used): use trainer.strategy=ddp_find_unused_parameters_true, or trainer=fsdp2")
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    from lmlab.model.head import HEADS
 
+
+def _check_memory(cfg: DictConfig, gcfg: GPTConfig, strategy: str) -> None:
+    """The attention's scores and a batch's activations fit the device, at the largest batch a schedule reaches."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     staged = budget.stages_of(cfg)  # data.batch_schedule / seq_schedule (lmlab.data.stages), checked by key
     largest = max([b for _, b in (staged or {}).get("batch") or []] + [int(cfg.data.get("batch_size", 1))])
     if staged and staged["batch"] and getattr(HEADS[gcfg.head["name"]], "draws", False):
@@ -163,15 +166,8 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Non
                          gcfg.max_seq_len, largest, "cuda" if on_gpu else "cpu")
     check_batch_fits(largest, gcfg.max_seq_len, gcfg.d_model, gcfg.n_layer, "cuda" if on_gpu else "cpu")
 
-    warmup, max_steps = cfg.schedule.get("warmup_steps", 0), cfg.trainer.max_steps
-    chosen = overrides is None or any(override_key(o) == "schedule.warmup_steps" for o in overrides)
-    if warmup >= max_steps and chosen:  # a warning, not a refusal; not for a smoke run (steps cut, warmup the config's)
-        warnings.warn(f"schedule.warmup_steps={warmup} >= trainer.max_steps={max_steps}: the whole run is warmup, "
-                      f"so the learning rate never settles at optim.lr (lower schedule.warmup_steps or raise "
-                      f"trainer.max_steps unless this is a smoke run)", stacklevel=2)
 
-
-# --- downstream (lmlab.run.downstream): lm-eval tasks scored at validations, checked without importing lm-eval
+# --- downstream (lmlab.run.features.downstream): lm-eval tasks scored at validations, checked without importing lm-eval
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "lm_eval"  # the checkout's task files
 

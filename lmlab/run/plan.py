@@ -24,8 +24,9 @@ from lmlab.config import COMPUTE_KEYS, GPTConfig, arch_config, what_it_is
 from lmlab.data import build_datamodule
 from lmlab.env import is_rank_zero
 from lmlab.interop.hf import adopt, is_hf_dir, load_hf_dir
-from lmlab.model.gpt import validate
+from lmlab.model.gpt import GPT, meta_model
 from lmlab.model.head import HEADS, fit_head, fit_vocabulary
+from lmlab.model.memory import check_model_fits
 from lmlab.model.resolve import resolve
 from lmlab.record.rundir import RunDir, load_checkpoint, load_run, model_config
 from lmlab.record.summary import FINISHED
@@ -52,11 +53,13 @@ class RunPlan:
 
 
 def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
-              announce: Callable[[int], None] | None = None, overrides: list[str] | None = None) -> RunPlan:
+              announce: Callable[[int], None] | None = None, overrides: list[str] | None = None,
+              checked: GPT | None = None) -> RunPlan:
     """The plan of a start in `run` with resume `mode` under the trainer's `strategy` (its class name); raises
     naming the key or path for anything that refuses the start. `announce(step)` is called once a resume's checkpoint
     is read, before the data is prepared (its line comes first), unless the run has ended. `overrides`: the command's,
-    which tell a warmup it chose from the schedule's default (lmlab.optim.warmup; None: unknown, kept as it is)."""
+    which tell a warmup it chose from the schedule's default (lmlab.optim.warmup; None: unknown, kept as it is).
+    `checked`: the meta model lmlab.run.checks.check_config built for `cfg` (None: built here)."""
     cfg = copy.deepcopy(cfg)
     check_config_targets(cfg)  # every _target_ the trainer and loggers take one lmlab builds, before any import
     source = prepare_init_from(cfg)
@@ -83,8 +86,8 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
     # what the head reads from the vocabulary (head=prefix's prefix table), into the model record only
     model.head = fit_vocabulary(model.head, getattr(data, "tokenizer", None), model.vocab_size, eod_id,
                                 cfg.data.get("name"))
-    model = validate(model)
-    spend = budget.apply(cfg, model)  # budget.flops|tokens|...: this variant's own trainer.max_steps
+    meta = checked_model(model, checked)
+    spend = budget.apply(cfg, model, meta)  # budget.flops|tokens|...: this variant's own trainer.max_steps
     if (said := fit_warmup(cfg, overrides, saved)) and is_rank_zero():  # after the budget: the run's own length
         print(said, flush=True)
     if saved is not None:
@@ -95,6 +98,25 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
         ended = _ended(saved, previous, resume_step, cfg.trainer.max_steps)
     return RunPlan(cfg=cfg, model=model, data=data, source=source, ckpt=ckpt, saved=saved, resume_step=resume_step,
                    previous=previous, ended=ended, budget=spend, changed=changed, stages=budget.stages_of(cfg))
+
+
+def checked_model(model: GPTConfig, checked: GPT | None) -> GPT | None:
+    """Resolve and check `model`, the record with the data's vocabulary (lmlab.model.gpt.validate), building it on the
+    meta device only if the start has not: `checked`, check_config's meta model, is that architecture built with a
+    stand-in vocabulary, document id and labels (no data then), so only the memory the data's vocabulary needs is
+    checked again, and LitGPT builds the model itself before the run directory is written. Returns the meta model of
+    `model` when there is one: `checked` when nothing the data decides differs, the one built here otherwise (another
+    architecture: init_from=<transformers dir> adopted its own; None: library use that checked nothing)."""
+    if checked is None or _but_data(checked.cfg) != _but_data(resolve(model)):
+        return meta_model(model)
+    check_model_fits(model)
+    return checked if checked.cfg.to_dict() == model.to_dict() else None
+
+
+def _but_data(model: GPTConfig) -> dict[str, Any]:
+    """A model record less what the data decides (the vocabulary, the document separator's id, the head's labels)."""
+    return {k: v for k, v in model.to_dict().items() if k not in ("vocab_size", "eod_id", "head")} | {
+        "head": {k: v for k, v in model.head.items() if k != "labels"}}
 
 
 def objective_for(cfg: DictConfig, data: Any) -> int:

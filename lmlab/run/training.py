@@ -13,11 +13,11 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmlab.run import budget, seeds
+from lmlab.run import budget, features, seeds
 
 from lmlab import env, names
 from lmlab.run.checks import check_config, check_launch, strategy_name  # noqa: F401  (importable here, as before)
@@ -38,6 +38,9 @@ from lmlab.run.plan import (  # noqa: F401  (check_same_arch, prepare_init_from,
 from lmlab.record.rundir import RunDir, RunLock
 from lmlab.record.targets import check_targets
 
+if TYPE_CHECKING:
+    from lmlab.model.gpt import GPT
+
 
 def setup_env(cfg: DictConfig) -> None:
     """The run's process environment (lmlab.env.setup): kept under this name for callers of earlier lmlab."""
@@ -45,11 +48,12 @@ def setup_env(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = None, group: str | None = None,
-          callbacks: list | None = None, hydra: Any = None) -> dict[str, Any]:
+          callbacks: list | None = None, hydra: Any = None, checked: GPT | None = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything into `run_dir`; return the summary. `group`: the W&B group (None:
     named after the run directory, lmlab.record.tracking.group_name); `callbacks`: extra Lightning callbacks (library
-    use);
-    `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it).
+    use); `hydra`: Hydra's own config, written to .hydra/hydra.yaml (the CLI passes it); `checked`: the meta model
+    `check_config(cfg, overrides)` returned, when the caller has checked the config (the command does, before
+    Lightning is imported): not checked, nor built, again.
 
     The summary's `status` says how the run ended; an interrupted run (a signal) returns with status
     `interrupted` after saving its checkpoint, and train.py turns that into a non-zero exit code."""
@@ -59,7 +63,8 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
     stop = StopOnSignal(str(run.last)).install()  # from the start: a signal while data is prepared stops at once
     try:
         env.filter_warnings()
-        check_config(cfg, overrides)
+        if checked is None:
+            checked = check_config(cfg, overrides)
         setup_env(cfg)
         mode = resume_mode(cfg)
         lock = RunLock(run.path).acquire() if is_rank_zero() else None  # ranks > 0 write nothing into the directory
@@ -67,7 +72,7 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
             run.clean_temporaries()  # what a killed writer left: ours now that we hold the lock
         try:
             return _train(cfg, run, mode, list(overrides or []), group, list(callbacks or []), hydra, stop,
-                          killed=lock.stale if lock is not None else None)
+                          killed=lock.stale if lock is not None else None, checked=checked)
         finally:
             if lock is not None:
                 lock.release()
@@ -76,14 +81,13 @@ def train(cfg: DictConfig, run_dir: str | Path, overrides: list[str] | None = No
 
 
 def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group: str | None, callbacks: list,
-           hydra: Any, stop, killed: str | None = None) -> dict[str, Any]:
+           hydra: Any, stop, killed: str | None = None, checked: GPT | None = None) -> dict[str, Any]:
     import lightning.pytorch as L
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from lmlab.model.flops import flops_per_token
     from lmlab.model.mixer.backend import paths_taken
-    from lmlab.run.fp8 import apply as apply_fp8
     from lmlab.run.interrupt import EXIT_CODES, RunInterrupted, StopAtOnce, requeue_on_slurm
     from lmlab.run.lit import LitGPT
     from lmlab.run.lit_data import lightning_data
@@ -97,7 +101,7 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
 
     # --- everything that can refuse the start, before the run directory is touched ---
     plan = make_plan(cfg, run, mode, strategy_name(cfg), announce=_announce(run, overrides, hydra),
-                     overrides=overrides)
+                     overrides=overrides, checked=checked)
     stop.prepared()  # from here a signal stops the run at a step boundary, with a checkpoint
     cfg, gcfg, data, source, ckpt, saved = plan.cfg, plan.model, plan.data, plan.source, plan.ckpt, plan.saved
     resume_step, previous = plan.resume_step, plan.previous
@@ -115,15 +119,14 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
                  stages=plan.stages)  # data.batch_schedule / seq_schedule (lmlab.data.stages): None without
     if source is not None:
         load_init_from(lit.model, gcfg.to_dict(), source)
-    # precision.fp8: the Linear layers it names become torchao's Float8Linear (lmlab.run.fp8), before the first forward
-    # (LitGPT's torch.compile traces then) and before trainer=fsdp2 shards the model (LitGPT.configure_model)
-    fp8_layers = apply_fp8(lit.model, cfg)
+    # the run-time features the config turns on (lmlab.run.features), before the first forward: a feature may change
+    # the model (precision.fp8) or refuse the start (a downstream task that cannot load)
+    started = features.start(cfg, features.Start(run, lit.model, data, previous if saved is not None else None,
+                                                 resume_step))
     if saved is not None:
         lit.on_load_checkpoint(saved)  # the run's figures so far, even if this attempt fails before fit restores
     monitor = StabilityMonitor(**OmegaConf.to_container(cfg.monitor, resolve=True), unigram=unigram,
                                plot_dir=str(run / "plots"))
-    # downstream.tasks (lmlab.run.downstream): loaded here, so a task that cannot load refuses the start
-    downstream = _downstream(cfg, data, previous if saved is not None else None, resume_step)
 
     # --- the start is accepted: now the directory is written ---
     if is_rank_zero():
@@ -135,25 +138,11 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
 
     checkpoint = ModelCheckpoint(dirpath=run / "checkpoints", filename="best", monitor=names.VAL_LOSS, mode="min",
                                  save_top_k=1, save_last=True, auto_insert_metric_name=False)
-    kept = []  # checkpoint.keep_last=k: + step_<N>.ckpt of the last k validations (lmlab.run.keep_last), what eval.py
-    if (keep_last := OmegaConf.select(cfg, "checkpoint.keep_last", default=None)) is not None:  # merge=last:k averages;
-        from lmlab.run.keep_last import KeepLast  # a resume still reads last.ckpt
-
-        kept = [KeepLast(run.path, keep_last)]
     throughput = Throughput(flops_per_token(lit.model, gcfg.max_seq_len)["train"],
                             OmegaConf.select(cfg, "perf.peak_flops", default=None))
-    task = data.callbacks(run.path)  # a task's own metrics (data=position_probe); a corpus has none
-    if OmegaConf.select(cfg, "jacobian.every_n_steps", default=0):  # per-block Jacobian norms (lmlab.run.jacobian)
-        from lmlab.run.jacobian import JacobianNorms
-
-        task = [*task, JacobianNorms(cfg.jacobian.every_n_steps, cfg.jacobian.get("probes", 4))]
-    if cfg.optim.get("qk_clip") is not None:  # QK-clip (lmlab.optim.qk_clip): every step, after the optimizer's
-        from lmlab.run.qk_clip import QKClipCallback
-
-        task = [*task, QKClipCallback(float(cfg.optim.qk_clip))]
-    if downstream is not None:  # lm-eval tasks scored at validations, logged beside the val loss
-        task = [*task, downstream]
-    callbacks = [checkpoint, *kept, monitor, throughput, stop, *task, *callbacks]
+    callbacks = [checkpoint, *features.callbacks(started, "checkpoint"), monitor, throughput, stop,
+                 *data.callbacks(run.path),  # a task's own metrics (data=position_probe); a corpus has none
+                 *features.callbacks(started, "task"), *callbacks]
     if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # a caller's own bar wins
     from lmlab.record.sweep import swept_tags
@@ -214,12 +203,10 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
         summary.update(throughput.figures(summary["tokens_per_s"], summary["world_size"]))  # FLOP/s, MFU, device
         if staged is not None:  # compare's *_to_target count through them
             summary["stages"] = staged
-        if OmegaConf.select(cfg, "precision.fp8", default=None):  # the layers FP8 took (off: the summary as before)
-            summary["fp8"] = fp8_layers
         if mixer_paths := paths_taken(lit.model):  # the recurrent mixers' path: torch, or their kernel (a hybrid only)
             summary["mixer_backend"] = ",".join(mixer_paths)
-        if downstream is not None:  # the last downstream/ values (downstream.tasks=[]: the summary as before)
-            summary.update(downstream.figures())
+        for feature in started.values():  # what the features on report (precision.fp8's layers, downstream's last
+            summary.update(feature.figures())  # values); a feature off leaves the summary as before
         if trainer.is_global_zero:
             summary = record(run, summary, started_at_step=resume_step, started=start, previous=previous,
                              targets=check_targets(cfg.get("targets")), changed=plan.changed, killed=killed)
@@ -234,21 +221,6 @@ def _train(cfg: DictConfig, run: RunDir, mode: str, overrides: list[str], group:
     if at_once:  # stopped mid-step: leave the caller's code too, with the shell's code for the signal (Lightning's was 1)
         raise SystemExit(EXIT_CODES[at_once])
     return summary
-
-
-def _downstream(cfg: DictConfig, data: Any, previous: dict[str, Any] | None, resume_step: int):
-    """The Downstream callback of `downstream:` (None when downstream.tasks is empty: the run as before), scoring at
-    every `every_n_vals`-th validation's step; a resume carries the previous summary's last values."""
-    node = OmegaConf.select(cfg, "downstream", default=None)
-    block = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    tasks = block.get("tasks") or []
-    if not tasks:
-        return None
-    from lmlab.run.downstream import Downstream, carried
-
-    every = int(block.get("every_n_vals") or 1) * int(cfg.trainer.get("val_check_interval") or 1)
-    return Downstream([tasks] if isinstance(tasks, str) else list(tasks), data.tokenizer, every=every,
-                      limit=block.get("limit"), last=carried(previous, resume_step))
 
 
 def _announce(run: RunDir, overrides: list[str], hydra: Any):
