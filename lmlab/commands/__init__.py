@@ -19,6 +19,8 @@ COMMANDS = {
                "effect d (a difference over its sd), exactly",
     "sweep": "a sweep's jobs: lmlab sweep status <sweep dir> [--json|--watch], lmlab sweep resume <sweep dir>",
     "bench": "the benchmark: lmlab bench [...] (python -m lmlab.bench)",
+    "branch": "a decay branch of a WSD trunk: lmlab branch <run dir> at=<step> decay=<steps> [out=<dir>] "
+              "[overrides ...], a new run cooling down from the trunk's step checkpoint",
     "ledger": "a fixed-budget ledger (train.py ledger=<file>) best first, with the noise floor: lmlab ledger <file> "
               "[--json]",
 }
