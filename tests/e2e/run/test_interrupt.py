@@ -33,11 +33,10 @@ class _Signal(Callback):
             os.kill(os.getpid(), self.signum)
 
 
-@pytest.fixture(scope="module")
-def straight(corpus: Path, tmp_path_factory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("straight")
-    train(compose(tiny(corpus, base / "cache")), base / "run")
-    return base / "run", base / "cache"
+@pytest.fixture
+def straight(tiny_straight: Path) -> tuple[Path, Path]:
+    """The plain tiny run trained straight through (tests/e2e/conftest.py) and its data cache."""
+    return tiny_straight, tiny_straight.parent / "cache"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
@@ -255,7 +254,7 @@ train(compose(sys.argv[3:]), sys.argv[1], callbacks=[SlowFirstBatch()])
 
 @pytest.mark.parametrize("at", [0, 8], ids=["fresh", "resumed"])
 def test_sigterm_while_the_first_batch_is_assembled_ends_the_run_within_seconds(corpus: Path, tmp_path: Path,
-                                                                                at: int) -> None:
+                                                                                at: int, tiny_straight: Path) -> None:
     """A SIGTERM while an attempt's first batch takes minutes ends the run at once (it waited for the end of that
     step): `interrupted`, exit code 143, the checkpoint it started from kept; continued, it is the straight run."""
     args = tiny(corpus, tmp_path / "cache")
@@ -286,7 +285,5 @@ def test_sigterm_while_the_first_batch_is_assembled_ends_the_run_within_seconds(
     assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, err[-3000:])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGTERM and summary["steps"] == at
-    straight = tmp_path / "straight"
-    train(compose(tiny(corpus, tmp_path / "cache")), straight)
     train(compose([*tiny(corpus, tmp_path / "cache")]), run)  # resume=auto: continues (or starts) as it was
-    assert figures(run) == figures(straight)
+    assert figures(run) == figures(tiny_straight)  # the straight run (its own data cache: the same tokens)

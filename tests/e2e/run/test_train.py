@@ -44,10 +44,8 @@ def test_train_leaves_a_run_directory(corpus: Path, tmp_path: Path) -> None:
     assert len(steps) == len(set(steps))  # one row per step
 
 
-def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    straight = tmp_path / "straight"
-    train(compose(tiny(corpus, cache)), straight)
+def test_resume_continues_the_same_curve(corpus: Path, tmp_path: Path, tiny_straight: Path) -> None:
+    cache, straight = tiny_straight.parent / "cache", tiny_straight
     resumed = tmp_path / "resumed"
     with pytest.raises(SystemExit):
         train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlC(at=17)])  # between two checkpoints
@@ -78,13 +76,12 @@ class CtrlCAfterTheStep(Callback):
 
 
 @pytest.mark.parametrize("at", [17, 20], ids=["mid", "validation_due"])
-def test_a_stop_after_the_optimizer_step_resumes_without_training_that_batch_again(corpus, tmp_path, at) -> None:
+def test_a_stop_after_the_optimizer_step_resumes_without_training_that_batch_again(corpus, tmp_path, at,
+                                                                                    tiny_straight) -> None:
     """The checkpoint of a stop inside a step holds the weights after its optimizer step: the resumed run goes on
     from the next batch (it trained batch `at` - 1 again, a step more than the straight run, each row a step late).
     The stopped step's own row was never logged; every other row equals the straight run's."""
-    cache = tmp_path / "cache"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(compose(tiny(corpus, cache)), straight)
+    cache, straight, resumed = tiny_straight.parent / "cache", tiny_straight, tmp_path / "resumed"
     with pytest.raises(SystemExit):
         train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlCAfterTheStep(at=at)])
     assert json.loads((resumed / "summary.json").read_text())["steps"] == at
@@ -286,14 +283,12 @@ class CtrlCTwiceInTheBookkeeping(Callback):
 
 
 @pytest.mark.parametrize("where", ["log", "schedule"])
-def test_ctrl_c_twice_after_the_optimizer_step_stops_at_its_boundary_and_resumes_exactly(corpus, tmp_path,
-                                                                                         where) -> None:
+def test_ctrl_c_twice_after_the_optimizer_step_stops_at_its_boundary_and_resumes_exactly(corpus, tmp_path, where,
+                                                                                         tiny_straight) -> None:
     """Pressed twice once the step's optimizer step is done, Ctrl-C stops at the step's boundary: the resumed run is
     the straight one, every row (cut inside the bookkeeping, its rows came a step late or its schedule a step
     behind)."""
-    cache = tmp_path / "cache"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(compose(tiny(corpus, cache)), straight)
+    cache, straight, resumed = tiny_straight.parent / "cache", tiny_straight, tmp_path / "resumed"
     summary = train(compose(tiny(corpus, cache)), resumed, callbacks=[CtrlCTwiceInTheBookkeeping(17, where)])
     assert (summary["status"], summary["steps"], summary["signal"]) == ("interrupted", 17, signal.SIGINT)
     train(compose(tiny(corpus, cache, "resume=true")), resumed)

@@ -1,7 +1,7 @@
 """residual=smear (the GPT-2 speedrun's record 34): x_t + λ·σ(w·x_t[:g])·x_{t−1} on a hand example; the model's
-embedding output (x0 included) smeared before the embedding norm; init=0 the standard model; the whole model causal;
-a packed document read as it would be alone under attention.doc_mask (full forward and cached); cached generation
-equal to the full forward; training; the optimizer roles; refusals by key."""
+embedding output (x0 included) smeared before the embedding norm; init=0 the standard model; cached generation equal
+to the full forward; the optimizer roles; refusals by key. Causality, a packed document read alone and training:
+test_residual_options.py, over the options."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lmlab.model.attention.cache import KVCache
 from lmlab.model.gpt import GPT, validate
 from lmlab.model.residual.smear import Smear
 from lmlab.optim import OPTIMIZERS, param_groups
-from tests.unit.model.options import assert_refused, assert_trains
+from tests.unit.model.options import assert_refused
 
 V, EOD = 40, 0
 BASE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=4, max_seq_len=32, position={"name": "rope"},
@@ -107,42 +107,6 @@ def test_the_records_init_is_the_standard_model_and_then_learns() -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("t", [0, 5, 11])
-def test_the_whole_model_is_causal(t: int) -> None:
-    model = _model()
-    idx = _idx(T=16)
-    changed = idx.clone()
-    changed[:, t + 1:] = (changed[:, t + 1:] + 7) % (V - 1) + 1
-    with torch.no_grad():
-        a, b = model(idx), model(changed)
-    torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=0)
-    assert (a[:, t + 1] - b[:, t + 1]).abs().max() > 1e-6
-
-
-@pytest.mark.parametrize("role", ["eod", "bos"])
-@pytest.mark.parametrize("prompt", [14, 8])
-def test_a_packed_document_reads_as_it_would_alone(prompt: int, role: str) -> None:
-    """Under attention.doc_mask the second document's logits are its own alone, in a full forward and cached (its
-    start inside the prompt, or among the tokens generated one at a time); smearing across the start (the record's
-    packed batch) they are not."""
-    a, b = _idx(T=11, B=1, seed=2), _idx(T=9, B=1, seed=3)
-    if role == "eod":  # the first document ends with its separator
-        packed = torch.cat((a, torch.tensor([[EOD]]), b), dim=1)
-    else:  # each opens with it (data=token_bin's [50256, *doc]): the record reads across at b's separator
-        a, b = (torch.cat((torch.tensor([[EOD]]), t[:, 1:]), dim=1) for t in (a, b))
-        packed = torch.cat((a, b), dim=1)
-    model = _model(eod_id=EOD, doc_sep_role=role, attention={"name": "mha", "doc_mask": True})
-    with torch.no_grad():
-        alone = model(b)
-        torch.testing.assert_close(model(packed)[:, -9:], alone, rtol=1e-10, atol=1e-10)
-        cache = KVCache(len(model.h))
-        steps = [model(packed[:, :prompt], cache=cache)]
-        steps += [model(packed[:, t:t + 1], cache=cache) for t in range(prompt, packed.size(1))]
-        torch.testing.assert_close(torch.cat(steps, dim=1)[:, -9:], alone, rtol=1e-10, atol=1e-10)
-        model.residual.options["smear"].cut = False
-        assert (model(packed)[:, -9:] - alone).abs().max() > 1e-3
-
-
 CACHED = {
     "rope": {},
     "learned positions+embed_norm": {"position": {"name": "learned"}, "embed_norm": True},
@@ -168,10 +132,6 @@ def test_cached_generation_gives_the_full_forward(case: str) -> None:
         steps += [model(idx[:, t:t + 1], cache=cache) for t in range(11, 24)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
     assert cache.layers[0].inputs["smear"].shape == (2, 1, 32)
-
-
-def test_it_trains_forward_and_backward() -> None:
-    assert_trains(_model().float().train(), _idx(T=16, B=4), owned=".smear.")
 
 
 def test_its_weights_are_adamws_under_muon() -> None:
