@@ -35,6 +35,15 @@ def what_it_is(record: dict[str, Any]) -> dict[str, Any]:
 # option's own keys.
 # `hidden` sets the size itself, unmatched (a transformers config's intermediate_size).
 FFN_SIZES = {"hidden_mult": PositiveFloat, "multiple_of": PositiveInt, "hidden": PositiveInt | None}
+# What a `model.layers` entry takes: the group key it is written into (lmlab.model.layers resolves them) and its values.
+LAYER_KEYS = {"mixer": ("mixer.pattern", "attention, the mixer's name, mixer or none"),
+              "window": ("attention.pattern", "a window of >= 1 keys, local (attention.window), global or null"),
+              "ffn": ("ffn.skip_layers", "true or false (false: no FFN)"),
+              "nope": ("position.nope_layers", "true or false (true: no positions, the layer left unrotated)")}
+LAYER_VALUES = {"mixer": lambda v: isinstance(v, str),
+                "window": lambda v: v is None or v in ("local", "global") or (isinstance(v, int)
+                                                                              and not isinstance(v, bool) and v >= 1),
+                "ffn": lambda v: isinstance(v, bool), "nope": lambda v: isinstance(v, bool)}
 # Keys of the ffn group that say which layers have an FFN (lmlab.model.block reads them; the FFN class never sees them).
 FFN_LAYERS = {"skip_layers": Annotated[list[int], Range(ge=0)] | None}
 # The derived sizes (lmlab.model.resolve fills them; None in a record written before December 2026: worked out then)
@@ -84,6 +93,9 @@ class GPTConfig:
     param: dict = field(default_factory=lambda: {"name": "sp"})  # the parametrisation (lmlab.model.param): sp, mup
     head: dict = field(default_factory=lambda: {"name": "next"})  # what is predicted (lmlab.model.head): next, mtp
     mixer: dict = field(default_factory=lambda: {"name": "attention"})  # each layer's token mixer (lmlab.model.mixer)
+    # Each layer's overrides, cycled over n_layer (its length divides it): mixer, window, ffn, nope (LAYER_KEYS), the
+    # general form of the groups' per-layer keys, written into them here (the record holds those; this None).
+    layers: list[dict[str, Any]] | None = None
     # Derived (DERIVED), worked out by lmlab.model.resolve from the options; modules receive these final numbers.
     head_dim: int | None = None  # d_model / n_head
     kv_heads: int | None = None  # the key/value heads the attention option keeps (n_head, n_kv_head or 1)
@@ -107,6 +119,43 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
                              f"choose n_head among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}")
+        if self.layers is not None:
+            self._spell_layers()
+            self.layers = None  # the record holds the groups' keys: the model the same as their spelling builds
+
+    def _spell_layers(self) -> None:
+        """`layers` written as the groups' per-layer keys (LAYER_KEYS), which lmlab.model.layers resolves into each
+        layer's record: each entry's key checked, the length dividing n_layer, and a group's key given as well
+        refused, naming both."""
+        entries = list(self.layers)
+        if not entries or self.n_layer % len(entries):
+            divisors = [n for n in range(1, self.n_layer + 1) if self.n_layer % n == 0]
+            raise ValueError(f"model.layers has {len(entries)} entries, which does not divide model.n_layer="
+                             f"{self.n_layer}: the entries are cycled over the layers; use a length among {divisors}")
+        for i, entry in enumerate(entries):
+            if unknown := sorted(set(entry) - set(LAYER_KEYS)):
+                accepted = "; ".join(f"{k}: {what}" for k, (_, what) in LAYER_KEYS.items())
+                raise ValueError(f"model.layers[{i}] has {unknown}: a layer's entry takes {accepted}")
+            for key, value in entry.items():
+                if not LAYER_VALUES[key](value):
+                    raise ValueError(f"model.layers[{i}].{key}={value!r}: {key} is {LAYER_KEYS[key][1]}")
+        given = [k for k in LAYER_KEYS if any(k in e for e in entries)]
+        for key in given:
+            group, sub = LAYER_KEYS[key][0].split(".")
+            if (old := getattr(self, group).get(sub)) is not None:
+                raise ValueError(f"model.layers gives each layer's {key}, and {LAYER_KEYS[key][0]}={old} does too: "
+                                 f"give one of them (model.layers=[...] or {LAYER_KEYS[key][0]})")
+        at = [entries[i % len(entries)] for i in range(self.n_layer)]
+        if "mixer" in given:
+            self.mixer["pattern"] = [e.get("mixer", self.mixer.get("name", "attention")) for e in entries]
+        if "window" in given:  # an entry without one: attention.window (local), or the whole context
+            rest = "global" if self.attention.get("window") is None else "local"
+            self.attention["pattern"] = [rest if "window" not in e else "global" if e["window"] is None
+                                         else e["window"] for e in entries]
+        if "ffn" in given:
+            self.ffn["skip_layers"] = [i for i, e in enumerate(at) if not e.get("ffn", True)] or None
+        if "nope" in given:
+            self.position["nope_layers"] = [i for i, e in enumerate(at) if e.get("nope", False)] or None
 
     @property
     def ffn_spec(self) -> dict[str, Any]:

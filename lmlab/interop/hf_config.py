@@ -105,12 +105,10 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
 
 
 def layer_windows(cfg: GPTConfig) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as lmlab's attention builds it."""
-    from lmlab.model.mask import layer_window
+    """Each layer's sliding window (None: full attention), as lmlab's attention builds it: the layer plan's."""
+    from lmlab.model.layers import layer_plan
 
-    attn = cfg.attention
-    return [layer_window(attn.get("window"), attn.get("pattern"), i, cfg.n_layer, cfg.max_seq_len)
-            for i in range(cfg.n_layer)]
+    return [layer.window for layer in layer_plan(cfg)]
 
 
 def _check_llama(cfg: GPTConfig) -> str:

@@ -37,7 +37,8 @@ import torch
 
 from lmlab.config import GPTConfig
 from lmlab.interop.refusal import NotRepresentable, refuse
-from lmlab.model.mixer import ATTENTION, gdn, layer_types, mamba2
+from lmlab.model.layers import layer_plan
+from lmlab.model.mixer import ATTENTION, gdn, mamba2
 
 HYBRID_TYPES = {"bamba": "Bamba", "qwen3_next": "Qwen3-Next"}
 _FAMILIES = {"mamba2": "bamba", "gdn": "qwen3_next"}  # lmlab's mixer -> the family that has it
@@ -67,7 +68,7 @@ def check_hybrid(cfg: GPTConfig, fam: str, gate_act: str | None) -> None:
                      "and the conv's is SiLU)")
     if cfg.rope_scaling["name"] != "none":
         raise refuse("rope_scaling", cfg.rope_scaling["name"], name, "rope_scaling=none")
-    if ATTENTION not in layer_types(cfg):  # its cache counts the tokens by an attention layer
+    if not any(layer.attention for layer in layer_plan(cfg)):  # its cache counts the tokens by an attention layer
         raise refuse("mixer.pattern", m.get("pattern"), name, "an attention layer in mixer.pattern (transformers' "
                      f"{name} runs no stack without one)")
     if float(m["norm_eps"]) != eps:
@@ -102,7 +103,7 @@ def hybrid_hf_config(cfg: GPTConfig, fam: str, common: dict[str, Any]) -> Any:
     import transformers
 
     m, n = cfg.mixer, cfg.n_layer
-    types = [_FULL if t == ATTENTION else _LINEAR for t in layer_types(cfg)]
+    types = [_FULL if layer.attention else _LINEAR for layer in layer_plan(cfg)]
     rope = {**common["rope_parameters"], "partial_rotary_factor": float(cfg.position.get("rotary_pct", 1.0))}
     common = {**common, "rope_parameters": rope, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     if fam == "bamba":
@@ -213,7 +214,7 @@ def state(model: Any) -> dict[str, torch.Tensor]:
     shift = 1.0 if fam == "qwen3_next" else 0.0  # Qwen3-Next's norms multiply by 1 + w
     out = {"model.embed_tokens.weight": sd["wte.weight"], f"model.{ln_f}.weight": sd["ln_f.weight"] - shift,
            "lm_head.weight": sd["lm_head.weight"]}
-    for i, kind in enumerate(layer_types(cfg)):
+    for i, layer in enumerate(layer_plan(cfg)):
         p, q = f"h.{i}.", f"model.layers.{i}."
         out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"] - shift
         out[q + f"{ln_2}.weight"] = sd[p + "ln_2.weight"] - shift
@@ -221,7 +222,7 @@ def state(model: Any) -> dict[str, torch.Tensor]:
             out[q + f"{ffn}.gate_proj.{suffix}"], out[q + f"{ffn}.up_proj.{suffix}"] = sd[
                 p + f"mlp.c_fc.{suffix}"].chunk(2, dim=0)  # swiglu's fused rows: [gate; up]
             out[q + f"{ffn}.down_proj.{suffix}"] = sd[p + f"mlp.c_proj.{suffix}"]
-        if kind == ATTENTION:
+        if layer.attention:
             out.update(_attention(sd, p, q, cfg, fam))
             continue
         ours = {k[len(p + "mix."):]: v for k, v in sd.items() if k.startswith(p + "mix.")}
@@ -255,14 +256,14 @@ def invert(state: dict[str, torch.Tensor], model: Any, fam: str) -> dict[str, to
     nh, hd = cfg.n_head, cfg.head_dim
     sd = {"wte.weight": state["model.embed_tokens.weight"], "ln_f.weight": state[f"model.{ln_f}.weight"] + shift,
           "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
-    for i, kind in enumerate(layer_types(cfg)):
+    for i, layer in enumerate(layer_plan(cfg)):
         p, q = f"h.{i}.", f"model.layers.{i}."
         sd[p + "ln_1.weight"] = state[q + "input_layernorm.weight"] + shift
         sd[p + "ln_2.weight"] = state[q + f"{ln_2}.weight"] + shift
         for suffix in ("weight", "bias") if cfg.bias else ("weight",):
             sd[p + f"mlp.c_fc.{suffix}"] = torch.cat([state[q + f"{ffn}.{x}_proj.{suffix}"] for x in ("gate", "up")])
             sd[p + f"mlp.c_proj.{suffix}"] = state[q + f"{ffn}.down_proj.{suffix}"]
-        if kind == ATTENTION:
+        if layer.attention:
             a = q + "self_attn."
             for suffix in ("weight", "bias") if cfg.bias else ("weight",):
                 qw = state[a + f"q_proj.{suffix}"]

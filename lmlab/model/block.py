@@ -4,13 +4,14 @@
 Contract: `Kind(cfg, *, <own params>)` with `heads` and `head_dim`, the attention geometry the position scheme is built
 for (RoPE's rotated size, ALiBi's slopes), `sublayers(layer)`, the modules of layer `layer` in order, by attribute name,
 and `n_params(layer)`, a layer's weights from the sizes alone (what a size bound reads before anything is built),
-`types` and `ffn_layers`, each layer's token mixer and whether it has an FFN (layers alike in both count alike), and
-`cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`, the widths its scores
-read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token follow. `uses` names the
-optional groups the kind reads (`attention`, `ffn`): the others are recorded as unused, not validated. A sublayer says
-on itself what shared code needs: `sublayer` (its name in the monitor's figures), `mixes_tokens` (called as `(x, pos,
-cache)`; `probs(x, pos)` gives its attention weights), and on its projections the init markers (`is_residual_proj`,
-`value_parts`, read by `lmlab.model.init`).
+`plan`, each layer's record (lmlab.model.layers: its token mixer, window, FFN or none, positions, residual flags),
+and its columns `types` and `ffn_layers`, each layer's token mixer and whether it has an FFN (layers alike in both
+count alike), and `cache_width`, the numbers a layer's KV cache holds per token (keys and values), and `attn_width`,
+the widths its scores read (queries/keys) plus the width they weigh (values): what the attention's FLOPs per token
+follow. `uses` names the optional groups the kind reads (`attention`, `ffn`): the others are recorded as unused, not
+validated. A sublayer says on itself what shared code needs: `sublayer` (its name in the monitor's figures),
+`mixes_tokens` (called as `(x, pos, cache)`; `probs(x, pos)` gives its attention weights), and on its projections the
+init markers (`is_residual_proj`, `value_parts`, read by `lmlab.model.init`).
 
 A layer may lack a sublayer (the transformer's): it is then absent with its norm(s), so under every placement the
 stream passes that step unchanged (pre: x + F(N(x)) becomes x; post: N(x + F(x)) becomes x, not renormalised there;
@@ -24,12 +25,13 @@ from typing import Literal
 
 from torch import nn
 
-from lmlab.config import FFN_LAYERS, GPTConfig
+from lmlab.config import GPTConfig
 from lmlab.model.attention import ATTENTIONS
 from lmlab.model.ffn import FFNS
 from lmlab.model.gau import GAU
+from lmlab.model.layers import ffn_layers, plan_layers
 from lmlab.model.mixer import ATTENTION, MIXERS, NONE, layer_types
-from lmlab.registry import PositiveFloat, PositiveInt, build, check_values, option_params
+from lmlab.registry import PositiveFloat, PositiveInt, build, option_params
 
 
 class Transformer:
@@ -37,9 +39,9 @@ class Transformer:
     from the `mixer` group's pattern (lmlab.model.mixer): softmax attention (the `attention` group, sublayer `attn`)
     or a recurrent mixer (sublayer `mix`: Gated DeltaNet, Mamba-2, linear attention), or none (a `none` entry). The
     attention geometry is that of the attention layers (what positions, caches and FLOPs of those layers follow);
-    `types` lists each layer's mixer, `ffn_layers` whether it has its FFN: all but `ffn.skip_layers` (the GPT-2
-    speedrun's record 30 dropped the first layer's MLP, records 17 and 35 the attention of layers 7 and 0). A layer
-    without a sublayer has none of its weights, FLOPs or KV cache."""
+    `plan` holds each layer's record (lmlab.model.layers), `types` its mixer, `ffn_layers` whether it has its FFN:
+    all but `ffn.skip_layers` (the GPT-2 speedrun's record 30 dropped the first layer's MLP, records 17 and 35 the
+    attention of layers 7 and 0). A layer without a sublayer has none of its weights, FLOPs or KV cache."""
 
     uses = ("attention", "ffn")
 
@@ -50,51 +52,35 @@ class Transformer:
         self.heads, self.head_dim = self.attention.heads, self.attention.head_dim
         self.cache_width = self.attention.cache_width
         self.attn_width = self.attention.attn_width  # MHA: QKᵀ over n_head heads of head_dim, then A·V as wide
-        self.types = layer_types(cfg)
-        self.ffn_layers = _ffn_layers(cfg, self.types)
+        mixers = layer_types(cfg)
+        self.plan = plan_layers(cfg, mixers, ffn_layers(cfg, mixers))  # each layer's record (lmlab.model.layers)
+        self.types = [layer.mixer for layer in self.plan]  # the plan's columns, as the size counts read them
+        self.ffn_layers = [layer.ffn for layer in self.plan]
         self.mixer = None  # the recurrent mixer's geometry, when some layer has one
-        if any(t not in (ATTENTION, NONE) for t in self.types):
+        if any(layer.recurrent for layer in self.plan):
             mixer, params = option_params("mixer", MIXERS, cfg.mixer)
             self.mixer = MIXERS[mixer].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"})
 
     def n_params(self, layer: int = 0) -> int:
         """Layer `layer`'s weights: its mixer's (the attention option's `geometry`, the recurrent mixer's, or 0 for
         `none`), plus the FFN's (its option's count) unless the layer is in ffn.skip_layers."""
-        cfg = self.cfg
-        kind = self.types[layer]
-        mix = 0 if kind == NONE else self.attention.n_params if kind == ATTENTION else self.mixer.n_params
-        if not self.ffn_layers[layer]:
+        cfg, here = self.cfg, self.plan[layer]
+        mix = 0 if not here.mixes_tokens else self.attention.n_params if here.attention else self.mixer.n_params
+        if not here.ffn:
             return mix
         ffn, params = option_params("ffn", FFNS, cfg.ffn_spec)  # an MoE's count reads its own options
         return mix + FFNS[ffn].n_params(cfg.d_model, cfg.ffn_hidden, cfg.bias, **params)
 
     def sublayers(self, layer: int = 0) -> dict[str, nn.Module]:
-        cfg = self.cfg
-        kind, out = self.types[layer], {}
-        if kind == ATTENTION:
+        cfg, here, out = self.cfg, self.plan[layer], {}
+        if here.attention:
             out["attn"] = build("attention", ATTENTIONS, cfg.attention, cfg, layer)
-        elif kind != NONE:
+        elif here.recurrent:
             out["mix"] = build("mixer", MIXERS, cfg.mixer, cfg, layer)
-        if self.ffn_layers[layer]:
+        if here.ffn:
             out["mlp"] = build("ffn", FFNS, cfg.ffn_spec, cfg.d_model, cfg.ffn_hidden, activation=cfg.activation,
                                bias=cfg.bias)
         return out
-
-
-def _ffn_layers(cfg: GPTConfig, types: list[str]) -> list[bool]:
-    """Whether each layer has its FFN: all but those `ffn.skip_layers` lists, checked (layers of the model; no layer
-    left with neither a token mixer nor an FFN, which would be a layer fewer), naming the keys."""
-    skip = cfg.ffn.get("skip_layers")
-    check_values("ffn.", {"skip_layers": skip}, FFN_LAYERS)
-    skip = sorted(set(skip or ()))
-    if bad := [i for i in skip if i >= cfg.n_layer]:
-        raise ValueError(f"ffn.skip_layers={skip} has {bad}, not layers of the model (0 .. model.n_layer - 1 = "
-                         f"{cfg.n_layer - 1})")
-    if empty := [i for i in skip if types[i] == NONE]:
-        raise ValueError(f"ffn.skip_layers={skip} with mixer.pattern={cfg.mixer.get('pattern')} leaves layer "
-                         f"{empty} with neither a token mixer nor an FFN: use a layer fewer (model.n_layer), or keep "
-                         f"one of its sublayers")
-    return [i not in skip for i in range(cfg.n_layer)]
 
 
 class GAUBlock:
@@ -117,8 +103,9 @@ class GAUBlock:
             shown = f"mixer.pattern={pattern}" if NONE in pattern else f"ffn.skip_layers={cfg.ffn['skip_layers']}"
             raise ValueError(f"{shown} drops a transformer layer's sublayer; block=gau has one unit per layer, "
                              f"nothing to drop: use block=transformer, or leave it out")
-        self.types = [ATTENTION] * cfg.n_layer
+        self.types = [ATTENTION] * cfg.n_layer  # each layer's unit: attention-like (its KV cache, its scores)
         self.ffn_layers = [False] * cfg.n_layer  # one unit, no FFN
+        self.plan = plan_layers(cfg, self.types, self.ffn_layers, attention=False)  # no attention group keys
         self.e = max(1, round(expansion * cfg.d_model))
         self.heads, self.head_dim = 1, s
         self.cache_width = s + self.e  # one head: keys of size s, values of size e

@@ -29,20 +29,23 @@ def flops_per_token(model: nn.Module, seq_len: int) -> dict[str, int]:
     forward (a transformer layer: 2·n_head·head_dim, the usual 12·L·T·d in training; a GAU: s + e). A layer whose
     queries read a window of W keys (attention.window) costs W in place of T. A recurrent mixer's layer (mixer=gdn,
     mamba2, linear: sublayer `mix`) costs its own recurrence's FLOPs per token (its geometry's), whatever the length;
-    a layer without a token mixer (mixer.pattern's `none`) costs no scores."""
+    a layer without a token mixer (mixer.pattern's `none`) costs no scores. Each layer's kind is the model's layer
+    plan's (`model.plan`, lmlab.model.layers); the keys an attention layer reads, its own (`keys_read`, `extra_flops`:
+    its window in force, a block selection's k·size keys and gate)."""
     cfg = model.cfg
-    blocks = list(model.h) + list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth
-    spans = [min(seq_len, getattr(getattr(block, "attn", None), "window", None) or seq_len) for block in blocks
-             if not hasattr(block, "mix") and _mixes_tokens(block)]
+    extra = list(getattr(model.head, "blocks", ()))  # head=mtp: a block per extra depth, the last layer's settings
+    layers = [*zip(model.plan, model.h), *((model.plan[-1], block) for block in extra)]
+    # an attention sublayer says what a query reads (its window, a block selection) and what its parts add (a
+    # selection's gate); block=gau's unit (no attention group) reads the whole context
+    unit = "attention" in (cfg.unused or ())
+    attns = [] if unit else [block.attn for layer, block in layers if layer.attention]
+    spans = [seq_len for layer, _ in layers if layer.attention] if unit else [a.keys_read(seq_len) for a in attns]
     n, mixing = matmul_params(model), 2 * sum(spans) * cfg.attn_width  # the mixing's forward FLOPs per token
-    if mixers := sum(hasattr(block, "mix") for block in blocks):
+    mixing += sum(a.extra_flops(seq_len) for a in attns)
+    if mixers := sum(layer.recurrent for layer, _ in layers):
         name, params = option_params("mixer", MIXERS, cfg.mixer)
         per = MIXERS[name].geometry(cfg, **{k: v for k, v in params.items() if k != "pattern"}).flops_per_token
         mixing += mixers * per  # a mixer layer's forward FLOPs beyond its nn.Linear matmuls, once per layer
     n += model.head.depth * cfg.vocab_size * cfg.d_model  # each extra depth reads the shared output head again
     return {"train": 6 * n + 3 * mixing, "eval": 2 * n + mixing}  # training: forward + backward, 3 x the forward
 
-
-def _mixes_tokens(block: nn.Module) -> bool:
-    """Whether some sublayer of the block reads the other tokens (attention, a GAU, a recurrent mixer)."""
-    return any(getattr(getattr(block, name), "mixes_tokens", False) for name in block.sublayer_names)

@@ -21,6 +21,7 @@ from lmlab.model.attention.cache import KVCache
 from lmlab.model.attention.flex import mask_plan
 from lmlab.model.head import HEADS, MTP_LOSS
 from lmlab.model.init import INITS
+from lmlab.model.layers import layer_plan
 from lmlab.model.loss import Z_LOSS, Softcap, cross_entropy, linear_cross_entropy
 from lmlab.model.mask import documents
 from lmlab.model.memory import check_model_fits
@@ -38,12 +39,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg = resolve(cfg)  # the derived sizes, once (a resolved record is only checked)
+        self.plan = layer_plan(cfg)  # each layer's record (lmlab.model.layers): what FLOPs, monitor, residuals read
         self.wte = nn.Embedding(cfg.padded_vocab, cfg.d_model)  # model.vocab_pad's rows past vocab_size: never read
         self.pos = build("position", POSITIONS, cfg.position, cfg.d_model, cfg.attn_head_dim, cfg.attn_heads,
                          cfg.max_seq_len, cfg.train_len, cfg.rope_scaling)
-        if bad := sorted(i for i in getattr(self.pos, "nope_layers", ()) if not 0 <= i < cfg.n_layer):
-            raise ValueError(f"position.nope_layers has {bad}, not layers of the model (0 .. model.n_layer - 1 = "
-                             f"{cfg.n_layer - 1})")
         if self.pos.per_document and cfg.eod_id is None:
             raise ValueError("position.per_document=true needs an end-of-document token to find the documents by: "
                              "set data.eod (e.g. data.eod='<|endoftext|>'), which ends each packed document (data=token_bin: "

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from lmlab.config import GPTConfig
-from lmlab.model.mixer import ATTENTION, layer_types
+from lmlab.model.layers import layer_plan
 from lmlab.model.resolve import n_params_estimate
 
 GiB = 2**30
@@ -89,7 +89,8 @@ def check_generation_fits(cfg: GPTConfig, prompt: int, new_tokens: int, batch: i
     cannot fit, naming the argument to lower. Each cached step after the first reads one position."""
     check_attention_fits(f"the prompt ({prompt} tokens, n={batch})", cfg.position["name"], cfg.attn_heads, prompt,
                          batch, device)
-    attn_layers = layer_types(cfg).count(ATTENTION)  # a recurrent mixer's layer holds a fixed state, not a KV cache
+    # the layers with a KV cache (lmlab.model.layers): a recurrent mixer's layer holds a fixed state instead
+    attn_layers = sum(layer.attention for layer in layer_plan(cfg))
     length, per_token = prompt + new_tokens, 2 * 4 * attn_layers * batch * cfg.cache_width
     if (need := per_token * length) > (free := available_bytes(device)):
         raise ValueError(f"max_new_tokens={new_tokens} (+ a prompt of {prompt} tokens, n={batch}): the KV cache needs "

@@ -322,7 +322,8 @@ class StabilityMonitor(Callback):
         """Each recurrent mixer layer's `mixer/<figure>/layer_XX` from this step's forward (its `figures()`: the final
         state's norm, its gates' means; lmlab.model.mixer), averaged over ranks: what a linear layer has in place of
         attention weights."""
-        layers = [(i, block.mix) for i, block in enumerate(pl_module.model.h) if hasattr(block, "mix")]
+        model = pl_module.model
+        layers = [(layer.index, model.h[layer.index].mix) for layer in model.plan if layer.recurrent]
         keys = [(i, fig, v) for i, m in layers for fig, v in m.figures().items()]
         if not keys:
             return {}

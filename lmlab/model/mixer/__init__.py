@@ -49,7 +49,9 @@ MIXERS: dict[str, Any] = {ATTENTION: Attention, **gather(__name__, __path__, "OP
 def layer_types(cfg: Any) -> list[str]:
     """Each layer's mixer name (`attention`, the mixer's, or `none`: no token mixer), from `cfg.mixer` (a GPTConfig):
     the pattern cycled over the layers; checked (the entries, the length dividing model.n_layer, some layer mixing
-    tokens), naming the key."""
+    tokens), naming the key. The `mixer` column of the layer plan (lmlab.model.layers, which builds each layer's
+    record from it), read from the mixer keys alone, so it holds before the sizes are resolved: what a layer is
+    beyond its mixer (window, FFN, positions, residual flags) is the plan's, `layer_plan`."""
     spec = dict(cfg.mixer)
     name, pattern = spec.get("name", ATTENTION), spec.get("pattern")
     if name not in MIXERS:

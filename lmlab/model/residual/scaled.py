@@ -16,11 +16,13 @@ of its single-lane layers 0-5, `lane0 = λ·lane0 + attn_out + x0_inject`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from lmlab.model.mixer import NONE
 from lmlab.registry import NonNegativeFloat, NonNegativeInt
 
 if TYPE_CHECKING:
@@ -54,16 +56,27 @@ class Scaled(nn.Module):
             raise ValueError(f"residual.scaled.stream_init={stream_init} starts the stream scalars λ_l, which "
                              f"residual.scaled.stream=false leaves out: set residual.scaled.stream=true")
         self.stream = nn.Parameter(torch.full((cfg.n_layer,), float(stream_init))) if stream else None
-        self.unscaled = sorted(set(unscaled_mixer or ()))
-        if bad := [i for i in self.unscaled if i >= cfg.n_layer]:
+        # unscaled_mixer: the layer plan's `unscaled_mixer` (lmlab.model.layers, checked there), read by attach
+
+    @staticmethod
+    def unscaled_layers(cfg: GPTConfig, unscaled_mixer: list[int] | None, mixers: Sequence[str]) -> list[int]:
+        """`unscaled_mixer`'s layers, checked: layers of the model, each with a token mixer (`mixers`, the layer
+        plan's: lmlab.model.layers)."""
+        unscaled = sorted(set(unscaled_mixer or ()))
+        if bad := [i for i in unscaled if i >= cfg.n_layer]:
             raise ValueError(f"residual.scaled.unscaled_mixer names layers {bad}, past model.n_layer={cfg.n_layer} "
                              f"(layers 0..{cfg.n_layer - 1})")
+        for i in unscaled:
+            if mixers[i] == NONE:
+                raise ValueError(f"residual.scaled.unscaled_mixer names layer {i}, which has no token mixer "
+                                 f"(mixer.pattern gives it none): drop it from the list")
+        return unscaled
 
     def attach(self, model: nn.Module) -> None:
         for i, block in enumerate(model.h):
-            names = block.sublayer_names
-            fixed = tuple(j for j, name in enumerate(names, 1) if name in ("attn", "mix")) if i in self.unscaled else ()
-            if i in self.unscaled and not fixed:
+            names, unscaled = block.sublayer_names, model.plan[i].unscaled_mixer
+            fixed = tuple(j for j, name in enumerate(names, 1) if name in ("attn", "mix")) if unscaled else ()
+            if unscaled and not fixed:
                 raise ValueError(f"residual.scaled.unscaled_mixer names layer {i}, which has no token mixer "
                                  f"(mixer.pattern gives it none): drop it from the list")
             if len(fixed) < len(names):  # a layer whose only sublayer is unscaled keeps no scalars

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lmlab.model.mixer import ATTENTION, layer_types
+from lmlab.model.layers import layer_plan
 from lmlab.registry import Fraction
 
 if TYPE_CHECKING:
@@ -56,17 +56,17 @@ class ValueResidual(nn.Module):
         if cfg.attention.get("name") == "mla":
             raise ValueError("residual=value_residual with attention=mla: MLA caches a latent, not the values it "
                              "would mix; use attention=mha|gqa|mqa|diff")
-        if (first := layer_types(cfg)[0]) != ATTENTION:
+        if not (first := layer_plan(cfg)[0]).attention:
             raise ValueError(f"residual=value_residual mixes the first layer's attention values into the later "
-                             f"layers': layer 0 is {first!r} (mixer={cfg.mixer.get('name')} mixer.pattern="
+                             f"layers': layer 0 is {first.mixer!r} (mixer={cfg.mixer.get('name')} mixer.pattern="
                              f"{cfg.mixer.get('pattern')}), without attention; make its first entry attention, or "
                              f"leave residual=value_residual out")
         self.init, self.learned, self.first = init, learned, _First()
 
     def attach(self, model: nn.Module) -> None:
-        for i, block in enumerate(model.h):
-            if hasattr(block, "attn"):  # a layer without attention has no values to mix
-                block.attn.value_mixes.append(ValueMix(i, self.first, self.init, self.learned))
+        for layer, block in zip(model.plan, model.h):
+            if layer.attention:  # a layer without attention has no values to mix
+                block.attn.value_mixes.append(ValueMix(layer.index, self.first, self.init, self.learned))
 
 
 OPTIONS = {"value_residual": ValueResidual}

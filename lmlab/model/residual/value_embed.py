@@ -16,12 +16,14 @@ AdamW (the record moved its gates to Adam, record 56)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.model.layers import layer_plan
 from lmlab.model.mixer import ATTENTION, layer_types
 from lmlab.registry import NonNegativeInt, PositiveInt
 
@@ -67,7 +69,8 @@ class ValueEmbed(nn.Module):
         if cfg.attention.get("name") == "mla":
             raise ValueError("residual=value_embed with attention=mla: MLA caches a latent, not values; use "
                              "attention=mha|gqa|mqa|diff")
-        self.layer_tables = self.attending(cfg, tables, layers)
+        self.layer_tables = {layer.index: layer.value_embed for layer in layer_plan(cfg)
+                             if layer.value_embed is not None}  # the layer plan's (lmlab.model.layers): `attending`
         n_tables = max(self.layer_tables.values()) + 1
         self.tables = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_dim) for _ in range(n_tables))
         self.tokens = _Tokens()
@@ -91,11 +94,12 @@ class ValueEmbed(nn.Module):
         return out
 
     @classmethod
-    def attending(cls, cfg: GPTConfig, tables: int, layers: list[int] | None) -> dict[int, int]:
-        """The assignment without the layers that have no attention (no values to add to); refused when it names
-        such a layer (`layers`) or leaves a table unread."""
+    def attending(cls, cfg: GPTConfig, tables: int, layers: list[int] | None,
+                  mixers: Sequence[str] | None = None) -> dict[int, int]:
+        """The assignment without the layers that have no attention (no values to add to, by `mixers`, each layer's
+        mixer: the layer plan's); refused when it names such a layer (`layers`) or leaves a table unread."""
         out = cls.assignment(cfg.n_layer, tables, layers)
-        types = layer_types(cfg)
+        types = layer_types(cfg) if mixers is None else mixers
         if layers is not None and (bad := [i for i in out if types[i] != ATTENTION]):
             raise ValueError(f"residual.value_embed.layers={list(layers)} has {bad}, layers without attention in "
                              f"mixer.pattern={cfg.mixer.get('pattern')}: name attention layers only")
