@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmlab.config import GPTConfig
+from lmlab.model.attention import MHA
+from lmlab.registry import option_defaults
 from lmlab.interop.hf_hybrid import HYBRID_TYPES, check_hybrid, hybrid_family, hybrid_hf_config, lmlab_hybrid
 from lmlab.interop.hf_moe import (
     MOE_TYPES,
@@ -93,14 +95,15 @@ def _check_common(cfg: GPTConfig, fam: str, windows: bool = False, attentions: t
         raise _refuse("position.per_document", True, fam, "position.per_document=false")
     if cfg.position.get("window_yarn"):  # frequencies that follow the training's windows: not a rope_parameters form
         raise _refuse("position.window_yarn", True, fam, "position.window_yarn=false")
-    plain_keys = (("score", "softmax"), *(() if qk_norm else (("qk_norm", False),)), ("logn_scaling", False),
-                  *(() if softcaps else (("temperature", 1.0), ("softcap", None))), ("doc_mask", False),
-                  *(() if gate else (("gate", None),)), ("sinks", False), ("forget_gate", False), ("mem_kv", 0),
-                  ("xsa", None), ("key_offset", False), ("paired_heads", False), ("gate_channels", 0),
-                  ("window_block", None), ("eval_window", None),  # transformers' windows: tokens, one for every use
-                  *(() if windows else (("window", None), ("pattern", None))))
-    for key, plain in plain_keys:
-        if attn.get(key, plain) != plain:
+    # An allow-list: every attention key (MHA's own and every part's, lmlab.model.attention.parts) at its default
+    # but those the family has a form for, so a new attention-wide key is refused until an export maps it.
+    # qk_norm_eps: each family checks it against its norm's eps; window_schedule: training only, it ends at the
+    # model's windows (transformers' windows are tokens, one for every use: window_block and eval_window refused)
+    exported = {"qk_norm_eps", "window_schedule", *(("qk_norm",) if qk_norm else ()),
+                *(("temperature", "softcap") if softcaps else ()), *(("gate",) if gate else ()),
+                *(("window", "pattern") if windows else ())}
+    for key, plain in option_defaults(MHA).items():
+        if key not in exported and attn.get(key, plain) != plain:
             raise _refuse(f"attention.{key}", attn[key], fam, f"attention.{key}={'null' if plain is None else plain}")
 
 

@@ -71,9 +71,11 @@ class SequenceMixer(TokenMixer, Protocol):
 @runtime_checkable
 class AttentionWeights(Protocol):
     """Softmax attention's figures for the monitor: its weights on the tokens and each head's max logit (`probs`),
-    and whether each row is a distribution (`sums_to_one`)."""
+    and whether each row is a distribution (`sums_to_one`), and whether a sink takes a share of each row that reads no
+    value (`sink_share`: the row's weights and that share make the distribution)."""
 
     sums_to_one: bool
+    sink_share: bool
 
     def probs(self, x: torch.Tensor, pos: Any, doc: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class GAU(nn.Module):
     sublayer = "gau"  # the monitor's name for it (grad/norm/layer_XX/gau)
     mixes_tokens = True  # called as (x, pos, cache) by the block
+    sink_share = False  # no sink column: its weights are all the tokens' (lmlab.model.capabilities.AttentionWeights)
     reads_positions = True  # the position scheme reaches it (its rotation, its logit bias)
 
     def __init__(self, dim: int, s: int, e: int, *, score: str, activation: Mapping[str, Any], bias: bool,

@@ -40,7 +40,7 @@ def attention_entropy(model: nn.Module, windows: torch.Tensor) -> float | None:
     for i, (x, doc) in sorted(inputs.items()):
         attn = attention_sublayer(model.h[i])
         p, _ = attn.probs(x, model.pos, doc)  # (B, nh, T, T)
-        if getattr(attn, "sink", None) is not None:  # a row and its sink's share make the distribution
+        if attn.sink_share:  # a row and its sink's share make the distribution
             p = torch.cat((p, (1 - p.sum(-1, keepdim=True)).clamp_min(0)), dim=-1)
         entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
         total, count = total + float(entropy.double().sum()), count + entropy.numel()

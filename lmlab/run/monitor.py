@@ -361,7 +361,7 @@ class StabilityMonitor(Callback):
                 stats = attn.probs(in_weights_dtype(attn, x), model.pos, doc) if x.size(0) else None
             if stats is not None:
                 p, max_logit = (t.float() for t in stats)  # (B, nh, T, T), (B, nh); fp32 whatever the weights'
-                sink = (1 - p.sum(-1)).clamp_min(0) if getattr(attn, "sink", None) is not None else None  # (B, nh, T)
+                sink = (1 - p.sum(-1)).clamp_min(0) if attn.sink_share else None  # (B, nh, T)
                 sinks.append(torch.zeros(()) if sink is None else sink.sum().float())
                 firsts.append(p[..., 1:, 0].sum().float())  # the weight later queries put on the first token
                 first_counts.append(float(p[..., 1:, 0].numel()))
@@ -387,7 +387,7 @@ class StabilityMonitor(Callback):
             mx = trainer.strategy.reduce(mx, reduce_op="max")
         layers = sorted(self._attn_in)  # the layers with attention weights (a hybrid stack's attention layers)
         distributions = [distribution(attention_sublayer(model.h[i])) for i in layers]
-        with_sinks = [getattr(attention_sublayer(model.h[i]), "sink", None) is not None for i in layers]
+        with_sinks = [attention_sublayer(model.h[i]).sink_share for i in layers]
         sink_mass = (sink_total / n.clamp_min(1)).tolist()
         first_rows = torch.tensor(first_counts, device=device)
         if trainer.world_size > 1:

@@ -252,6 +252,12 @@ class MHA(FollowsStep, nn.Module):
         self.parts.scale_keys(self, k_scale[:, None].expand(nkv, self.qk_dim))  # keys the parts hold (mem_kv)
 
     @property
+    def sink_share(self) -> bool:
+        """Whether a part takes a share of each row that reads no value (attention.sinks: the monitor's sink mass,
+        1 − the tokens' weights)."""
+        return "sinks" in self.parts
+
+    @property
     def sums_to_one(self) -> bool:
         """Whether each row of the weights (`probs`), with a sink's share beside it, is a distribution: the score's,
         unless memory keys take a share (`probs` shows the tokens' weights only)."""

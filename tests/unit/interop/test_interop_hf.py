@@ -299,6 +299,10 @@ def test_a_deepseek_v3_with_expert_layers_is_refused_by_key() -> None:
       "attention": {"name": "mha", "key_offset": True}}, "attention.key_offset=True"),  # nor shifted key dims
     ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
       "attention": {"name": "mha", "paired_heads": True}}, "attention.paired_heads=True"),  # nor paired heads
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mha", "head_temperature": True}}, "attention.head_temperature=True"),  # any new part
+    ({"position": {"name": "rope"}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
+      "attention": {"name": "mha", "select_blocks": 2}}, "attention.select_blocks=2"),  # until an export maps it
     ({"position": {"name": "rope", "window_yarn": True}, "norm": {"name": "rms"}, "ffn": {"name": "swiglu"},
       "max_seq_len": 16, "attention": {"name": "mha", "window": 8, "window_schedule": [[0, 4], [0.5, 8]]}},
      "position.window_yarn=True"),  # nor frequencies that follow the training's windows
