@@ -77,6 +77,20 @@ def varlen(starts: torch.Tensor, state: torch.Tensor | None
     return cu_seqlens, initial, ends - 1
 
 
+class Recurrent(nn.Module):
+    """What every recurrent mixer option is: the block's `mix` sublayer (the monitor's grad/norm/layer_XX/mix), called
+    as (x, pos, cache, doc), reading no positions, its path chosen by `self.backend` (lmlab.model.mixer.backend)."""
+
+    sublayer = "mix"
+    mixes_tokens = True
+    backend: object  # its MixerBackend, set by the option
+
+    @property
+    def backend_used(self) -> str | None:
+        """The path the last forward ran (torch or a kernel; None before any): what a run reports of the mixer."""
+        return self.backend.used
+
+
 class ShortConv(nn.Module):
     """A depthwise causal convolution of kernel `size` over the sequence, then SiLU (Mamba's and GDN's conv1d): each
     channel mixes its last `size` tokens. With a `state` (B, C, size - 1), the tokens before these continue it; the

@@ -43,7 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend, kernel
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, log_uniform_dt_bias, recurrent_inputs, varlen
+from lmlab.model.mixer.base import (
+    MixerGeometry,
+    Recurrent,
+    ShortConv,
+    log_uniform_dt_bias,
+    recurrent_inputs,
+    varlen,
+)
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -54,15 +61,13 @@ if TYPE_CHECKING:
 DT_RANGE = (1e-3, 0.1, 1e-4)  # dt_init=log_uniform: dt in [1e-3, 0.1], floored at 1e-4 (the GDN paper's code)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Recurrent):
     """Keys: n_heads (key heads Hk, null: model.n_head), n_v_heads (value heads Hv, a multiple of n_heads; null:
     n_heads; Qwen3-Next: 16 and 32), head_dim (dk, null: model.d_model / n_heads), v_head_dim (dv, null: head_dim),
     conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's), dt_init (dt_bias's init: constant
     1 or log_uniform), backend (auto, torch, fla). Under `attention.doc_mask` the state (and the conv window) resets
     at each document start."""
 
-    sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
-    mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
     # head=mlm refuses it: a recurrence over the past
     causal_only = "mixer=gdn carries the past forward in its state: it has no bidirectional form"
 
@@ -112,11 +117,6 @@ class GatedDeltaNet(nn.Module):
         flops = Hv * (c * (5 * dk + 3 * dv) + 6 * dk * dv) + 2 * conv_size * conv_dim
         return MixerGeometry(n_params=n, state_numbers=Hv * dk * dv + (conv_size - 1) * conv_dim,
                              flops_per_token=flops)
-
-    @property
-    def backend_used(self) -> str | None:
-        """The path the last forward ran (torch or fla; None before any): what a run reports of the mixer."""
-        return self.backend.used
 
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, log_uniform_dt_bias, recurrent_inputs
+from lmlab.model.mixer.base import MixerGeometry, Recurrent, ShortConv, log_uniform_dt_bias, recurrent_inputs
 from lmlab.model.mixer.gdn import l2norm
 from lmlab.registry import PositiveFloat, PositiveInt
 
@@ -53,15 +53,13 @@ DT_RANGE = (1e-3, 0.1, 1e-4)  # dt_init=log_uniform: dt in [1e-3, 0.1], floored 
 NO_KERNEL = "lmlab runs KDA in its PyTorch form only (fla's chunk_kda is not wired)"
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(Recurrent):
     """Keys: n_heads (H, null: model.n_head), head_dim (dk, null: model.d_model / n_heads), v_head_dim (dv, null:
     head_dim), gate_rank (the low-rank forget and output gates' inner size, null: v_head_dim, Kimi Linear's),
     conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's), dt_init (dt_bias's init:
     log_uniform, Kimi Linear's, or constant 1), backend (auto, torch). Under `attention.doc_mask` the state (and the
     conv window) resets at each document start."""
 
-    sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
-    mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
     # head=mlm refuses it: a recurrence over the past
     causal_only = "mixer=kda carries the past forward in its state: it has no bidirectional form"
 
@@ -114,11 +112,6 @@ class KimiDeltaAttention(nn.Module):
         flops = H * (c * (5 * dk + 3 * dv) + 6 * dk * dv) + 2 * conv_size * conv_dim
         return MixerGeometry(n_params=n, state_numbers=H * dk * dv + (conv_size - 1) * conv_dim,
                              flops_per_token=flops)
-
-    @property
-    def backend_used(self) -> str | None:
-        """The path the last forward ran (torch; None before any): what a run reports of the mixer."""
-        return self.backend.used
 
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:

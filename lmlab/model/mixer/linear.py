@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend, kernel
-from lmlab.model.mixer.base import MixerGeometry, recurrent_inputs, varlen
+from lmlab.model.mixer.base import MixerGeometry, Recurrent, recurrent_inputs, varlen
 from lmlab.registry import PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
@@ -37,13 +37,11 @@ if TYPE_CHECKING:
 FEATURES = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x}
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(Recurrent):
     """Keys: n_heads (null: model.n_head), head_dim (null: model.d_model / n_heads), feature (φ), normalize, eps,
     chunk_size (the training form's chunk), backend (auto, torch, fla). Under `attention.doc_mask` the state resets at
     each document start."""
 
-    sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
-    mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
     # head=mlm refuses it: a recurrence over the past
     causal_only = "mixer=linear carries the past forward in its state: it has no bidirectional form"
 
@@ -77,11 +75,6 @@ class LinearAttention(nn.Module):
         n = cfg.d_model * 3 * width + width * cfg.d_model + cfg.bias * (3 * width + cfg.d_model)
         return MixerGeometry(n_params=n, state_numbers=h * (d * d + d),
                              flops_per_token=2 * h * (chunk_size * 2 * d + 2 * d * d))
-
-    @property
-    def backend_used(self) -> str | None:
-        """The path the last forward ran (torch or fla; None before any): what a run reports of the mixer."""
-        return self.backend.used
 
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend, kernel
-from lmlab.model.mixer.base import MixerGeometry, ShortConv, log_uniform_dt_bias, recurrent_inputs
+from lmlab.model.mixer.base import MixerGeometry, Recurrent, ShortConv, log_uniform_dt_bias, recurrent_inputs
 from lmlab.registry import PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
@@ -46,15 +46,13 @@ if TYPE_CHECKING:
     from lmlab.model.attention.cache import LayerCache
 
 
-class Mamba2(nn.Module):
+class Mamba2(Recurrent):
     """Keys: d_state (N), expand (d_inner = expand·d_model), head_dim (H = d_inner / head_dim heads), n_groups (G
     groups of heads sharing B and C), conv_size, chunk_size (the training form's chunk), norm_eps (the gated norm's),
     norm_before_gate, dt_min / dt_max / dt_init_floor (dt_bias's init range), dt_limit ([low, high or null]: dt's
     clamp), backend (auto, torch, mamba_ssm). Under `attention.doc_mask` the state (and the conv window) resets at each
     document start."""
 
-    sublayer = "mix"  # the monitor's name for it (grad/norm/layer_XX/mix)
-    mixes_tokens = True  # called as (x, pos, cache, doc) by the block; reads no positions
     # head=mlm refuses it: a recurrence over the past
     causal_only = "mixer=mamba2 carries the past forward in its state: it has no bidirectional form"
 
@@ -101,11 +99,6 @@ class Mamba2(nn.Module):
         flops = H * (2 * chunk_size * (d_state + head_dim) + 4 * head_dim * d_state) + 2 * conv_size * conv_dim
         return MixerGeometry(n_params=n, state_numbers=H * head_dim * d_state + (conv_size - 1) * conv_dim,
                              flops_per_token=flops)
-
-    @property
-    def backend_used(self) -> str | None:
-        """The path the last forward ran (torch or mamba_ssm; None before any): what a run reports of the mixer."""
-        return self.backend.used
 
     def forward(self, x: torch.Tensor, pos: object = None, cache: LayerCache | None = None,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
