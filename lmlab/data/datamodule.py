@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -246,6 +247,9 @@ class TextDataModule:
     trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
     eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
     labels: list[str] | None = None  # a labelled set's (head=classify's); none here
+    tokenizer: Any = None  # the corpus's tokenizer once built
+    shards: Mapping[str, Any] = MappingProxyType({})  # what else a resume checks (lmlab.run.plan.check_same_data)
+    corpus_sha256: str | None = None  # the corpus's fingerprint (the same check), set when built
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         spec = {**_DEFAULTS, **dict(data)}

@@ -28,6 +28,7 @@ import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,6 +105,9 @@ class LabelledDataModule:
     trainer: Any = None  # the Lightning trainer while one runs this data (lmlab.run.lit_data): the step, the ranks
     eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
     labels: list[str] | None = None  # set by `setup` (head=classify's)
+    tokenizer: Any = None  # its tokenizer once it has one
+    shards: Mapping[str, Any] = MappingProxyType({})  # what a resume checks (lmlab.run.plan.check_same_data)
+    corpus_sha256: str | None = None  # a text corpus's fingerprint (the same check): none here
     evaluable = False  # eval.py's loss per length is a corpus's figure; a classifier's are in classify.json
     figures_file = FIGURES_FILE
     logged: dict[str, str] = {}  # val/accuracy is the head's own figure (lmlab.model.encoder), logged by the loop

@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,9 @@ class SyntheticTask:
     trainer: Any = None  # the Lightning trainer while one runs the task (lmlab.run.lit_data): none in eval.py
     eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
     labels: list[str] | None = None  # a labelled set's (head=classify's); none here
+    tokenizer: Any = None  # its word tokenizer (set by __init__)
+    shards: Mapping[str, Any] = MappingProxyType({})  # what a resume checks (lmlab.run.plan.check_same_data)
+    corpus_sha256: str | None = None  # a text corpus's fingerprint (the same check): none here
     evaluable = False  # eval.py's loss per length is a corpus's figure: a synthetic task's are in its figures_file
     figures_file: str  # <run>/<figures_file>: the task's measurements at the last validation (JSON)
     logged: Mapping[str, str]  # metric name -> the measurement's key, logged at every validation

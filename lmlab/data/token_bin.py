@@ -32,6 +32,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -209,6 +210,9 @@ class TokenBinDataModule:
     evaluable = True
     eod_id: int | None = None  # the task protocol's (lmlab.data.tasks): None until the data gives one
     labels: list[str] | None = None  # a labelled set's (head=classify's); none here
+    tokenizer: Any = None  # its tokenizer once it has one
+    shards: Mapping[str, Any] = MappingProxyType({})  # what a resume checks (lmlab.run.plan.check_same_data)
+    corpus_sha256: str | None = None  # a text corpus's fingerprint (the same check): none here
 
     def __init__(self, data: Mapping[str, Any], *, seq_len: int, seed: int) -> None:
         if unknown := sorted(set(data) - _KEYS):

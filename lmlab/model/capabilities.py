@@ -5,15 +5,21 @@ protocol, or as a declared attribute with its default, never by probing for an a
   `SequenceMixer` the contract attention and the recurrent mixers share (geometry, cache, causal-only, FLOPs), with
   `AttentionWeights` (softmax attention's figures: its weights) and `RecurrentMixer` (the mixers' figures and backend)
   beside it;
-- `Sublayer`: a block's sublayer with its name in the monitor's figures (`sublayer`);
+- `Sublayer`: a block's sublayer with its name in the monitor's figures (`sublayer`; `sublayer_name` reads it);
+- `ReadsPositions`: a layer the position scheme reaches (attention, GAU);
 - `SideChannel`: a sublayer that records terms of the side channel (lmlab.model.side: an MoE's balancing losses);
+  `Routes`: one that routes tokens (an MoE's routing statistics, the monitor's figures);
 - `FollowsStep` (lmlab.model.steps) and `StepFollower`: modules whose state follows the training step;
 - `FitsVocabulary`, `SizedAs`, `UpdatesBias`: option classes that take the tokenizer, size their experts as another
   kind, update a routing bias after each step;
+- `NamesParams`: a head whose own weights the monitor names other than `mtp` (head=classify's);
+- `MakesModel`, `ChecksRun`: a norm option that makes the model around it and refuses training-loop settings
+  (norm=ngpt);
 - the residual options' hooks (`Embeds`, `Starts`, `Before`, `After`, `Attaches`, `CountsParams`);
 - from lmlab.optim.capabilities, below the model (the optimizers read them too): the Linear layers' marks (`Marks`,
   set with `mark`, read with `marks`: `fused`, `value_parts`, `head_rows`, `is_residual_proj`, `is_readout`,
-  `n_experts`), `Decays` and `ClipsLogits`.
+  `n_experts`), `Decays` and `ClipsLogits`; beside them what an optimizer option declares (`capabilities(option)`)
+  and what a built optimizer offers the loop (`FollowsHorizon`, `WarmupOnly`, `EvalWeights`).
 """
 
 from __future__ import annotations
@@ -98,6 +104,19 @@ class Sublayer(Protocol):
     sublayer: str
 
 
+def sublayer_name(module: object, attr: str) -> str:
+    """The name of a block's sublayer `module` (held as the block's attribute `attr`) in the monitor's figures: its
+    own `sublayer` where it is a `Sublayer`, else `attr`."""
+    return module.sublayer if isinstance(module, Sublayer) else attr
+
+
+@runtime_checkable
+class ReadsPositions(Protocol):
+    """A layer the position scheme reaches (its rotation, its logit bias) when `reads_positions`: attention, GAU."""
+
+    reads_positions: bool
+
+
 @runtime_checkable
 class SideChannel(Protocol):
     """A sublayer with terms of the side channel (lmlab.model.side): the terms its last forward recorded, the metrics
@@ -106,6 +125,14 @@ class SideChannel(Protocol):
     terms: list[Term]
     declared: dict[str, tuple[str, ...]]
     figure_groups: tuple[str, ...]
+
+
+@runtime_checkable
+class Routes(Protocol):
+    """A sublayer that routes tokens (ffn=moe): its last training forward's routing sums (`stats`, None before one),
+    which the monitor turns into its figures (lmlab.model.moe.figures)."""
+
+    stats: torch.Tensor | None
 
 
 @runtime_checkable
@@ -136,6 +163,30 @@ class SizedAs(Protocol):
     """An FFN option whose size is matched as another kind's (an MoE: each expert as a dense FFN of its kind)."""
 
     def sized_as(self, spec: Any) -> type: ...
+
+
+@runtime_checkable
+class NamesParams(Protocol):
+    """A head whose own weights the monitor groups under `params_group` (head=classify's label layer); a head without
+    it: `mtp` (head=mtp's modules)."""
+
+    params_group: str
+
+
+@runtime_checkable
+class MakesModel(Protocol):
+    """A norm option that makes the model around it (norm=ngpt, lmlab.model.ngpt): `attach(model, **its keys)`, called
+    once by the built GPT, returns its model-wide part (the GPT's `norm_model`)."""
+
+    def attach(self, model: Any, **keys: Any) -> Any: ...
+
+
+@runtime_checkable
+class ChecksRun(Protocol):
+    """A norm option that refuses training-loop settings (norm=ngpt): `check_run(optim, strategy, averages)`, run by
+    lmlab.run.checks before training."""
+
+    def check_run(self, optim: dict[str, Any], strategy: str | None, averages: bool) -> None: ...
 
 
 # the residual options' hooks (lmlab.model.residual.Connections): each option has those it needs
@@ -176,6 +227,7 @@ class CountsParams(Protocol):
 
 RESIDUAL_HOOKS = {"embed": Embeds, "start": Starts, "before": Before, "after": After}
 
-__all__ = ["RESIDUAL_HOOKS", "After", "AttentionWeights", "Attaches", "Before", "ClipsLogits", "CountsParams", "Decays",
-           "Embeds", "FitsVocabulary", "FollowsStep", "Marks", "RecurrentMixer", "ScaledLogits", "SequenceMixer",
-           "SideChannel", "SizedAs", "Starts", "StepFollower", "Sublayer", "TokenMixer", "UpdatesBias", "mark", "marks"]
+__all__ = ["RESIDUAL_HOOKS", "After", "AttentionWeights", "Attaches", "Before", "ChecksRun", "ClipsLogits",
+           "CountsParams", "Decays", "Embeds", "FitsVocabulary", "FollowsStep", "MakesModel", "Marks", "NamesParams",
+           "ReadsPositions", "RecurrentMixer", "Routes", "ScaledLogits", "SequenceMixer", "SideChannel", "SizedAs",
+           "Starts", "StepFollower", "Sublayer", "TokenMixer", "UpdatesBias", "mark", "marks", "sublayer_name"]

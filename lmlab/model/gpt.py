@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from lmlab.config import GPTConfig
 from lmlab.model.attention.cache import KVCache
 from lmlab.model.attention.flex import mask_plan
+from lmlab.model.capabilities import MakesModel, ReadsPositions, SequenceMixer, SideChannel, UpdatesBias
 from lmlab.model.head import HEADS, MTP_LOSS
 from lmlab.model.init import INITS
 from lmlab.model.layers import layer_plan
@@ -56,13 +57,13 @@ class GPT(nn.Module):
         self.ln_e = build("norm", NORMS, cfg.norm, cfg.d_model) if cfg.embed_norm else None  # on the embedding output
         self.h = nn.ModuleList(build("placement", PLACEMENTS, cfg.placement, cfg, i) for i in range(cfg.n_layer))
         if self.pos.logit_bias and any(True for _ in self.pos.parameters()) and not any(
-                getattr(m, "reads_positions", False) for m in self.h.modules()):
+                isinstance(m, ReadsPositions) and m.reads_positions for m in self.h.modules()):
             raise ValueError(f"position={cfg.position['name']} adds learned biases to attention logits, and no layer "
                              f"of this model attends (every layer a recurrent mixer: mixer.pattern): its weights would "
                              f"get no gradient (DDP stops on the unused parameters); use position=none or rope, or put "
                              f"attention layers in mixer.pattern (e.g. mixer.pattern=[gdn,gdn,gdn,attention])")
-        if (follow := getattr(self.pos, "follow", None)) is not None:  # RoPE's window_yarn: the attention windows
-            follow([getattr(getattr(b, "attn", None), "windows", None) for b in self.h])
+        # the attention windows, for a scheme that follows them (RoPE's window_yarn; the others: a no-op)
+        self.pos.follow([getattr(getattr(b, "attn", None), "windows", None) for b in self.h])
         self.residual = Connections(cfg)  # how the blocks connect beyond the placement (lmlab.model.residual)
         self.residual.attach(self)
         self.param = build("param", PARAMS, cfg.param, cfg)  # how scales follow the width (sp: as built)
@@ -93,8 +94,7 @@ class GPT(nn.Module):
         # scales in the sublayers) attaches itself to the built model; its model-wide part (the logits' scale, the
         # sphere the weights are kept on) is `norm_model`. The other norms live in the blocks: None.
         norm, params = option_params("norm", NORMS, cfg.norm)
-        attach = getattr(NORMS[norm], "attach", None)
-        self.norm_model = attach(self, **params) if attach is not None else None
+        self.norm_model = NORMS[norm].attach(self, **params) if isinstance(NORMS[norm], MakesModel) else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -212,7 +212,7 @@ class GPT(nn.Module):
         """What in this model has no bidirectional form, each part's own sentence naming its key: the position scheme,
         the token mixers of every layer (a window, a forget gate, a recurrent mixer)."""
         mixers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
-        found = [self.pos.causal_only, *(getattr(m, "causal_only", None) for m in mixers)]
+        found = [self.pos.causal_only, *(m.causal_only if isinstance(m, SequenceMixer) else None for m in mixers)]
         return list(dict.fromkeys(w for w in found if w))  # each sentence once (every layer says the same)
 
     def lm_loss(self, h: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, parts: bool = False) -> Any:
@@ -245,8 +245,8 @@ class GPT(nn.Module):
     def vocab_rows(self) -> dict[str, int]:
         """The state-dict entries with a row per vocabulary id (padded to model.vocab_pad), and the vocabulary's
         rows of them."""
-        names = ["wte.weight", "lm_head.weight", *(f"norm_model.{n}" for n in getattr(self.norm_model, "vocab_rows",
-                                                                                     ()))]
+        rows = () if self.norm_model is None else self.norm_model.vocab_rows  # norm=ngpt's s_z
+        names = ["wte.weight", "lm_head.weight", *(f"norm_model.{n}" for n in rows)]
         return dict.fromkeys(names, self.cfg.vocab_size)
 
     @property
@@ -300,13 +300,13 @@ class GPT(nn.Module):
         the comprehension: its cell variable is a graph break torch.compile cannot resume from, which cut the compiled
         training forward short.)"""
         sublayers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
-        return [m for m in sublayers if hasattr(m, "update_bias")]
+        return [m for m in sublayers if isinstance(m, UpdatesBias)]
 
     @property
     def _sources(self) -> list[nn.Module]:
         """The sublayers with side-channel terms (lmlab.model.side): each records its `terms` in its forward."""
         sublayers = (getattr(block, name) for block in self.h for name in block.sublayer_names)
-        return [m for m in sublayers if hasattr(m, "terms")]
+        return [m for m in sublayers if isinstance(m, SideChannel)]
 
     def update_balancing(self, reduce: Any = None) -> None:
         """After an optimizer step: each routing sublayer's loss-free balancing bias moves by its load since the last

@@ -10,6 +10,9 @@ in one place, each with its default when unset (lmlab.model.capabilities lists t
 - `Decays`: a model that says whether its matrices take weight decay.
 - `OptimizerCaps`: what an optimizer option needs beyond its keys (the module docstring of lmlab.optim), declared on
   the option with `declare(option, mup=True, ...)` and read with `capabilities(option)`.
+- what a built optimizer offers the training loop: `FollowsHorizon` (Muon's momentum cool-down over the run's steps),
+  `WarmupOnly` (schedule-free: the schedule's warm-up, never its decay), `EvalWeights` (schedule-free's train/eval
+  modes: it evaluates other weights than it trains).
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ class ClipsLogits(Protocol):
     no_qk_clip: str | None
 
     def clip_logits(self, gamma: Any) -> None: ...
+
+
+@runtime_checkable
+class FollowsHorizon(Protocol):
+    """A built optimizer that follows the run's length (Muon's momentum cool-down): the loop hands it max_steps, and
+    again when budget.wall refits the horizon (lmlab.run.wall)."""
+
+    def set_max_steps(self, max_steps: int) -> None: ...
+
+
+@runtime_checkable
+class WarmupOnly(Protocol):
+    """A built optimizer that takes the schedule's warm-up only, never its decay (schedule-free) when `warmup_only`."""
+
+    warmup_only: bool
+
+
+@runtime_checkable
+class EvalWeights(Protocol):
+    """A built optimizer with train and eval modes (schedule-free: lmlab.optim.schedule_free): the loop evaluates the
+    weights `eval_weights` gives (by data_ptr of the trained ones) and switches it with `train()` and `eval()`."""
+
+    def eval_weights(self) -> dict[int, Any]: ...
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from lmlab.cli import override_key
 from lmlab.config import GPTConfig, arch_config
 from lmlab.data.keys import DATA_KEYS
 from lmlab.data.sources import check_sources
+from lmlab.model.capabilities import ChecksRun
 from lmlab.model.gpt import GPT, meta_model
 from lmlab.model.head import HEADS
 from lmlab.model.memory import check_attention_fits, check_batch_fits
 from lmlab.model.norm import NORMS
 from lmlab.optim import OPTIMIZERS, check_pieces, optimizer_spec, validate_optim
+from lmlab.optim.capabilities import capabilities
 from lmlab.optim.overrides import check as check_groups
 from lmlab.record.targets import check_targets
 from lmlab.registry import PositiveFloat, PositiveInt, Range, check_values, option_params
@@ -90,9 +92,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> GPT
     validate_optim(optim, OmegaConf.to_container(cfg.schedule), strategy, gcfg.param)
     check_pieces(optim, model)
     opt_name = option_params("optim", OPTIMIZERS, optimizer_spec(optim))[0]
-    check_groups(optim, getattr(OPTIMIZERS[opt_name], "roles", False), model)
-    if check_run := getattr(NORMS[gcfg.norm["name"]], "check_run", None):  # a norm that constrains the loop (ngpt)
-        check_run(optim, strategy, bool(getattr(OPTIMIZERS[opt_name], "averages", None)))
+    caps = capabilities(OPTIMIZERS[opt_name])
+    check_groups(optim, caps.roles, model)
+    if isinstance(norm := NORMS[gcfg.norm["name"]], ChecksRun):  # a norm that constrains the loop (ngpt)
+        norm.check_run(optim, strategy, bool(caps.averages))
     if isinstance(cfg.get("compile"), str) and strategy == "FSDP2Strategy":
         raise ValueError(f"compile={cfg.compile} with trainer=fsdp2: FSDP2 compiles each block inside its hooks, where "
                          f"a recorded CUDA graph would replay stale all-gathers; use compile=true with trainer=fsdp2")
@@ -159,7 +162,7 @@ def _check_memory(cfg: DictConfig, gcfg: GPTConfig, strategy: str) -> None:
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     staged = budget.stages_of(cfg)  # data.batch_schedule / seq_schedule (lmlab.data.stages), checked by key
     largest = max([b for _, b in (staged or {}).get("batch") or []] + [int(cfg.data.get("batch_size", 1))])
-    if staged and staged["batch"] and getattr(HEADS[gcfg.head["name"]], "draws", False):
+    if staged and staged["batch"] and HEADS[gcfg.head["name"]].draws:  # every head declares it
         raise ValueError(f"data.batch_schedule with head={gcfg.head['name']}: its masks are keyed by a sequence's "
                          f"place in a fixed-size batch; use one data.batch_size, or head=next")
     check_attention_fits(f"model.max_seq_len={gcfg.max_seq_len}", gcfg.position["name"], gcfg.attn_heads,

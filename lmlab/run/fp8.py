@@ -27,6 +27,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lmlab.model.capabilities import Sublayer
+
 # kind -> (the `sublayer` of the module holding the layers, their attribute names in it)
 KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("ffn", ("c_fc", "c_proj")),  # a dense FFN's (GLU: [gate; up] and down), an MoE's shared experts' too
@@ -57,7 +59,7 @@ def kinds_of(model: nn.Module) -> dict[str, str]:
     of nn.Linear that are not applied as one (an MoE's Experts) are not Linear layers here."""
     found = {}
     for name, parent in model.named_modules():
-        role = getattr(parent, "sublayer", None)
+        role = parent.sublayer if isinstance(parent, Sublayer) else None
         for attr, child in parent.named_children():
             kind = _KIND_OF.get((role, attr))
             if kind is not None and type(child) is nn.Linear:

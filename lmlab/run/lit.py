@@ -15,6 +15,7 @@ from lmlab.config import GPTConfig
 from lmlab.data import stages as data_stages
 from lmlab.data.token_bytes import token_bytes
 from lmlab.model.attention.parts.window import windowed
+from lmlab.model.capabilities import StepFollower
 from lmlab.model.encoder import IGNORE, TRAIN_KEY, VAL_KEY
 from lmlab.model.gpt import GPT
 from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, validate_optim: importable here, as before)
@@ -26,6 +27,7 @@ from lmlab.optim import (  # noqa: F401  (OPTIM_LOOP_KEYS, optimizer_spec, valid
     param_groups,
     validate_optim,
 )
+from lmlab.optim.capabilities import EvalWeights, FollowsHorizon, WarmupOnly, capabilities
 from lmlab.optim.ema import WeightEMA
 from lmlab.record.tracking import log_at
 from lmlab.registry import build, option_params
@@ -43,17 +45,17 @@ def configure_optimization(model: torch.nn.Module, optim: dict, schedule: dict, 
     that is `warmup_only` (schedule-free) runs the constant schedule with the schedule group's warmup_steps."""
     opt_name, _ = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
     param = getattr(model, "param", None)
-    by_role = getattr(OPTIMIZERS[opt_name], "roles", False) or bool(param is not None and param.per_role)
-    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role,
-                          layouts=getattr(OPTIMIZERS[opt_name], "layouts", False))
+    caps = capabilities(OPTIMIZERS[opt_name])
+    by_role = caps.roles or bool(param is not None and param.per_role)
+    groups = param_groups(model, optim.get("weight_decay", 0.0), by_role=by_role, layouts=caps.layouts)
     groups = overrides.split(model, groups, optim.get("groups"))  # optim.groups: settings per tensor
     optimizer = build("optim", OPTIMIZERS, optimizer_spec(optim), groups)
     for g in optimizer.param_groups:  # optim.groups' lr_mult, before the schedule reads the lr
         g["lr"] = g["lr"] * g.get("lr_mult", 1.0)
-    if (set_max_steps := getattr(optimizer, "set_max_steps", None)) is not None:  # Muon's momentum cool-down
-        set_max_steps(max_steps)
+    if isinstance(optimizer, FollowsHorizon):  # Muon's momentum cool-down
+        optimizer.set_max_steps(max_steps)
     if param is not None and param.per_role:  # an option may set its own per-group rule (Muon's spectral one)
-        rule = getattr(OPTIMIZERS[opt_name], "mup_lr_mult", None)
+        rule = caps.mup_lr_mult
         _, opt_params = option_params("optim", OPTIMIZERS, optimizer_spec(optim))
         for g in optimizer.param_groups:
             mult = rule(g, opt_params, param.width_mult) if rule is not None else None
@@ -67,7 +69,7 @@ def lr_lambda(optimizer: torch.optim.Optimizer, schedule: dict, max_steps: int, 
     optimizer that is `warmup_only` (schedule-free) gets the constant schedule with the group's warmup_steps. What the
     LambdaLR reads, and what budget.wall's fitted horizon rebuilds (lmlab.run.wall)."""
     name, params = option_params("schedule", SCHEDULES, schedule)
-    if getattr(optimizer, "warmup_only", False):
+    if isinstance(optimizer, WarmupOnly) and optimizer.warmup_only:
         name, params = "constant", {"warmup_steps": params.get("warmup_steps", 0)}
     fn, factor = SCHEDULES[name], batch_lr_factor(stages, max_steps)
     return lambda step: fn(step, max_steps, **params) * factor(step)
@@ -141,7 +143,7 @@ class LitGPT(L.LightningModule):
             return
         data = getattr(self.trainer.datamodule, "data", self.trainer.datamodule)  # lmlab.run.lit_data's face: its data
         if (tok := getattr(data, "tokenizer", None)) is not None:
-            table = token_bytes(tok, self.model.cfg.vocab_size, getattr(data, "eod_id", None))
+            table = token_bytes(tok, self.model.cfg.vocab_size, data.eod_id)  # every data module declares it
             self.bytes_per_token = None if table is None else torch.from_numpy(table)
 
     def _bpb_sums(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -317,7 +319,7 @@ class LitGPT(L.LightningModule):
 
     def _modal_optimizer(self):
         opts = self._trainer.optimizers if self._trainer is not None else []
-        return opts[0] if opts and hasattr(opts[0], "eval_weights") else None
+        return opts[0] if opts and isinstance(opts[0], EvalWeights) else None
 
     def on_validation_start(self) -> None:
         if self.judge_losses():  # the losses since the last logging step, before this validation's checkpoint
@@ -342,8 +344,8 @@ class LitGPT(L.LightningModule):
         what the uninterrupted one read."""
         for m in self._windowed:
             m.set_step(self.global_step, self.hparams.max_steps)
-        if (head_step := getattr(self.model.head, "set_step", None)) is not None:
-            head_step(self.global_step, self.hparams.max_steps)
+        if isinstance(self.model.head, StepFollower):
+            self.model.head.set_step(self.global_step, self.hparams.max_steps)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The global gradient norm before clipping (Lightning clips after this hook).

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lmlab import names
 from lmlab.model.attention import attention_sublayer, distribution
+from lmlab.model.capabilities import NamesParams, Routes, sublayer_name
 from lmlab.record.tracking import log_at
 
 
@@ -87,14 +88,14 @@ def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
         for attr in block.sublayer_names:
             module = getattr(block, attr)
             params = list(module.parameters())
-            groups[f"{names.layer(i)}/{getattr(module, 'sublayer', attr)}"] = params
+            groups[f"{names.layer(i)}/{sublayer_name(module, attr)}"] = params
             taken.update(params)
         groups[f"{names.layer(i)}/norm"] = [p for p in block.parameters() if p not in taken]
     embed = {id(p) for p in groups["embed"]}
     groups["head"] = [p for p in list(model.ln_f.parameters()) + list(model.lm_head.parameters())
                       if id(p) not in embed]  # a tied head is counted once, with the embeddings
     if own := list(model.head.parameters()):  # head=mtp's modules (head=classify's layer): a group beside the head
-        groups[getattr(model.head, "params_group", "mtp")] = own
+        groups[model.head.params_group if isinstance(model.head, NamesParams) else "mtp"] = own
     return groups
 
 
@@ -205,7 +206,7 @@ class StabilityMonitor(Callback):
                 self._hooks.append(attn.register_forward_pre_hook(self._attn_hook(i), with_kwargs=True))
             for attr in block.sublayer_names:
                 module = getattr(block, attr)
-                name = names.per_layer(names.ACT_RATIO, i, getattr(module, "sublayer", attr))
+                name = names.per_layer(names.ACT_RATIO, i, sublayer_name(module, attr))
                 self._hooks.append(module.register_forward_hook(self._ratio_hook(name)))
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -338,7 +339,7 @@ class StabilityMonitor(Callback):
         from lmlab.model.moe import figures
 
         layers = [(i, m) for i, block in enumerate(pl_module.model.h) for name in block.sublayer_names
-                  if getattr(m := getattr(block, name), "stats", None) is not None]
+                  if isinstance(m := getattr(block, name), Routes) and m.stats is not None]
         if not layers:
             return {}
         sums = torch.stack([m.stats for _, m in layers]).to(trainer.strategy.root_device)  # (layers, 2E + 4)

@@ -48,6 +48,8 @@ class Throughput(Callback):
 
     def __init__(self, flops_per_token: float, peak: float | None = None) -> None:
         self.flops_per_token, self.peak = flops_per_token, peak
+        self.device: str | None = None  # cpu, or the GPU's name: set when training starts
+        self._since: float | None = None  # the clock of the training steps, from when training starts
 
     def on_train_start(self, trainer, pl_module) -> None:
         device = pl_module.device
@@ -62,13 +64,13 @@ class Throughput(Callback):
         the peak is known) and `device` (cpu, or the GPU's name)."""
         rate = tokens_per_s * self.flops_per_token if tokens_per_s else None
         return {"model_flops_per_s": rate, "mfu": rate / (self.peak * world_size) if rate and self.peak else None,
-                "device": getattr(self, "device", None)}
+                "device": self.device}
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._val_started = time.perf_counter()
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if hasattr(self, "_since"):  # the clock of the training steps stops while validating
+        if self._since is not None:  # the clock of the training steps stops while validating
             self._since += time.perf_counter() - self._val_started
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

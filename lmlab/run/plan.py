@@ -81,10 +81,10 @@ def make_plan(cfg: DictConfig, run: RunDir, mode: str, strategy: str,
                             seed=chosen.data)
     data.prepare_data()
     data.setup("fit")
-    eod_id = getattr(data, "eod_id", None)
+    eod_id = data.eod_id  # every data module declares `eod_id`, `tokenizer`, `labels` (None where it has none)
     model = arch_config(cfg, vocab_size=data.vocab_size + objective_for(cfg, data), eod_id=eod_id)
     # what the head reads from the vocabulary (head=prefix's prefix table), into the model record only
-    model.head = fit_vocabulary(model.head, getattr(data, "tokenizer", None), model.vocab_size, eod_id,
+    model.head = fit_vocabulary(model.head, data.tokenizer, model.vocab_size, eod_id,
                                 cfg.data.get("name"))
     meta = checked_model(model, checked)
     spend = budget.apply(cfg, model, meta)  # budget.flops|tokens|...: this variant's own trainer.max_steps
@@ -122,7 +122,7 @@ def _but_data(model: GPTConfig) -> dict[str, Any]:
 def objective_for(cfg: DictConfig, data: Any) -> int:
     """Fit the head to the data in `cfg`, the effective config (lmlab.model.head.fit_head: a labelled set's label
     names become head.labels); the ids the head reads past the tokenizer's, which the model's vocabulary adds."""
-    spec, reserved = fit_head(OmegaConf.to_container(cfg.head, resolve=True), getattr(data, "labels", None),
+    spec, reserved = fit_head(OmegaConf.to_container(cfg.head, resolve=True), data.labels,
                               cfg.data.get("name"))
     if "labels" in spec:
         cfg.head.labels = spec["labels"]
@@ -234,8 +234,8 @@ def check_same_data(what: str, data, saved: dict[str, Any], run: Path | None = N
                          f"data.vocab_size?); resume with the run's own data config")
     was = {**{k: v for k, v in (state.get("shards") or {}).items()},
            **({f"data={data.corpus}": {"sha256": state["corpus_sha256"]}} if state.get("corpus_sha256") else {})}
-    now = {**getattr(data, "shards", {}),
-           **({f"data={data.corpus}": {"sha256": data.corpus_sha256}} if getattr(data, "corpus_sha256", None) else {})}
+    now = {**data.shards,  # every data module declares both (none: {}, None)
+           **({f"data={data.corpus}": {"sha256": data.corpus_sha256}} if data.corpus_sha256 else {})}
     for key, old in was.items():
         if key in now and old.get("sha256") != now[key]["sha256"]:
             fix = f"put back the data it was trained on and continue with {continue_command(run)}" if run else \

@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig
 
 from lmlab.env import is_rank_zero
+from lmlab.optim.capabilities import FollowsHorizon
 
 PROBE_STEPS = 10  # timed steps before the first fit
 REFITS = 50  # fitted again every 1/REFITS of the horizon (and after each validation)
@@ -66,8 +67,8 @@ def set_horizon(trainer: Any, module: Any, steps: int) -> None:
         for group, base in zip(sched.optimizer.param_groups, sched.base_lrs):
             group["lr"] = base * lr(sched.last_epoch)
     for opt in trainer.optimizers:
-        if (set_max_steps := getattr(opt, "set_max_steps", None)) is not None:
-            set_max_steps(steps)
+        if isinstance(opt, FollowsHorizon):  # Muon's momentum cool-down
+            opt.set_max_steps(steps)
 
 
 class WallHorizon(Callback):

@@ -37,6 +37,10 @@ class Position(nn.Module):
 
     per_document = False  # positions count from each document's start (the schemes that take `per_document`)
 
+    def follow(self, windows: list[Any]) -> None:
+        """The windows of the model's attention layers (None where a layer has none), handed over once built: a scheme
+        that follows them (RoPE's window_yarn) takes them here; the others leave them."""
+
     def embed(self, x: torch.Tensor, offset: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         return x
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.model.capabilities import TokenMixer
 from lmlab.registry import PositiveInt
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Canon(nn.Module):
     def attach(self, model: nn.Module) -> None:
         for block in model.h:
             # A: the sublayer that mixes tokens (attention, a recurrent mixer, GAU); C: the one that does not (the FFN)
-            where = {("A" if getattr(getattr(block, name), "mixes_tokens", False) else "C"): j
+            where = {("A" if isinstance(m := getattr(block, name), TokenMixer) and m.mixes_tokens else "C"): j
                      for j, name in enumerate(block.sublayer_names, 1)}
             if missing := [p for p in self.positions if p not in where]:
                 raise ValueError(f"residual.canon.positions={list(self.positions)}: block={model.cfg.block['name']!r} "
