@@ -77,6 +77,56 @@ def varlen(starts: torch.Tensor, state: torch.Tensor | None
     return cu_seqlens, initial, ends - 1
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """The chunked form's layout of T tokens in chunks of c (the delta rules of gdn and kda): n chunks, the last padded
+    by `pad`; `causal` (c, c) j <= i; `mask` (b, 1, n, c, c) j <= i in i's document; `carry` (b, 1, n, c) whether the
+    incoming state reaches token i (no document start before it in the chunk); `last` whether token j reaches the
+    chunk's end (it is in the chunk's last document)."""
+
+    n: int
+    c: int
+    pad: int
+    causal: torch.Tensor
+    mask: torch.Tensor
+    carry: torch.Tensor
+    last: torch.Tensor
+
+    @classmethod
+    def of(cls, b: int, T: int, chunk: int, starts: torch.Tensor | None, device: torch.device) -> Chunks:
+        """`starts` (b, T): document starts (None: one document)."""
+        c = min(chunk, T)
+        n = -(-T // c)
+        pad = n * c - T
+        causal = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+        mask = causal.expand(b, 1, n, c, c)
+        carry = last = torch.ones(b, 1, n, c, dtype=torch.bool, device=device)
+        if starts is not None:
+            seg = F.pad(starts, (0, pad)).reshape(b, 1, n, c).long().cumsum(-1)  # documents begun in the chunk so far
+            mask = mask & (seg[..., :, None] == seg[..., None, :])
+            carry, last = seg == 0, seg == seg[..., -1:]
+        return cls(n, c, pad, causal, mask, carry, last)
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, h, T, ...) -> (b, h, n, c, ...), zero-padded."""
+        return F.pad(t, (0, 0) * (t.dim() - 3) + (0, self.pad)).unflatten(2, (self.n, self.c))
+
+
+def across_chunks(Wv: torch.Tensor, Wk: torch.Tensor, qd: torch.Tensor, scores: torch.Tensor, kd: torch.Tensor,
+                  keep: torch.Tensor, state: torch.Tensor | None, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rules' inter-chunk recurrence, one step per chunk, from the per-chunk pieces (b, h, n, ...): the
+    pseudo-values U = W_v − W_k S, the outputs qd·S + scores·U, the state keep ⊙ S + kdᵀ U (`keep` (b, h, n, dk or 1):
+    what of S the chunk's end keeps, per key channel or per head). Returns o (b, h, T, dv) and the final state."""
+    b, h, _, _, dk = qd.shape
+    S = qd.new_zeros(b, h, dk, Wv.size(-1)) if state is None else state.to(qd.dtype)
+    out = []
+    for i in range(qd.size(2)):
+        U = Wv[:, :, i] - Wk[:, :, i] @ S
+        out.append(qd[:, :, i] @ S + scores[:, :, i] @ U)
+        S = keep[:, :, i, :, None] * S + kd[:, :, i].transpose(-1, -2) @ U
+    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
+
+
 class Recurrent(nn.Module):
     """What every recurrent mixer option is: the block's `mix` sublayer (the monitor's grad/norm/layer_XX/mix), called
     as (x, pos, cache, doc), reading no positions, its path chosen by `self.backend` (lmlab.model.mixer.backend)."""

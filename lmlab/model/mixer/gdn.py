@@ -44,9 +44,11 @@ from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend, kernel
 from lmlab.model.mixer.base import (
+    Chunks,
     MixerGeometry,
     Recurrent,
     ShortConv,
+    across_chunks,
     log_uniform_dt_bias,
     recurrent_inputs,
     varlen,
@@ -207,23 +209,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     A document start cuts D, the incoming state's reach (tokens after a start in the chunk read none of it) and what
     the chunk's end keeps (the last document's keys only)."""
     b, h, T, dk = k.shape
-    c = min(chunk, T)
-    n = -(-T // c)
-    pad = n * c - T
-
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # (b, h, T, ...) -> (b, h, n, c, ...)
-        return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (n, c))
-
-    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    ch = Chunks.of(b, T, chunk, starts, q.device)
+    q, k, v, g, beta = (ch.split(t) for t in (q, k, v, g, beta))
+    mask, carry, last = ch.mask, ch.carry, ch.last  # S_0 reaches i / j reaches the end
     # segsum[i, j] = Σ_{j<m≤i} g_m (0 for i <= j): summed directly, no difference of cumsums and no -inf
-    segsum = g[..., :, None].expand(*g.shape, c).masked_fill(~causal.tril(-1), 0).cumsum(-2)
-    mask = causal.expand(b, 1, n, c, c)
-    carry = last = torch.ones(b, 1, n, c, dtype=torch.bool, device=q.device)  # S_0 reaches i / j reaches the end
-    if starts is not None:
-        seg = F.pad(starts, (0, pad)).reshape(b, 1, n, c).long().cumsum(-1)  # documents begun in the chunk so far
-        mask = mask & (seg[..., :, None] == seg[..., None, :])
-        carry, last = seg == 0, seg == seg[..., -1:]
+    segsum = g[..., :, None].expand(*g.shape, ch.c).masked_fill(~ch.causal.tril(-1), 0).cumsum(-2)
     D = torch.exp(segsum) * mask  # (b, h, n, c, c): decay from j to i, zero across documents and above the diagonal
     kb = k * beta[..., None]
     reach = torch.exp(g.cumsum(-1)) * carry  # (b, h, n, c): what of S_0 token i reads, exp(γ_i)
@@ -235,13 +225,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     qd = q * reach[..., None]
     kd = k * (torch.exp(segsum[..., -1, :]) * last)[..., None]  # decayed to the chunk's end, last document only
     keep = torch.exp(g.sum(-1)) * carry[..., -1]  # (b, h, n): what of S_0 the chunk's end keeps
-    S = q.new_zeros(b, h, dk, v.size(-1)) if state is None else state.to(q.dtype)
-    out = []
-    for i in range(n):  # the inter-chunk recurrence, one step per chunk
-        U = Wv[:, :, i] - Wk[:, :, i] @ S
-        out.append(qd[:, :, i] @ S + scores[:, :, i] @ U)
-        S = keep[:, :, i, None, None] * S + kd[:, :, i].transpose(-1, -2) @ U
-    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
+    return across_chunks(Wv, Wk, qd, scores, kd, keep[..., None], state, T)
 
 
 def _regroup(t: torch.Tensor, n_heads: int, parts: tuple[int, ...], to_hf: bool) -> torch.Tensor:

@@ -40,7 +40,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.model.mixer.backend import MixerBackend
-from lmlab.model.mixer.base import MixerGeometry, Recurrent, ShortConv, log_uniform_dt_bias, recurrent_inputs
+from lmlab.model.mixer.base import (
+    Chunks,
+    MixerGeometry,
+    Recurrent,
+    ShortConv,
+    across_chunks,
+    log_uniform_dt_bias,
+    recurrent_inputs,
+)
 from lmlab.model.mixer.gdn import l2norm
 from lmlab.registry import PositiveFloat, PositiveInt
 
@@ -158,23 +166,12 @@ def kimi_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     d_ij)·k_j u_j and the chunk's end keeps Diag(exp(γ_c)) S_0 + Σ_j (k_j ⊙ d_cj) u_jᵀ. A document start cuts d, the
     incoming state's reach and what the chunk's end keeps, as in gdn's gated_delta_rule."""
     b, h, T, dk = k.shape
-    c = min(chunk, T)
-    n = -(-T // c)
-    pad = n * c - T
-
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # (b, h, T, ...) -> (b, h, n, c, ...)
-        return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (n, c))
-
-    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    ch = Chunks.of(b, T, chunk, starts, q.device)
+    n, c = ch.n, ch.c
+    q, k, v, g, beta = (ch.split(t) for t in (q, k, v, g, beta))
+    mask, carry, last = ch.mask, ch.carry, ch.last  # S_0 reaches i / j reaches the end
     # segsum[..., i, j, :] = Σ_{j<m≤i} g_m (0 for i <= j), per channel: summed directly, no difference of cumsums
-    segsum = g[..., :, None, :].expand(b, h, n, c, c, dk).masked_fill(~causal.tril(-1)[:, :, None], 0).cumsum(-3)
-    mask = causal.expand(b, 1, n, c, c)
-    carry = last = torch.ones(b, 1, n, c, dtype=torch.bool, device=q.device)  # S_0 reaches i / j reaches the end
-    if starts is not None:
-        seg = F.pad(starts, (0, pad)).reshape(b, 1, n, c).long().cumsum(-1)  # documents begun in the chunk so far
-        mask = mask & (seg[..., :, None] == seg[..., None, :])
-        carry, last = seg == 0, seg == seg[..., -1:]
+    segsum = g[..., :, None, :].expand(b, h, n, c, c, dk).masked_fill(~ch.causal.tril(-1)[:, :, None], 0).cumsum(-3)
     decayed = torch.exp(segsum) * mask[..., None] * k[..., None, :, :]  # (b, h, n, c, c, dk): k_j ⊙ d_ij
     kb = k * beta[..., None]
     reach = torch.exp(g.cumsum(-2)) * carry[..., None]  # (b, h, n, c, dk): what of S_0 token i reads, exp(γ_i)
@@ -186,13 +183,7 @@ def kimi_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     qd = q * reach
     kd = k * torch.exp(segsum[..., -1, :, :]) * last[..., None]  # decayed to the chunk's end, last document only
     keep = torch.exp(g.sum(-2)) * carry[..., -1, None]  # (b, h, n, dk): what of S_0 the chunk's end keeps
-    S = q.new_zeros(b, h, dk, v.size(-1)) if state is None else state.to(q.dtype)
-    out = []
-    for i in range(n):  # the inter-chunk recurrence, one step per chunk
-        U = Wv[:, :, i] - Wk[:, :, i] @ S
-        out.append(qd[:, :, i] @ S + scores[:, :, i] @ U)
-        S = keep[:, :, i, :, None] * S + kd[:, :, i].transpose(-1, -2) @ U
-    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
+    return across_chunks(Wv, Wk, qd, scores, kd, keep, state, T)
 
 
 # our name -> HF's (KimiLinearDeltaAttention); in_proj_qkv is HF's q_proj, k_proj, v_proj stacked; the biases exist
